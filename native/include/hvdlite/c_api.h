@@ -1,0 +1,191 @@
+/*
+ * hvdlite C API: the only surface the Python adapters see.
+ *
+ * Every function returns an hvdlite_status_t; results come back through out-pointers.
+ * When a call fails, hvdlite_last_error() returns a message for the calling thread
+ * (thread-local), valid until that thread's next hvdlite call.
+ *
+ * Threads: any framework thread may call these functions. Only the core's background
+ * thread talks to MPI/NCCL; enqueue returns at once and hvdlite_wait blocks on a
+ * condition variable (cffi releases the GIL around the call).
+ *
+ * The block between the CDEF markers is plain C that hvdlite/_native.py hands to
+ * cffi's cdef(): declarations are never copied by hand.
+ */
+#pragma once
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* CDEF-BEGIN */
+
+typedef int32_t hvdlite_status_t;
+enum {
+  HVDLITE_OK = 0,
+  HVDLITE_ERR_NOT_INITIALIZED = 1,   /* called before hvdlite_init or after shutdown */
+  HVDLITE_ERR_INVALID_ARGUMENT = 2,  /* refused at the call; nothing was enqueued */
+  HVDLITE_ERR_DUPLICATE_NAME = 3,    /* a tensor of that name is already in flight */
+  HVDLITE_ERR_MISMATCH = 4,          /* ranks disagree on a tensor's properties */
+  HVDLITE_ERR_SHUTDOWN = 5,          /* the core shut down before the op finished */
+  HVDLITE_ERR_STALLED = 6,           /* some ranks never submitted the tensor in time */
+  HVDLITE_ERR_MPI = 7,               /* the transport reported an error */
+  HVDLITE_ERR_INVALID_HANDLE = 8,    /* unknown or released handle */
+  HVDLITE_ERR_IN_PROGRESS = 9,       /* the op has not finished yet */
+  HVDLITE_ERR_ALREADY_INITIALIZED = 10,
+  HVDLITE_ERR_TIMEOUT = 11,          /* hvdlite_wait timed out; the op goes on */
+  HVDLITE_ERR_RANK_FAILED = 12,      /* a peer rank is gone */
+  HVDLITE_ERR_INTERNAL = 13
+};
+
+/* Element types. Values are part of the wire format: append only. */
+typedef int32_t hvdlite_dtype_t;
+enum {
+  HVDLITE_UINT8 = 0,
+  HVDLITE_INT8 = 1,
+  HVDLITE_INT32 = 2,
+  HVDLITE_INT64 = 3,
+  HVDLITE_FLOAT16 = 4,
+  HVDLITE_BFLOAT16 = 5,
+  HVDLITE_FLOAT32 = 6,
+  HVDLITE_FLOAT64 = 7,
+  HVDLITE_BOOL = 8
+};
+
+/* Collectives. Values are part of the wire format: append only. */
+typedef int32_t hvdlite_op_t;
+enum {
+  HVDLITE_OP_ALLREDUCE = 0,
+  HVDLITE_OP_ALLGATHER = 1,
+  HVDLITE_OP_BROADCAST = 2,
+  HVDLITE_OP_ALLTOALL = 3,
+  HVDLITE_OP_REDUCESCATTER = 4,
+  HVDLITE_OP_BARRIER = 5,
+  HVDLITE_OP_JOIN = 6
+};
+
+/* Reductions. Average is Sum followed by a division by the number of contributing
+ * ranks (integer types truncate toward zero). */
+typedef int32_t hvdlite_reduce_op_t;
+enum {
+  HVDLITE_AVERAGE = 0,
+  HVDLITE_SUM = 1,
+  HVDLITE_MIN = 2,
+  HVDLITE_MAX = 3,
+  HVDLITE_PRODUCT = 4
+};
+
+/* An opaque handle to one enqueued op. 0 is never a valid handle. */
+typedef int64_t hvdlite_handle_t;
+
+typedef struct {
+  /* Fortran handle (MPI_Comm_c2f) of a communicator to run on, e.g. mpi4py's
+   * comm.py2f(); -1 means MPI_COMM_WORLD. The core duplicates it. */
+  int64_t comm_f2c;
+} hvdlite_init_options_t;
+
+/* One tensor handed to the core. The caller keeps input (and output) alive and
+ * unchanged until the handle has ended. */
+typedef struct {
+  const char* name;            /* UTF-8, NUL-terminated; equal across ranks */
+  hvdlite_op_t op;
+  hvdlite_dtype_t dtype;
+  int32_t ndim;                /* 0 for a scalar */
+  const int64_t* shape;        /* ndim entries */
+  const void* input;           /* C-contiguous */
+  /* Caller-owned result for ALLREDUCE, BROADCAST and REDUCESCATTER (may equal input
+   * for in-place ops; REDUCESCATTER's holds this rank's rows). ALLGATHER and ALLTOALL
+   * leave it NULL: their result size is known only after negotiation, so the core
+   * allocates it (see hvdlite_handle_output). */
+  void* output;
+  hvdlite_reduce_op_t reduce_op; /* ALLREDUCE, REDUCESCATTER */
+  double prescale_factor;      /* applied to the input before the reduction */
+  double postscale_factor;     /* applied to the result */
+  int32_t root_rank;           /* BROADCAST */
+  const int64_t* splits;       /* ALLTOALL: size() row counts, or NULL for even splits */
+  int32_t process_set_id;      /* 0: all ranks */
+  int32_t device;              /* -1: host memory */
+} hvdlite_tensor_t;
+
+/* Counters since init, for tests and tuning. */
+typedef struct {
+  int64_t cycles;              /* background loop cycles */
+  int64_t coordinator_gathers; /* cycles that sent requests to the coordinator */
+  int64_t cache_hits;          /* requests negotiated by cache bit alone */
+  int64_t cache_misses;        /* requests that went to the coordinator */
+  int64_t collectives;         /* transport collectives executed */
+  int64_t fused_collectives;   /* of which carried more than one tensor */
+  int64_t tensors;             /* tensors completed */
+  int64_t bytes;               /* payload bytes through collectives */
+  int64_t errors;              /* ops that ended in an error */
+} hvdlite_stats_t;
+
+/* Starts the core: MPI (unless already initialized, e.g. by mpi4py), the background
+ * thread, configuration from HVDLITE_* variables. options may be NULL. */
+hvdlite_status_t hvdlite_init(const hvdlite_init_options_t* options);
+
+/* Stops the background thread on every rank and fails pending handles with
+ * HVDLITE_ERR_SHUTDOWN. Idempotent. MPI is finalized at process exit only if the
+ * core initialized it. */
+hvdlite_status_t hvdlite_shutdown(void);
+
+hvdlite_status_t hvdlite_is_initialized(int32_t* out);
+hvdlite_status_t hvdlite_rank(int32_t* out);
+hvdlite_status_t hvdlite_size(int32_t* out);
+hvdlite_status_t hvdlite_local_rank(int32_t* out);
+hvdlite_status_t hvdlite_local_size(int32_t* out);
+hvdlite_status_t hvdlite_cross_rank(int32_t* out);
+hvdlite_status_t hvdlite_cross_size(int32_t* out);
+hvdlite_status_t hvdlite_mpi_threads_supported(int32_t* out);
+
+/* Validates and enqueues one tensor; returns a handle at once. */
+hvdlite_status_t hvdlite_enqueue(const hvdlite_tensor_t* tensor, hvdlite_handle_t* out);
+
+/* Enqueues n tensors that are negotiated and executed together, never split across
+ * cycles. handles receives n entries. All or nothing: on error none is enqueued. */
+hvdlite_status_t hvdlite_enqueue_group(const hvdlite_tensor_t* tensors, int32_t n,
+                                       hvdlite_handle_t* handles);
+
+/* *done = 1 once the op has ended (successfully or not). */
+hvdlite_status_t hvdlite_poll(hvdlite_handle_t handle, int32_t* done);
+
+/* Blocks until the op ends or timeout_s passes (timeout_s < 0: no limit). Returns the
+ * op's own status; HVDLITE_ERR_TIMEOUT leaves the op running. */
+hvdlite_status_t hvdlite_wait(hvdlite_handle_t handle, double timeout_s);
+
+/* Result of an ended ALLGATHER or ALLTOALL: the core-allocated buffer, its size, and
+ * its first dimension. The buffer belongs to the handle and is freed by
+ * hvdlite_release. For JOIN, *first_dim is the last rank that joined. */
+hvdlite_status_t hvdlite_handle_output(hvdlite_handle_t handle, void** data, int64_t* nbytes,
+                                       int64_t* first_dim);
+
+/* ALLTOALL: the rows received from each rank (size() entries). */
+hvdlite_status_t hvdlite_handle_recv_splits(hvdlite_handle_t handle, int64_t* splits);
+
+/* Forgets an ended handle and frees what the core allocated for it. Releasing an
+ * unknown handle is a no-op; releasing one in flight is HVDLITE_ERR_IN_PROGRESS. */
+hvdlite_status_t hvdlite_release(hvdlite_handle_t handle);
+
+hvdlite_status_t hvdlite_stats(hvdlite_stats_t* out);
+
+/* Switches the timeline at run time (rank 0 writes it). */
+hvdlite_status_t hvdlite_start_timeline(const char* path, int32_t mark_cycles);
+hvdlite_status_t hvdlite_stop_timeline(void);
+
+/* The calling thread's last error message; never NULL. */
+const char* hvdlite_last_error(void);
+
+/* The constant's name, e.g. "HVDLITE_ERR_MISMATCH"; never NULL. */
+const char* hvdlite_status_name(hvdlite_status_t status);
+
+/* Library version and the linked MPI library's version string. */
+const char* hvdlite_version(void);
+hvdlite_status_t hvdlite_mpi_library_version(char* buf, int32_t len);
+
+/* CDEF-END */
+
+#ifdef __cplusplus
+}  /* extern "C" */
+#endif

@@ -1,0 +1,117 @@
+"""Builds native/ into hvdlite/libhvdlite.so.
+
+The core is a plain shared library with a C API; Python loads it with cffi in ABI
+mode, so nothing here compiles against Python or any deep-learning framework.
+
+MPI: HVDLITE_MPI_DIR=/path (with include/mpi.h and lib/libmpi.so) selects a system
+MPI; otherwise the `mpich` wheel in the build environment provides the headers and, at
+run time, the `mpich` wheel in the installing environment provides libmpi.
+HVDLITE_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer.
+HVDLITE_DEBUG=1 builds without optimization.
+"""
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+from setuptools import Command, setup
+from setuptools.command.build_py import build_py
+from setuptools.command.develop import develop
+
+try:
+    from setuptools.command.editable_wheel import editable_wheel
+except ImportError:  # older setuptools
+    editable_wheel = None
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PKG = os.path.join(HERE, "hvdlite")
+
+
+def _mpi_prefix():
+    """Returns (prefix, source) of the MPI to compile against."""
+    user = os.environ.get("HVDLITE_MPI_DIR")
+    if user:
+        if not os.path.exists(os.path.join(user, "include", "mpi.h")):
+            sys.exit(f"hvdlite: HVDLITE_MPI_DIR={user} has no include/mpi.h")
+        return os.path.abspath(user), "system"
+    for prefix in (sys.prefix, sysconfig.get_paths()["data"], sys.base_prefix):
+        if os.path.exists(os.path.join(prefix, "include", "mpi.h")) and glob.glob(
+                os.path.join(prefix, "lib", "libmpi.so*")):
+            return prefix, "wheel"
+    sys.exit("hvdlite: no MPI found to build against: install the 'mpich' wheel "
+             "(pip install mpich) or set HVDLITE_MPI_DIR to an MPI installation")
+
+
+def build_native(out_dir):
+    prefix, source = _mpi_prefix()
+    include = os.path.join(prefix, "include")
+    libdir = os.path.join(prefix, "lib")
+    if not os.path.exists(os.path.join(libdir, "libmpi.so")) and os.path.exists(
+            os.path.join(prefix, "lib64", "libmpi.so")):
+        libdir = os.path.join(prefix, "lib64")
+    cxx = os.environ.get("CXX", "g++")
+    sources = sorted(glob.glob(os.path.join(HERE, "native", "src", "*.cc")))
+    flags = ["-std=c++17", "-fPIC", "-shared", "-Wall", "-Wextra", "-Wno-unused-parameter",
+             "-fvisibility=hidden", "-pthread",
+             "-I" + os.path.join(HERE, "native", "include"), "-I" + include]
+    if os.environ.get("HVDLITE_SANITIZE") == "1":
+        flags += ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined"]
+    elif os.environ.get("HVDLITE_DEBUG") == "1":
+        flags += ["-O0", "-g"]
+    else:
+        flags += ["-O2", "-g0"]
+    rpaths = ["$ORIGIN/../../.."]  # <prefix>/lib when installed next to the mpich wheel
+    if source == "system":
+        rpaths.insert(0, libdir)
+    link = ["-L" + libdir, "-lmpi", "-ldl"] + ["-Wl,-rpath," + r for r in rpaths]
+    target = os.path.join(out_dir, "libhvdlite.so")
+    os.makedirs(out_dir, exist_ok=True)
+    cmd = [cxx] + flags + sources + ["-o", target] + link
+    print("hvdlite: " + " ".join(cmd), flush=True)
+    subprocess.check_call(cmd)
+    with open(os.path.join(out_dir, "_build_info.json"), "w") as f:
+        json.dump({"mpi_source": source, "mpi_prefix": prefix if source == "system" else None,
+                   "sanitize": os.environ.get("HVDLITE_SANITIZE") == "1"}, f)
+    shutil.copy(os.path.join(HERE, "native", "include", "hvdlite", "c_api.h"),
+                os.path.join(out_dir, "c_api.h"))
+
+
+class BuildNative(Command):
+    description = "compile native/ into hvdlite/libhvdlite.so"
+    user_options = []
+
+    def initialize_options(self):
+        pass
+
+    def finalize_options(self):
+        pass
+
+    def run(self):
+        build_native(PKG)
+
+
+class BuildPy(build_py):
+    def run(self):
+        build_native(PKG)
+        super().run()
+
+
+class Develop(develop):
+    def run(self):
+        build_native(PKG)
+        super().run()
+
+
+cmdclass = {"build_native": BuildNative, "build_py": BuildPy, "develop": Develop}
+if editable_wheel is not None:
+    class EditableWheel(editable_wheel):
+        def run(self):
+            build_native(PKG)
+            super().run()
+
+    cmdclass["editable_wheel"] = EditableWheel
+
+setup(cmdclass=cmdclass)
