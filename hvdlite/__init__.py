@@ -1,0 +1,46 @@
+"""hvdlite: Horovod-style data-parallel training over one native core.
+
+    import hvdlite as hvd
+    hvd.init()
+    avg = hvd.allreduce(np.ones(4, np.float32), name="x")
+
+The names backed by the native library load it on first use (PEP 562 module
+``__getattr__``), so ``import hvdlite`` and ``import hvdlite.runner`` work on an install
+whose library is missing or broken; the first such use raises ImportError with the
+cause. ``hvdlite.errors`` never needs the library.
+"""
+import importlib
+
+from hvdlite import errors
+
+__version__ = "0.1.0"  # keep in step with pyproject.toml
+
+# Public name -> the submodule that defines it (loaded, with the core, on first use).
+_LAZY = {
+    **{name: "hvdlite.runtime" for name in (
+        "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
+        "cross_size", "cross_rank", "mpi_threads_supported", "stats", "start_timeline",
+        "stop_timeline")},
+    **{name: "hvdlite.ops" for name in (
+        "Average", "Sum", "Min", "Max", "Product",
+        "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
+        "allgather", "allgather_async", "broadcast", "broadcast_async",
+        "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+        "barrier", "join", "poll", "synchronize")},
+    "Handle": "hvdlite.handle",
+}
+
+__all__ = sorted(_LAZY) + ["errors", "__version__"]
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hvdlite' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

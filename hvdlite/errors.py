@@ -1,0 +1,146 @@
+"""Exceptions: HvdliteError and one subclass per status code of the C API.
+
+``STATUS_CLASSES`` is the one table, keyed by the status constant's name; the numbers
+are read from the loaded library, never written here. Importing this module does not
+load the native library, so scripts can catch these classes on a broken install.
+
+Where natural a class also derives from a builtin (``ValueError`` for bad arguments,
+``RuntimeError`` for state errors, ``TimeoutError``), so generic handlers keep working.
+``HorovodInternalError`` is the base of collective failures (mismatch across ranks,
+shutdown, stall, transport, a lost rank), as Horovod scripts expect when they catch it.
+"""
+import builtins
+import threading
+
+
+class HvdliteError(Exception):
+    """Base of every error the hvdlite core reports.
+
+    Attributes:
+        status: the numeric status code (None for errors raised in Python only).
+        status_name: the constant's name, e.g. ``"HVDLITE_ERR_MISMATCH"``.
+        message: the core's message (``hvdlite_last_error()``) or the Python one.
+    """
+
+    def __init__(self, status=None, status_name=None, message=None):
+        if message is None and status_name is None and not isinstance(status, int):
+            # Raised from Python with just a message: HvdliteError("text").
+            status, message = None, status
+        self.status = status
+        self.status_name = status_name
+        self.message = message or ""
+        super().__init__(self.message)
+
+    def __str__(self):
+        if self.status_name:
+            return f"{self.message} [{self.status_name}]" if self.message else self.status_name
+        return self.message
+
+    def __reduce__(self):
+        # Keeps the fields through pickling (e.g. exceptions sent between processes).
+        return (type(self), (self.status, self.status_name, self.message))
+
+
+class NotInitializedError(HvdliteError, RuntimeError):
+    """Called before ``hvdlite.init()`` or after ``hvdlite.shutdown()``."""
+
+
+class InvalidArgumentError(HvdliteError, ValueError):
+    """Refused at the call (bad dtype, layout, splits, root...); nothing was enqueued."""
+
+
+class DuplicateNameError(HvdliteError, ValueError):
+    """A tensor of the same name is already in flight on this rank."""
+
+
+class HorovodInternalError(HvdliteError, RuntimeError):
+    """A collective failed after it was enqueued; the name Horovod scripts catch."""
+
+
+class MismatchError(HorovodInternalError):
+    """Ranks disagreed on a tensor's properties (shape, dtype, op, scaling, root...)."""
+
+
+class ShutdownError(HorovodInternalError):
+    """The core shut down (on this or another rank) before the op finished."""
+
+
+class StalledError(HorovodInternalError):
+    """Some ranks never submitted the tensor within HVDLITE_STALL_SHUTDOWN_TIME."""
+
+
+class TransportError(HorovodInternalError):
+    """The transport (MPI) reported an error."""
+
+
+class RankFailedError(HorovodInternalError):
+    """A peer rank is gone."""
+
+
+class InvalidHandleError(HvdliteError, ValueError):
+    """An unknown or already released handle."""
+
+
+class InProgressError(HvdliteError, RuntimeError):
+    """The op has not finished yet."""
+
+
+class AlreadyInitializedError(HvdliteError, RuntimeError):
+    """``init`` was called while the core was running."""
+
+
+class WaitTimeoutError(HvdliteError, builtins.TimeoutError):
+    """Waiting for a handle timed out; the op itself goes on."""
+
+
+class InternalError(HvdliteError, RuntimeError):
+    """A bug in hvdlite: please report it with the message."""
+
+
+# Compatibility names for code written against Horovod.
+MpiError = TransportError
+
+# The one table: status constant name -> exception class.
+STATUS_CLASSES = {
+    "HVDLITE_ERR_NOT_INITIALIZED": NotInitializedError,
+    "HVDLITE_ERR_INVALID_ARGUMENT": InvalidArgumentError,
+    "HVDLITE_ERR_DUPLICATE_NAME": DuplicateNameError,
+    "HVDLITE_ERR_MISMATCH": MismatchError,
+    "HVDLITE_ERR_SHUTDOWN": ShutdownError,
+    "HVDLITE_ERR_STALLED": StalledError,
+    "HVDLITE_ERR_MPI": TransportError,
+    "HVDLITE_ERR_INVALID_HANDLE": InvalidHandleError,
+    "HVDLITE_ERR_IN_PROGRESS": InProgressError,
+    "HVDLITE_ERR_ALREADY_INITIALIZED": AlreadyInitializedError,
+    "HVDLITE_ERR_TIMEOUT": WaitTimeoutError,
+    "HVDLITE_ERR_RANK_FAILED": RankFailedError,
+    "HVDLITE_ERR_INTERNAL": InternalError,
+}
+
+_by_code = None
+_by_code_lock = threading.Lock()
+
+
+def _code_table():
+    """Returns {status code: class}, built on first use from the library's constants."""
+    global _by_code
+    if _by_code is None:
+        from hvdlite._native import lib  # first use only: keeps this module import-light
+
+        with _by_code_lock:
+            if _by_code is None:
+                _by_code = {getattr(lib, name): cls for name, cls in STATUS_CLASSES.items()}
+    return _by_code
+
+
+def error_class(status):
+    """Returns the exception class for a status code.
+
+    Args:
+        status: a status code returned by the core.
+
+    Returns:
+        The mapped subclass, or HvdliteError itself for a code this table does not know
+        (a newer core); the message still says what happened.
+    """
+    return _code_table().get(status, HvdliteError)

@@ -1,0 +1,274 @@
+"""Handle: one enqueued op (or group), and the buffers it must keep alive until it ends.
+
+Ownership: Python owns the tensors. A Handle holds references to every buffer the core
+may still read or write (inputs, outputs, the name and shape arrays) until the op has
+ended. A Handle dropped while its op is in flight hands those references to a module
+list of orphans, reaped once the op ends, so a forgotten handle can never let the core
+write into freed memory.
+
+ALLGATHER and ALLTOALL results live in a buffer the core allocated and that belongs to
+the native handle (freed by ``hvdlite_release``). They are wrapped zero-copy: the numpy
+array's base chain ends in an object that owns the native handle, so the handle is
+released exactly once, when the last array viewing that memory is gone.
+"""
+import threading
+import time
+import weakref
+
+import numpy as np
+
+from hvdlite import errors
+from hvdlite._native import check, error_for, ffi, last_error, lib
+
+# Waits in the main thread are cut into slices so that Ctrl-C is handled between them;
+# a waiting thread wakes once per slice, which costs nothing measurable.
+_MAIN_THREAD_WAIT_SLICE_S = 1.0
+
+
+def _release_native(handle_id, lib=lib):
+    # Called exactly once per native handle (weakref.finalize), possibly from the
+    # garbage collector at any point: never raise from here.
+    try:
+        lib.hvdlite_release(handle_id)
+    except Exception:  # pragma: no cover - interpreter teardown
+        pass
+
+
+class NativeHandle:
+    """Owns one native handle id and releases it exactly once when dropped or released."""
+
+    __slots__ = ("id", "_finalizer", "__weakref__")
+
+    def __init__(self, handle_id):
+        self.id = int(handle_id)
+        self._finalizer = weakref.finalize(self, _release_native, self.id)
+        # At exit the core is already shut down; the process frees everything anyway.
+        self._finalizer.atexit = False
+
+    def release(self):
+        """Releases the native handle now; later calls do nothing."""
+        self._finalizer()
+
+    @property
+    def released(self):
+        return not self._finalizer.alive
+
+
+class _NativeBuffer:
+    """Presents a core-owned buffer to numpy; keeps its NativeHandle alive meanwhile."""
+
+    def __init__(self, owner, address, nbytes):
+        self._owner = owner
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+        }
+
+
+# In-flight handles whose Handle object was dropped: [(natives, keepalive)].
+_orphans = []
+_orphans_lock = threading.Lock()
+
+
+def _all_done(natives):
+    done = ffi.new("int32_t *")
+    for native in natives:
+        status = lib.hvdlite_poll(native.id, done)
+        if status == lib.HVDLITE_OK and not done[0]:
+            return False
+    return True
+
+
+def reap_orphans():
+    """Drops orphaned handles whose ops have ended (releasing their buffers)."""
+    if not _orphans:
+        return
+    with _orphans_lock:
+        _orphans[:] = [entry for entry in _orphans if not _all_done(entry[0])]
+
+
+class Handle:
+    """An enqueued op (or group of ops) and the references that keep its buffers alive.
+
+    ``wait()`` returns the result built by the finisher, ``poll()`` says whether the op
+    has ended. Use ``hvdlite.synchronize(handle)`` / ``hvdlite.poll(handle)`` or these
+    methods directly.
+    """
+
+    def __init__(self, native_ids, finisher=None, keepalive=(), name=None):
+        """Wraps native handles returned by hvdlite_enqueue(_group).
+
+        Args:
+            native_ids: the native handle ids (one, or one per tensor of a group).
+            finisher: ``finisher(handle) -> result``, called once after every native
+                op ended successfully and before the handles are released; it may use
+                :meth:`output`, :meth:`output_array`, :meth:`recv_splits`.
+            keepalive: objects to reference until the ops have ended.
+            name: a label for messages (the tensor or group name).
+        """
+        reap_orphans()
+        self._natives = [NativeHandle(h) for h in native_ids]
+        self._finisher = finisher
+        self._keepalive = keepalive
+        self.name = name
+        self._lock = threading.Lock()
+        self._ended = False
+        self._result = None
+        self._error = None
+
+    def __repr__(self):
+        state = "ended" if self._ended else "pending"
+        return f"<hvdlite.Handle {self.name!r} {state} ids={self.native_ids}>"
+
+    @property
+    def native_ids(self):
+        """The native handle ids, for adapters that call the C API directly."""
+        return [n.id for n in self._natives]
+
+    def poll(self):
+        """Returns True once the op has ended (successfully or not); never blocks.
+
+        Raises:
+            NotInitializedError: the core was shut down and forgot the handle.
+            InvalidHandleError: the native handle is unknown to the core.
+        """
+        if self._ended:
+            return True
+        done = ffi.new("int32_t *")
+        for native in self._natives:
+            status = lib.hvdlite_poll(native.id, done)
+            if status == lib.HVDLITE_OK or status == lib.HVDLITE_ERR_IN_PROGRESS:
+                if not done[0]:
+                    return False
+            elif status in (lib.HVDLITE_ERR_INVALID_HANDLE, lib.HVDLITE_ERR_NOT_INITIALIZED):
+                check(status)
+            # Any other status is the op's own failure: it has ended; wait() raises it.
+        return True
+
+    def _wait_native(self, native, deadline):
+        """Blocks until one native op ends; returns (status, message)."""
+        main = threading.current_thread() is threading.main_thread()
+        while True:
+            if deadline is None:
+                timeout = _MAIN_THREAD_WAIT_SLICE_S if main else -1.0
+            else:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    remaining = 0.0
+                timeout = min(remaining, _MAIN_THREAD_WAIT_SLICE_S) if main else remaining
+            status = lib.hvdlite_wait(native.id, timeout)
+            if status != lib.HVDLITE_ERR_TIMEOUT:
+                return status, (last_error() if status != lib.HVDLITE_OK else None)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise error_for(status, f"waiting for {self.name!r} timed out; "
+                                        "the op goes on")
+
+    def wait(self, timeout=None):
+        """Blocks until the op ends and returns its result.
+
+        The GIL is released while blocked. A second call returns the same result (or
+        raises the same error).
+
+        Args:
+            timeout: seconds to wait at most; None waits until the op ends.
+
+        Returns:
+            Whatever the op produces (e.g. a numpy array, a list for a group).
+
+        Raises:
+            WaitTimeoutError: ``timeout`` passed; the op goes on and can be waited again.
+            HorovodInternalError: the collective failed (MismatchError, ShutdownError,
+                StalledError, TransportError, RankFailedError).
+            HvdliteError: another failure reported by the core.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            if not self._ended:
+                failure = None
+                for native in self._natives:
+                    # Every op of a group is waited, even after a failure, so that all
+                    # of them can be released.
+                    status, message = self._wait_native(native, deadline)
+                    if status != lib.HVDLITE_OK and failure is None:
+                        failure = error_for(status, message)
+                if failure is None and self._finisher is not None:
+                    try:
+                        self._result = self._finisher(self)
+                    except errors.HvdliteError as e:
+                        failure = e
+                self._error = failure
+                self._ended = True
+                self._finisher = None
+                self._keepalive = None
+                # Dropping the NativeHandles releases them now, except those that result
+                # arrays viewing core-owned memory still reference: those go with the
+                # last such array.
+                self._natives = []
+            if self._error is not None:
+                raise self._error
+            return self._result
+
+    # -- helpers for finishers -------------------------------------------------------
+
+    def output(self, index=0):
+        """Returns (address, nbytes, first_dim) of a core-allocated result.
+
+        For ALLGATHER and ALLTOALL the address is the buffer the core allocated (0 when
+        nbytes is 0); for JOIN, first_dim is the last rank that joined.
+        """
+        data = ffi.new("void **")
+        nbytes = ffi.new("int64_t *")
+        first_dim = ffi.new("int64_t *")
+        check(lib.hvdlite_handle_output(self._natives[index].id, data, nbytes, first_dim))
+        return int(ffi.cast("uintptr_t", data[0])), int(nbytes[0]), int(first_dim[0])
+
+    def output_array(self, index, dtype, trailing_shape):
+        """Wraps a core-allocated result as a numpy array without copying.
+
+        The array keeps the native handle alive; it is released once the array (and
+        every view of it) is gone.
+
+        Args:
+            index: which native op of this handle.
+            dtype: the numpy dtype of the elements.
+            trailing_shape: the shape after the first dimension.
+
+        Returns:
+            An array of shape ``(first_dim, *trailing_shape)``.
+
+        Raises:
+            InternalError: the core's size disagrees with the shape.
+        """
+        dtype = np.dtype(dtype)
+        address, nbytes, first_dim = self.output(index)
+        shape = (first_dim,) + tuple(trailing_shape)
+        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes != expected:
+            raise errors.InternalError(
+                f"result of {self.name!r}: the core returned {nbytes} bytes for shape "
+                f"{shape} of {dtype} ({expected} bytes expected)")
+        if nbytes == 0:
+            # Nothing to view (the pointer may be NULL); the handle can go now.
+            return np.empty(shape, dtype=dtype)
+        raw = np.asarray(_NativeBuffer(self._natives[index], address, nbytes))
+        return raw.view(dtype).reshape(shape)
+
+    def recv_splits(self, index, count):
+        """Returns the ALLTOALL row counts received from each rank (np.int64, ``count``)."""
+        out = ffi.new("int64_t[]", max(count, 1))
+        check(lib.hvdlite_handle_recv_splits(self._natives[index].id, out))
+        return np.frombuffer(ffi.buffer(out, 8 * count), dtype=np.int64).copy()
+
+    def __del__(self):
+        try:
+            if self._ended or not self._natives:
+                return
+            if _all_done(self._natives):
+                return  # dropping the NativeHandles releases them
+            with _orphans_lock:
+                _orphans.append((self._natives, self._keepalive))
+        except Exception:  # pragma: no cover - interpreter teardown
+            pass
+

@@ -1,0 +1,581 @@
+"""Framework-free collectives: (pointer, dtype, shape) -> Handle, and the numpy API.
+
+Two layers:
+
+* ``enqueue`` / ``enqueue_group`` take raw pointers, a native dtype code and a shape. The
+  framework adapters (torch, TensorFlow) build on them: they validate their tensors,
+  pass pointers and keep the tensors alive through the Handle.
+* ``allreduce``, ``allgather``, ``broadcast``, ``alltoall``, ``reducescatter`` (and their
+  ``_async`` forms), ``barrier`` and ``join`` work on numpy arrays.
+
+Inputs must be C-contiguous: a non-contiguous array is refused (InvalidArgumentError)
+rather than copied behind the caller's back; ``np.ascontiguousarray(x)`` makes one.
+Non-array inputs (Python scalars, lists) are converted with ``np.asarray``. Every numpy
+function returns new arrays; the input is never modified.
+
+Unnamed tensors are named ``"<op>.noname.<n>"`` with one counter per op kind, reset by
+``init()``, so names agree across ranks as long as every rank makes the same unnamed
+calls in the same order. Names must be unique among the ops in flight on a rank.
+"""
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from hvdlite import dtypes, runtime
+from hvdlite._native import check, ffi, lib
+from hvdlite.errors import InvalidArgumentError
+from hvdlite.handle import Handle
+
+# Reduction ops (values read from the library).
+Average = lib.HVDLITE_AVERAGE
+Sum = lib.HVDLITE_SUM
+Min = lib.HVDLITE_MIN
+Max = lib.HVDLITE_MAX
+Product = lib.HVDLITE_PRODUCT
+
+_REDUCE_OP_NAMES = {Average: "Average", Sum: "Sum", Min: "Min", Max: "Max",
+                    Product: "Product"}
+
+# Collective kinds, also used as the prefixes of automatic names.
+ALLREDUCE = lib.HVDLITE_OP_ALLREDUCE
+ALLGATHER = lib.HVDLITE_OP_ALLGATHER
+BROADCAST = lib.HVDLITE_OP_BROADCAST
+ALLTOALL = lib.HVDLITE_OP_ALLTOALL
+REDUCESCATTER = lib.HVDLITE_OP_REDUCESCATTER
+BARRIER = lib.HVDLITE_OP_BARRIER
+JOIN = lib.HVDLITE_OP_JOIN
+
+
+class _AutoNames:
+    """Per-kind counters for unnamed tensors; reset on every init()."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._counters = {}
+
+    def next(self, kind):
+        with self._lock:
+            n = self._counters.get(kind, 0)
+            self._counters[kind] = n + 1
+        return f"{kind}.noname.{n}"
+
+    def reset(self):
+        with self._lock:
+            self._counters.clear()
+
+
+_auto_names = _AutoNames()
+runtime.add_init_hook(_auto_names.reset)
+
+
+def auto_name(kind):
+    """Returns the next automatic name for an op kind, e.g. ``"allreduce.noname.3"``.
+
+    Adapters use it so their unnamed tensors follow the same rule as numpy ones.
+    """
+    return _auto_names.next(kind)
+
+
+def _resolve_name(kind, name):
+    if name is None:
+        return auto_name(kind)
+    if not isinstance(name, str):
+        raise InvalidArgumentError(f"tensor name must be a str, not {type(name).__name__}")
+    if not name or "\0" in name:
+        raise InvalidArgumentError(f"tensor name {name!r} must be non-empty and have no NUL")
+    return name
+
+
+@dataclass
+class TensorSpec:
+    """One tensor for ``enqueue_group``: the fields of ``hvdlite_tensor_t``.
+
+    ``input`` and ``output`` are addresses (int), cffi pointers, or None for NULL.
+    """
+
+    op: int
+    name: str
+    dtype: int
+    shape: Sequence[int]
+    input: Any
+    output: Any = None
+    reduce_op: int = Average
+    prescale: float = 1.0
+    postscale: float = 1.0
+    root_rank: int = 0
+    splits: Optional[Sequence[int]] = None
+    process_set_id: int = 0
+    device: int = -1
+
+
+def _pointer(p):
+    if p is None:
+        return ffi.NULL
+    return ffi.cast("void *", p)
+
+
+def _fill(struct, spec, keep):
+    """Fills one hvdlite_tensor_t; appends the cffi buffers it points to to ``keep``."""
+    name = ffi.new("char[]", spec.name.encode("utf-8"))
+    shape = ffi.new("int64_t[]", [int(d) for d in spec.shape] or [0])
+    keep += [name, shape]
+    struct.name = name
+    struct.op = spec.op
+    struct.dtype = spec.dtype
+    struct.ndim = len(spec.shape)
+    struct.shape = shape
+    struct.input = _pointer(spec.input)
+    struct.output = _pointer(spec.output)
+    struct.reduce_op = spec.reduce_op
+    struct.prescale_factor = float(spec.prescale)
+    struct.postscale_factor = float(spec.postscale)
+    struct.root_rank = int(spec.root_rank)
+    if spec.splits is None:
+        struct.splits = ffi.NULL
+    else:
+        splits = ffi.new("int64_t[]", [int(s) for s in spec.splits] or [0])
+        keep.append(splits)
+        struct.splits = splits
+    struct.process_set_id = spec.process_set_id
+    struct.device = spec.device
+
+
+def enqueue(op, name, dtype_code, shape, input_ptr, output_ptr=None, *, reduce_op=Average,
+            prescale=1.0, postscale=1.0, root_rank=0, splits=None, process_set_id=0,
+            device=-1, keepalive=(), finisher=None):
+    """Enqueues one tensor with the core; returns at once.
+
+    The caller has validated the tensor; the core checks what it can (and names in
+    flight, and agreement across ranks during negotiation).
+
+    Args:
+        op: the collective (ALLREDUCE, ALLGATHER, ...).
+        name: the tensor's name, equal across ranks.
+        dtype_code: a native dtype code (see ``dtypes.native_code``).
+        shape: the dimensions (empty for a scalar).
+        input_ptr: address of the C-contiguous input (int or cffi pointer).
+        output_ptr: address of the result for ALLREDUCE, BROADCAST, REDUCESCATTER (may
+            equal input_ptr); None for ALLGATHER and ALLTOALL (the core allocates it).
+        reduce_op, prescale, postscale: for ALLREDUCE and REDUCESCATTER.
+        root_rank: for BROADCAST.
+        splits: for ALLTOALL: rows sent to each rank (size() entries) or None.
+        process_set_id: 0 for all ranks.
+        device: -1 for host memory, else the device ordinal.
+        keepalive: objects (the tensors) referenced until the op has ended.
+        finisher: ``finisher(handle) -> result``, run once after success.
+
+    Returns:
+        A Handle.
+
+    Raises:
+        NotInitializedError, InvalidArgumentError, DuplicateNameError: refused by the
+            core; nothing was enqueued.
+    """
+    spec = TensorSpec(op, name, dtype_code, shape, input_ptr, output_ptr, reduce_op,
+                      prescale, postscale, root_rank, splits, process_set_id, device)
+    keep = []
+    struct = ffi.new("hvdlite_tensor_t *")
+    _fill(struct, spec, keep)
+    out = ffi.new("hvdlite_handle_t *")
+    check(lib.hvdlite_enqueue(struct, out))
+    return Handle([out[0]], finisher=finisher, keepalive=(keepalive, keep), name=name)
+
+
+def enqueue_group(specs, *, name=None, keepalive=(), finisher=None):
+    """Enqueues tensors that are negotiated and executed together; all or nothing.
+
+    Args:
+        specs: TensorSpec objects.
+        name: a label for the Handle (e.g. the group's name).
+        keepalive: objects referenced until every op has ended.
+        finisher: ``finisher(handle) -> result``, run once after all succeeded.
+
+    Returns:
+        One Handle for the whole group.
+
+    Raises:
+        NotInitializedError, InvalidArgumentError, DuplicateNameError: refused by the
+            core; none was enqueued.
+    """
+    specs = list(specs)
+    if not specs:
+        # Nothing to negotiate; still a Handle so callers need no special case.
+        return Handle([], finisher=finisher, keepalive=keepalive, name=name)
+    keep = []
+    structs = ffi.new("hvdlite_tensor_t[]", len(specs))
+    for i, spec in enumerate(specs):
+        _fill(structs[i], spec, keep)
+    handles = ffi.new("hvdlite_handle_t[]", len(specs))
+    check(lib.hvdlite_enqueue_group(structs, len(specs), handles))
+    return Handle(list(handles), finisher=finisher, keepalive=(keepalive, keep), name=name)
+
+
+# -- numpy front end ---------------------------------------------------------------------
+
+
+def _input_array(array, name, *, min_ndim=0):
+    """Returns (array, dtype code) after the checks every numpy collective shares."""
+    arr = array if isinstance(array, np.ndarray) else np.asarray(array)
+    code = dtypes.code_of_numpy(arr.dtype, name)
+    if not arr.flags.c_contiguous:
+        raise InvalidArgumentError(
+            f"tensor '{name}' is not C-contiguous (strides {arr.strides} for shape "
+            f"{arr.shape}); pass np.ascontiguousarray(...) of it")
+    if arr.ndim < min_ndim:
+        raise InvalidArgumentError(
+            f"tensor '{name}' must have at least {min_ndim} dimension(s), "
+            f"got shape {arr.shape}")
+    return arr, code
+
+
+def _check_reduce_op(op, arr, name):
+    if isinstance(op, bool) or op not in _REDUCE_OP_NAMES:
+        raise InvalidArgumentError(
+            f"tensor '{name}': op {op!r} is not one of hvdlite.Average, Sum, Min, Max, "
+            "Product")
+    if arr.dtype == np.bool_ and op not in (Min, Max):
+        raise InvalidArgumentError(
+            f"tensor '{name}': bool tensors support only Min and Max, not "
+            f"{_REDUCE_OP_NAMES[op]}")
+
+
+def _check_scale(prescale, postscale, arr, name):
+    for label, value in (("prescale_factor", prescale), ("postscale_factor", postscale)):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+            raise InvalidArgumentError(
+                f"tensor '{name}': {label} must be a number, not {type(value).__name__}")
+    if arr.dtype == np.bool_ and (prescale != 1.0 or postscale != 1.0):
+        raise InvalidArgumentError(f"tensor '{name}': bool tensors cannot be scaled")
+
+
+def _check_rank(value, label, name):
+    size = runtime.size()
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgumentError(
+            f"tensor '{name}': {label} must be an int, not {type(value).__name__}")
+    if not 0 <= value < size:
+        raise InvalidArgumentError(
+            f"tensor '{name}': {label} {value} is out of range for {size} rank(s)")
+    return int(value)
+
+
+def _returns(value):
+    return lambda handle: value
+
+
+def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0):
+    """Starts an allreduce of ``array`` across ranks; returns a Handle at once.
+
+    Args:
+        array: a C-contiguous numpy array (or array-like) of a supported dtype.
+        name: the tensor's name, equal across ranks; None names it automatically.
+        op: Average, Sum, Min, Max or Product (bool arrays: Min or Max only).
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result.
+
+    Returns:
+        A Handle whose result is a new array of the same shape and dtype.
+
+    Raises:
+        InvalidArgumentError: bad dtype, layout, op or scaling.
+        DuplicateNameError: a tensor of that name is in flight.
+        NotInitializedError: before init() or after shutdown().
+    """
+    name = _resolve_name("allreduce", name)
+    arr, code = _input_array(array, name)
+    _check_reduce_op(op, arr, name)
+    _check_scale(prescale_factor, postscale_factor, arr, name)
+    out = np.empty(arr.shape, dtype=arr.dtype)
+    return enqueue(ALLREDUCE, name, code, arr.shape, arr.ctypes.data, out.ctypes.data,
+                   reduce_op=op, prescale=prescale_factor, postscale=postscale_factor,
+                   keepalive=(arr, out), finisher=_returns(out))
+
+
+def allreduce(array, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0):
+    """Reduces ``array`` across ranks and returns the result as a new array.
+
+    See ``allreduce_async`` for the arguments.
+
+    Returns:
+        A new array of the same shape and dtype.
+
+    Raises:
+        InvalidArgumentError, DuplicateNameError, NotInitializedError: as for
+            ``allreduce_async``.
+        HorovodInternalError: the collective failed (e.g. MismatchError across ranks).
+    """
+    return synchronize(allreduce_async(array, name, op, prescale_factor, postscale_factor))
+
+
+def grouped_allreduce_async(arrays, name=None, op=Average, prescale_factor=1.0,
+                            postscale_factor=1.0):
+    """Starts allreduces of several arrays that are negotiated and run together.
+
+    Args:
+        arrays: a sequence of arrays (each as for ``allreduce_async``).
+        name: the group's name; tensor i is named ``"<name>.<i>"``. None names the group
+            automatically.
+        op, prescale_factor, postscale_factor: as for ``allreduce_async``, for all.
+
+    Returns:
+        A Handle whose result is a list of new arrays, in order.
+
+    Raises:
+        InvalidArgumentError, DuplicateNameError, NotInitializedError: as for
+            ``allreduce_async``; nothing is enqueued if any array is refused.
+    """
+    group = _resolve_name("grouped_allreduce", name)
+    specs, keep, outs = [], [], []
+    for i, array in enumerate(arrays):
+        tensor_name = f"{group}.{i}"
+        arr, code = _input_array(array, tensor_name)
+        _check_reduce_op(op, arr, tensor_name)
+        _check_scale(prescale_factor, postscale_factor, arr, tensor_name)
+        out = np.empty(arr.shape, dtype=arr.dtype)
+        specs.append(TensorSpec(ALLREDUCE, tensor_name, code, arr.shape, arr.ctypes.data,
+                                out.ctypes.data, op, prescale_factor, postscale_factor))
+        keep += [arr, out]
+        outs.append(out)
+    return enqueue_group(specs, name=group, keepalive=keep, finisher=_returns(outs))
+
+
+def grouped_allreduce(arrays, name=None, op=Average, prescale_factor=1.0,
+                      postscale_factor=1.0):
+    """Reduces several arrays together; returns a list of new arrays.
+
+    See ``grouped_allreduce_async`` for the arguments and errors.
+    """
+    return synchronize(grouped_allreduce_async(arrays, name, op, prescale_factor,
+                                               postscale_factor))
+
+
+def allgather_async(array, name=None):
+    """Starts concatenating every rank's ``array`` along the first dimension.
+
+    Ranks may differ in the first dimension; the other dimensions must agree.
+
+    Args:
+        array: a C-contiguous array with at least one dimension.
+        name: the tensor's name, equal across ranks; None names it automatically.
+
+    Returns:
+        A Handle whose result has shape ``(sum of first dims, *array.shape[1:])``.
+
+    Raises:
+        InvalidArgumentError, DuplicateNameError, NotInitializedError: refused.
+    """
+    name = _resolve_name("allgather", name)
+    arr, code = _input_array(array, name, min_ndim=1)
+    trailing = arr.shape[1:]
+
+    def finish(handle):
+        return handle.output_array(0, arr.dtype, trailing)
+
+    return enqueue(ALLGATHER, name, code, arr.shape, arr.ctypes.data, None,
+                   keepalive=(arr,), finisher=finish)
+
+
+def allgather(array, name=None):
+    """Concatenates every rank's ``array`` along the first dimension.
+
+    See ``allgather_async``; raises HorovodInternalError subclasses if it fails.
+    """
+    return synchronize(allgather_async(array, name))
+
+
+def broadcast_async(array, root_rank, name=None):
+    """Starts sending ``array`` from ``root_rank`` to every rank.
+
+    Args:
+        array: a C-contiguous array; same shape and dtype on every rank.
+        root_rank: the rank whose values everyone receives.
+        name: the tensor's name, equal across ranks; None names it automatically.
+
+    Returns:
+        A Handle whose result is a new array holding the root's values.
+
+    Raises:
+        InvalidArgumentError: bad dtype, layout or root_rank out of range.
+        DuplicateNameError, NotInitializedError: refused.
+    """
+    name = _resolve_name("broadcast", name)
+    arr, code = _input_array(array, name)
+    root = _check_rank(root_rank, "root_rank", name)
+    out = np.empty(arr.shape, dtype=arr.dtype)
+    return enqueue(BROADCAST, name, code, arr.shape, arr.ctypes.data, out.ctypes.data,
+                   root_rank=root, keepalive=(arr, out), finisher=_returns(out))
+
+
+def broadcast(array, root_rank, name=None):
+    """Returns ``root_rank``'s ``array`` on every rank (a new array).
+
+    See ``broadcast_async``; raises HorovodInternalError subclasses if it fails.
+    """
+    return synchronize(broadcast_async(array, root_rank, name))
+
+
+def _check_splits(splits, arr, name):
+    size = runtime.size()
+    rows = arr.shape[0]
+    if splits is None:
+        if rows % size:
+            raise InvalidArgumentError(
+                f"tensor '{name}': first dimension {rows} does not divide evenly among "
+                f"{size} ranks; pass splits")
+        return None
+    values = np.asarray(splits)
+    if values.ndim != 1 or (values.size and not np.issubdtype(values.dtype, np.integer)):
+        raise InvalidArgumentError(
+            f"tensor '{name}': splits must be a 1-D sequence of ints, got {splits!r}")
+    if values.size != size:
+        raise InvalidArgumentError(
+            f"tensor '{name}': splits has {values.size} entries, expected one per rank "
+            f"({size})")
+    if (values < 0).any():
+        raise InvalidArgumentError(f"tensor '{name}': splits {values.tolist()} has a "
+                                   "negative entry")
+    if int(values.sum()) != rows:
+        raise InvalidArgumentError(
+            f"tensor '{name}': splits {values.tolist()} sum to {int(values.sum())}, "
+            f"not to the first dimension {rows}")
+    return [int(v) for v in values]
+
+
+def alltoall_async(array, splits=None, name=None):
+    """Starts an all-to-all: rows ``splits[r]`` of ``array`` go to rank r.
+
+    Args:
+        array: a C-contiguous array with at least one dimension.
+        splits: rows for each rank, in rank order (size() entries summing to the first
+            dimension); None splits the first dimension evenly.
+        name: the tensor's name, equal across ranks; None names it automatically.
+
+    Returns:
+        A Handle whose result is ``(received, received_splits)``: the rows from every
+        rank in rank order, and how many came from each (np.int64 array).
+
+    Raises:
+        InvalidArgumentError: bad dtype, layout or splits.
+        DuplicateNameError, NotInitializedError: refused.
+    """
+    name = _resolve_name("alltoall", name)
+    arr, code = _input_array(array, name, min_ndim=1)
+    checked = _check_splits(splits, arr, name)
+    trailing = arr.shape[1:]
+    size = runtime.size()
+
+    def finish(handle):
+        return handle.output_array(0, arr.dtype, trailing), handle.recv_splits(0, size)
+
+    return enqueue(ALLTOALL, name, code, arr.shape, arr.ctypes.data, None, splits=checked,
+                   keepalive=(arr,), finisher=finish)
+
+
+def alltoall(array, splits=None, name=None):
+    """All-to-all exchange; returns ``(received, received_splits)``.
+
+    See ``alltoall_async``; raises HorovodInternalError subclasses if it fails.
+    """
+    return synchronize(alltoall_async(array, splits, name))
+
+
+def reducescatter_rows(rows, size, rank):
+    """Returns how many of ``rows`` rows rank ``rank`` of ``size`` receives.
+
+    The first ``rows % size`` ranks get one row more than the others.
+    """
+    return rows // size + (1 if rank < rows % size else 0)
+
+
+def reducescatter_async(array, name=None, op=Average, prescale_factor=1.0,
+                        postscale_factor=1.0):
+    """Starts a reduction whose result is scattered by rows among the ranks.
+
+    Args:
+        array: a C-contiguous array with at least one dimension, same shape everywhere.
+        name: the tensor's name, equal across ranks; None names it automatically.
+        op, prescale_factor, postscale_factor: as for ``allreduce_async``.
+
+    Returns:
+        A Handle whose result holds this rank's rows of the reduction: the first
+        dimension d0 is split so that the first ``d0 % size()`` ranks get one row more.
+
+    Raises:
+        InvalidArgumentError, DuplicateNameError, NotInitializedError: refused.
+    """
+    name = _resolve_name("reducescatter", name)
+    arr, code = _input_array(array, name, min_ndim=1)
+    _check_reduce_op(op, arr, name)
+    _check_scale(prescale_factor, postscale_factor, arr, name)
+    rows = reducescatter_rows(arr.shape[0], runtime.size(), runtime.rank())
+    out = np.empty((rows,) + arr.shape[1:], dtype=arr.dtype)
+    return enqueue(REDUCESCATTER, name, code, arr.shape, arr.ctypes.data, out.ctypes.data,
+                   reduce_op=op, prescale=prescale_factor, postscale=postscale_factor,
+                   keepalive=(arr, out), finisher=_returns(out))
+
+
+def reducescatter(array, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0):
+    """Reduces ``array`` across ranks and returns this rank's rows (a new array).
+
+    See ``reducescatter_async``; raises HorovodInternalError subclasses if it fails.
+    """
+    return synchronize(reducescatter_async(array, name, op, prescale_factor,
+                                           postscale_factor))
+
+
+def _no_tensor_op(op, kind, finisher=None):
+    # BARRIER and JOIN carry no data; a one-byte scalar gives the core a valid pointer.
+    dummy = np.zeros((), dtype=np.uint8)
+    return enqueue(op, auto_name(kind), dtypes.native_code("uint8"), (), dummy.ctypes.data,
+                   None, keepalive=(dummy,), finisher=finisher)
+
+
+def barrier():
+    """Blocks until every rank has called ``barrier()``.
+
+    Raises:
+        NotInitializedError: before init() or after shutdown().
+        HorovodInternalError: the barrier failed (e.g. a rank is gone).
+    """
+    synchronize(_no_tensor_op(BARRIER, "barrier"))
+
+
+def join():
+    """Declares that this rank has no more data; returns when every rank has joined.
+
+    Until then this rank takes part in the other ranks' collectives (contributing
+    nothing to their reductions), so ranks may run different numbers of steps.
+
+    Returns:
+        The rank that joined last.
+
+    Raises:
+        NotInitializedError: before init() or after shutdown().
+        HorovodInternalError: the join failed.
+    """
+    return synchronize(_no_tensor_op(JOIN, "join", finisher=lambda h: h.output(0)[2]))
+
+
+def poll(handle):
+    """Returns True once the op behind ``handle`` has ended; never blocks."""
+    return handle.poll()
+
+
+def synchronize(handle, timeout=None):
+    """Waits for the op behind ``handle`` and returns its result.
+
+    Args:
+        handle: a Handle from an ``*_async`` call.
+        timeout: seconds to wait at most; None waits until the op ends.
+
+    Returns:
+        The op's result (see the ``*_async`` function that made the handle).
+
+    Raises:
+        WaitTimeoutError: ``timeout`` passed; the op goes on.
+        HorovodInternalError: the collective failed (MismatchError, ShutdownError,
+            StalledError, TransportError, RankFailedError) on this rank.
+    """
+    return handle.wait(timeout)

@@ -1,0 +1,207 @@
+"""Process-wide state: init/shutdown, rank and size, counters, timeline.
+
+Configuration is read by the core itself from the ``HVDLITE_*`` environment variables
+at ``init()`` (fusion threshold, cycle time, cache capacity, stall times, timeline, log
+level); a bad value makes ``init()`` raise InvalidArgumentError with the core's message.
+"""
+import atexit
+import logging
+import os
+import threading
+
+from hvdlite._native import check, ffi, lib
+
+_log = logging.getLogger("hvdlite")
+
+_init_lock = threading.Lock()
+_atexit_registered = False
+# Called after every successful init(), e.g. to reset the counters of unnamed tensors.
+_init_hooks = []
+
+
+def add_init_hook(fn):
+    """Registers ``fn()`` to run after every successful ``init()`` (in order)."""
+    _init_hooks.append(fn)
+
+
+def _comm_f2c(comm):
+    if comm is None:
+        return -1
+    py2f = getattr(comm, "py2f", None)
+    if py2f is None:
+        raise TypeError(f"hvdlite.init(comm=...) takes an mpi4py communicator, "
+                        f"not {type(comm).__name__}")
+    return int(py2f())
+
+
+def init(comm=None):
+    """Starts hvdlite: MPI (unless already initialized, e.g. by mpi4py) and the core.
+
+    Calling it again while initialized logs a warning and does nothing, as Horovod
+    scripts sometimes call ``init()`` twice. Shutdown is registered to run at exit.
+
+    Args:
+        comm: an mpi4py communicator to run on (the core duplicates it); None runs on
+            MPI_COMM_WORLD.
+
+    Raises:
+        TypeError: ``comm`` is not an mpi4py communicator.
+        InvalidArgumentError: a ``HVDLITE_*`` variable has a bad value.
+        HvdliteError: the core could not start (the message says why).
+    """
+    global _atexit_registered
+    with _init_lock:
+        if is_initialized():
+            _log.warning("hvdlite.init() called while already initialized; ignoring it")
+            return
+        options = ffi.new("hvdlite_init_options_t *")
+        options.comm_f2c = _comm_f2c(comm)
+        check(lib.hvdlite_init(options))
+        if not _atexit_registered:
+            atexit.register(_shutdown_at_exit)
+            _atexit_registered = True
+        for hook in _init_hooks:
+            hook()
+
+
+def shutdown():
+    """Stops the core on every rank; pending handles fail with ShutdownError.
+
+    Idempotent: calling it when not initialized does nothing.
+
+    Raises:
+        HvdliteError: the core reported an error while stopping.
+    """
+    check(lib.hvdlite_shutdown())
+
+
+def _shutdown_at_exit():
+    try:
+        shutdown()
+    except Exception as e:  # at exit there is no caller left to raise to
+        _log.warning("hvdlite: shutdown at exit failed: %s", e)
+
+
+def is_initialized():
+    """Returns True between ``init()`` and ``shutdown()``."""
+    out = ffi.new("int32_t *")
+    check(lib.hvdlite_is_initialized(out))
+    return bool(out[0])
+
+
+def _int_query(fn):
+    out = ffi.new("int32_t *")
+    check(fn(out))
+    return int(out[0])
+
+
+def size():
+    """Returns the number of ranks.
+
+    Raises:
+        NotInitializedError: before ``init()`` or after ``shutdown()``.
+    """
+    return _int_query(lib.hvdlite_size)
+
+
+def rank():
+    """Returns this process's rank, 0 <= rank < size().
+
+    Raises:
+        NotInitializedError: before ``init()`` or after ``shutdown()``.
+    """
+    return _int_query(lib.hvdlite_rank)
+
+
+def local_size():
+    """Returns the number of ranks on this host.
+
+    Raises:
+        NotInitializedError: before ``init()`` or after ``shutdown()``.
+    """
+    return _int_query(lib.hvdlite_local_size)
+
+
+def local_rank():
+    """Returns this process's rank among the ranks on its host.
+
+    Raises:
+        NotInitializedError: before ``init()`` or after ``shutdown()``.
+    """
+    return _int_query(lib.hvdlite_local_rank)
+
+
+def cross_size():
+    """Returns the number of hosts that have a rank with this local rank.
+
+    Raises:
+        NotInitializedError: before ``init()`` or after ``shutdown()``.
+    """
+    return _int_query(lib.hvdlite_cross_size)
+
+
+def cross_rank():
+    """Returns this host's index among the ranks with this local rank.
+
+    Raises:
+        NotInitializedError: before ``init()`` or after ``shutdown()``.
+    """
+    return _int_query(lib.hvdlite_cross_rank)
+
+
+def mpi_threads_supported():
+    """Returns True if MPI runs with MPI_THREAD_MULTIPLE (mpi4py can be used alongside).
+
+    Raises:
+        NotInitializedError: before ``init()`` or after ``shutdown()``.
+    """
+    return bool(_int_query(lib.hvdlite_mpi_threads_supported))
+
+
+def stats():
+    """Returns the core's counters since init, as a dict of ints.
+
+    Keys are the fields of ``hvdlite_stats_t``: cycles, coordinator_gathers, cache_hits,
+    cache_misses, collectives, fused_collectives, tensors, bytes, errors.
+
+    Raises:
+        NotInitializedError: before ``init()`` or after ``shutdown()``.
+    """
+    out = ffi.new("hvdlite_stats_t *")
+    check(lib.hvdlite_stats(out))
+    return {name: int(getattr(out, name)) for name, _ in ffi.typeof("hvdlite_stats_t").fields}
+
+
+def start_timeline(path, mark_cycles=False):
+    """Starts writing a Chrome-trace timeline (rank 0 writes it).
+
+    Args:
+        path: the JSON file to write.
+        mark_cycles: also mark every background-loop cycle.
+
+    Raises:
+        NotInitializedError: before ``init()`` or after ``shutdown()``.
+        HvdliteError: the core could not open the file.
+    """
+    check(lib.hvdlite_start_timeline(os.fsencode(path), 1 if mark_cycles else 0))
+
+
+def stop_timeline():
+    """Stops the timeline and flushes the file.
+
+    Raises:
+        NotInitializedError: before ``init()`` or after ``shutdown()``.
+    """
+    check(lib.hvdlite_stop_timeline())
+
+
+def version():
+    """Returns the version string of the loaded core."""
+    return ffi.string(lib.hvdlite_version()).decode("utf-8", "replace")
+
+
+def mpi_library_version():
+    """Returns the linked MPI library's version string."""
+    buf = ffi.new("char[]", 8192)
+    check(lib.hvdlite_mpi_library_version(buf, len(buf)))
+    return ffi.string(buf).decode("utf-8", "replace")
