@@ -1,0 +1,406 @@
+"""The per-rank wrapper that mpiexec starts in place of the user's command.
+
+    python rank_wrapper.py -- python train.py --epochs 3
+
+mpiexec starts one wrapper per rank. The wrapper runs the user's command (an argument
+vector, never a shell string) with its output on pipes, in a session of its own, and:
+
+* reports to the launcher over a TCP control connection (address and secret in
+  ``HVDLITE_LAUNCHER_ADDR`` / ``HVDLITE_LAUNCHER_TOKEN``): a hello with its rank and pid,
+  the command's output as whole lines, and finally the exit status;
+* ends the command's whole process group when the launcher says so, when the control
+  connection drops (the launcher died), or when the wrapper itself is signalled;
+* without a launcher (variables unset) writes the tagged lines to its own stdout/stderr.
+
+This file is run by path, not as ``hvdlite.runner.rank_wrapper``, so that each rank
+starts without importing the hvdlite package (and its native library): it must use the
+standard library only. The launcher imports it as a module for the protocol constants.
+"""
+import ctypes
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+# Control protocol: frames of (1-byte kind, 4-byte big-endian length, payload).
+FRAME_HEADER = struct.Struct("!cI")
+MSG_HELLO = b"H"    # wrapper -> launcher, JSON: token, rank, size, host, pid
+MSG_STDOUT = b"O"   # wrapper -> launcher, one or more whole lines of the command's stdout
+MSG_STDERR = b"E"   # wrapper -> launcher, same for stderr
+MSG_EXIT = b"X"     # wrapper -> launcher, JSON: rank, returncode (negative: signal)
+MSG_KILL = b"K"     # launcher -> wrapper: end the command now
+MAX_FRAME = 1 << 24
+
+ENV_ADDR = "HVDLITE_LAUNCHER_ADDR"
+ENV_TOKEN = "HVDLITE_LAUNCHER_TOKEN"
+
+# Rank variables set by the MPI launchers we know, in order of preference.
+_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+_LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
+_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+# Descriptors that MPICH's hydra hands each process for PMI; the command is the real MPI
+# process, so they must survive into it (subprocess closes other descriptors).
+_INHERITED_FD_VARS = ("PMI_FD", "HYDI_CONTROL_FD")
+
+# Seconds between SIGTERM and SIGKILL when ending the command.
+KILL_GRACE_S = 3.0
+# After the command exits, how long its leftover children may hold the pipes open.
+DRAIN_AFTER_EXIT_S = 1.0
+# Lines longer than this are forwarded in pieces rather than buffered without bound.
+MAX_LINE = 1 << 16
+
+
+def encode_frame(kind, payload=b""):
+    """Returns one protocol frame."""
+    return FRAME_HEADER.pack(kind, len(payload)) + payload
+
+
+class FrameReader:
+    """Splits a byte stream into (kind, payload) frames."""
+
+    def __init__(self):
+        self._buf = b""
+
+    def feed(self, data):
+        """Adds received bytes; returns the frames now complete.
+
+        Raises:
+            ValueError: a frame longer than MAX_FRAME (a corrupt or foreign peer).
+        """
+        self._buf += data
+        frames = []
+        while len(self._buf) >= FRAME_HEADER.size:
+            kind, length = FRAME_HEADER.unpack_from(self._buf)
+            if length > MAX_FRAME:
+                raise ValueError("control frame too long")
+            end = FRAME_HEADER.size + length
+            if len(self._buf) < end:
+                break
+            frames.append((kind, self._buf[FRAME_HEADER.size:end]))
+            self._buf = self._buf[end:]
+        return frames
+
+
+def _env_int(env, names, default):
+    for name in names:
+        value = env.get(name)
+        if value is not None and value.strip().lstrip("-").isdigit():
+            return int(value)
+    return default
+
+
+def rank_info(env):
+    """Reads rank, size, local rank and local size from the MPI launcher's variables.
+
+    Args:
+        env: the environment mapping to read.
+
+    Returns:
+        A dict with keys rank, size, local_rank, local_size (rank 0 of 1 when no MPI
+        launcher variables are present).
+    """
+    return {
+        "rank": _env_int(env, _RANK_VARS, 0),
+        "size": _env_int(env, _SIZE_VARS, 1),
+        "local_rank": _env_int(env, _LOCAL_RANK_VARS, 0),
+        "local_size": _env_int(env, _LOCAL_SIZE_VARS, 1),
+    }
+
+
+def _inherited_fds(env):
+    fds = []
+    for name in _INHERITED_FD_VARS:
+        value = env.get(name, "")
+        if value.isdigit():
+            fd = int(value)
+            try:
+                os.fstat(fd)
+            except OSError:
+                continue
+            fds.append(fd)
+    return fds
+
+
+def _parent_death_setter():
+    # Resolved before fork: the child between fork and exec should only make the call.
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: no parent-death signal
+        return None
+    pr_set_pdeathsig = 1
+
+    def set_parent_death_signal():
+        # If the wrapper is SIGKILLed, the kernel kills the command too, so a killed
+        # wrapper never leaves a rank behind.
+        prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+
+    return set_parent_death_signal
+
+
+def _killpg(pgid, sig):
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class _Sink:
+    """Where the command's lines go: the launcher's connection or our own stdout/stderr."""
+
+    def __init__(self, rank, sock):
+        self.rank = rank
+        self.sock = sock
+        self.broken = False
+
+    def lines(self, kind, data):
+        if not data:
+            return
+        if self.sock is not None:
+            self.send(kind, data)
+            return
+        stream = "stdout" if kind == MSG_STDOUT else "stderr"
+        prefix = f"[{self.rank}]<{stream}>:".encode()
+        out = b"".join(prefix + line + b"\n" for line in data.split(b"\n")[:-1])
+        _write_all(1 if kind == MSG_STDOUT else 2, out)
+
+    def send(self, kind, payload):
+        if self.sock is None or self.broken:
+            return
+        try:
+            self.sock.sendall(encode_frame(kind, payload))
+        except OSError:
+            self.broken = True
+
+
+def _write_all(fd, data):
+    # One os.write per batch of whole lines, so lines from different ranks sharing a
+    # terminal never interleave mid-line; loop only for the rare partial write.
+    view = memoryview(data)
+    while view:
+        try:
+            written = os.write(fd, view)
+        except BrokenPipeError:
+            return
+        view = view[written:]
+
+
+def _connect(addr, attempts=10):
+    host, _, port = addr.rpartition(":")
+    host = host.strip("[]")
+    last = None
+    for attempt in range(attempts):
+        try:
+            return socket.create_connection((host, int(port)), timeout=10)
+        except OSError as exc:
+            last = exc
+            time.sleep(min(0.1 * (attempt + 1), 1.0))
+    raise last
+
+
+class RankWrapper:
+    """Runs one rank's command and relays its output and exit status."""
+
+    def __init__(self, command, env=None):
+        self.command = list(command)
+        self.env = dict(os.environ if env is None else env)
+        self.info = rank_info(self.env)
+        self.child = None
+        self.sel = selectors.DefaultSelector()
+        self.kill_started = None      # monotonic time of the SIGTERM to the command
+        self.killed_hard = False
+        self.child_exit_time = None
+        self.open_streams = 0
+        self.partial = {}
+        self.sink = None
+        self._sig_r, self._sig_w = socket.socketpair()
+
+    def _child_env(self):
+        env = dict(self.env)
+        # The secret belongs to this wrapper; the command has no use for it.
+        env.pop(ENV_ADDR, None)
+        env.pop(ENV_TOKEN, None)
+        env["HVDLITE_RANK"] = str(self.info["rank"])
+        env["HVDLITE_SIZE"] = str(self.info["size"])
+        env["HVDLITE_LOCAL_RANK"] = str(self.info["local_rank"])
+        env["HVDLITE_LOCAL_SIZE"] = str(self.info["local_size"])
+        return env
+
+    def _on_signal(self, signum, frame):
+        try:
+            self._sig_w.send(bytes([signum]))
+        except OSError:
+            pass
+
+    def start_kill(self):
+        """SIGTERM the command's process group now, SIGKILL it after KILL_GRACE_S."""
+        if self.kill_started is None and self.child is not None:
+            self.kill_started = time.monotonic()
+            _killpg(self.child.pid, signal.SIGTERM)
+
+    def run(self):
+        """Runs the command to the end; returns the wrapper's exit code."""
+        addr = self.env.get(ENV_ADDR)
+        sock = None
+        if addr:
+            try:
+                sock = _connect(addr)
+            except (OSError, ValueError) as exc:
+                _write_all(2, f"[{self.info['rank']}]<stderr>:hvdlite rank wrapper: cannot "
+                              f"reach the launcher at {addr}: {exc}\n".encode())
+                return 1
+            sock.settimeout(None)
+        self.sink = _Sink(self.info["rank"], sock)
+
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, self._on_signal)
+        try:
+            self.child = subprocess.Popen(
+                self.command, env=self._child_env(), stdin=None,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                pass_fds=_inherited_fds(self.env), start_new_session=True,
+                preexec_fn=_parent_death_setter())
+        except OSError as exc:
+            self.sink.send(MSG_HELLO, self._hello(os.getpid()))
+            self.sink.lines(MSG_STDERR, f"hvdliterun: cannot run {self.command[0]!r}: "
+                                        f"{exc.strerror}\n".encode())
+            returncode = 127
+            self.sink.send(MSG_EXIT, json.dumps(
+                {"rank": self.info["rank"], "returncode": returncode}).encode())
+            return returncode
+        self.sink.send(MSG_HELLO, self._hello(self.child.pid))
+
+        self._sig_r.setblocking(False)
+        self.sel.register(self._sig_r, selectors.EVENT_READ, "signal")
+        for stream, kind in ((self.child.stdout, MSG_STDOUT), (self.child.stderr, MSG_STDERR)):
+            self.sel.register(stream, selectors.EVENT_READ, kind)
+            self.partial[kind] = b""
+            self.open_streams += 1
+        if sock is not None:
+            self.sel.register(sock, selectors.EVENT_READ, "control")
+        pidfd = None
+        if hasattr(os, "pidfd_open"):
+            try:
+                pidfd = os.pidfd_open(self.child.pid)
+                self.sel.register(pidfd, selectors.EVENT_READ, "child")
+            except OSError:
+                pidfd = None
+        reader = FrameReader()
+        try:
+            self._loop(sock, reader, pidfd is not None)
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+        # Whatever the command left in its group (daemons, stuck workers) ends with it.
+        _killpg(self.child.pid, signal.SIGKILL)
+        returncode = self.child.returncode
+        self.sink.send(MSG_EXIT, json.dumps(
+            {"rank": self.info["rank"], "returncode": returncode}).encode())
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_WR)
+                sock.close()
+            except OSError:
+                pass
+        return returncode if returncode >= 0 else 128 - returncode
+
+    def _hello(self, pid):
+        return json.dumps({
+            "token": self.env.get(ENV_TOKEN, ""), "pid": pid, "wrapper_pid": os.getpid(),
+            "host": socket.gethostname(), **self.info}).encode()
+
+    def _loop(self, sock, reader, have_pidfd):
+        while True:
+            if self.child.returncode is None:
+                if self.child.poll() is not None:
+                    self.child_exit_time = time.monotonic()
+                    # Leftover children of the command get the same end as the command.
+                    _killpg(self.child.pid, signal.SIGTERM)
+            if self.child.returncode is not None and self.open_streams == 0:
+                return
+            now = time.monotonic()
+            if (self.kill_started is not None and not self.killed_hard
+                    and now - self.kill_started > KILL_GRACE_S):
+                self.killed_hard = True
+                _killpg(self.child.pid, signal.SIGKILL)
+            if (self.child_exit_time is not None
+                    and now - self.child_exit_time > DRAIN_AFTER_EXIT_S):
+                _killpg(self.child.pid, signal.SIGKILL)
+                if now - self.child_exit_time > DRAIN_AFTER_EXIT_S + KILL_GRACE_S:
+                    # Someone outside the group holds the pipes; stop waiting for them.
+                    return
+            # Without a pidfd the only way to notice the exit is to look again soon.
+            timeout = 0.5 if have_pidfd else 0.1
+            for key, _ in self.sel.select(timeout):
+                tag = key.data
+                if tag == "signal":
+                    self._sig_r.recv(64)
+                    self.start_kill()
+                elif tag == "child":
+                    self.sel.unregister(key.fileobj)
+                elif tag == "control":
+                    self._on_control(sock, reader, key)
+                else:
+                    self._on_output(key, tag)
+
+    def _on_control(self, sock, reader, key):
+        try:
+            data = sock.recv(4096)
+        except OSError:
+            data = b""
+        if not data:
+            # The launcher is gone: nobody can end this job any more but us.
+            self.sel.unregister(key.fileobj)
+            self.sink.broken = True
+            self.start_kill()
+            return
+        try:
+            frames = reader.feed(data)
+        except ValueError:
+            frames = [(MSG_KILL, b"")]
+        if any(kind == MSG_KILL for kind, _ in frames):
+            self.start_kill()
+
+    def _on_output(self, key, kind):
+        data = os.read(key.fd, 65536)
+        buf = self.partial[kind] + data
+        if not data:
+            self.sel.unregister(key.fileobj)
+            key.fileobj.close()
+            self.open_streams -= 1
+            self.partial[kind] = b""
+            if buf:
+                self.sink.lines(kind, buf + b"\n")
+            return
+        cut = buf.rfind(b"\n") + 1
+        if cut == 0 and len(buf) >= MAX_LINE:
+            self.sink.lines(kind, buf + b"\n")
+            self.partial[kind] = b""
+            return
+        self.partial[kind] = buf[cut:]
+        self.sink.lines(kind, buf[:cut])
+
+
+def main(argv=None):
+    """Entry point: ``rank_wrapper.py -- command [args...]``.
+
+    Returns:
+        The command's exit code, 128+N when it died of signal N, 127 when it could
+        not be started, 1 when the launcher could not be reached, 2 for bad usage.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "--":
+        args = args[1:]
+    if not args:
+        _write_all(2, b"usage: rank_wrapper.py -- command [args...]\n")
+        return 2
+    return RankWrapper(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

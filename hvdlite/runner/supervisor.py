@@ -1,0 +1,462 @@
+"""The launcher side of a job: start mpiexec, relay tagged output, end the job on failure.
+
+Every rank wrapper (see rank_wrapper.py) connects back to a TCP socket the supervisor
+listens on. Through it come each rank's hello, its output as whole lines and its exit
+status; back through it goes the order to end the rank. The supervisor is one thread
+with one selector: output is written in whole tagged lines with single writes, so ranks
+never interleave mid-line, and the first failure is seen and acted on at once.
+"""
+import json
+import logging
+import os
+import secrets
+import selectors
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence
+
+from hvdlite.runner import rank_wrapper as wire
+
+logger = logging.getLogger("hvdlite")
+
+# After the kill order, how long wrappers get to end their ranks before mpiexec's
+# process group is terminated (wrappers escalate to SIGKILL after their own grace).
+KILL_GRACE_S = wire.KILL_GRACE_S + 2.0
+# After SIGTERM to mpiexec's group, how long before SIGKILL.
+TERM_GRACE_S = 2.0
+# After mpiexec exits, how long to wait for wrapper connections still draining output.
+DRAIN_S = 5.0
+
+_SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
+
+
+def signal_name(signum: int) -> str:
+    """``SIGKILL`` for 9, or ``signal N`` for unknown numbers."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def describe_returncode(returncode: int) -> str:
+    """``exited with code 3`` or ``was killed by signal 9 (SIGKILL)``."""
+    if returncode < 0:
+        return f"was killed by signal {-returncode} ({signal_name(-returncode)})"
+    return f"exited with code {returncode}"
+
+
+def exit_code_for(returncode: int) -> int:
+    """The launcher's exit code for a rank's return code: the code, or 128+signal."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+@dataclass
+class RankState:
+    """What the supervisor knows about one rank."""
+
+    rank: int
+    host: str = ""
+    pid: int = 0
+    returncode: Optional[int] = None
+
+
+@dataclass
+class JobResult:
+    """How a job ended.
+
+    Attributes:
+        exit_code: what the launcher exits with.
+        failed_rank: the first rank that failed, if any.
+        ranks: every rank that said hello, by rank.
+        message: a one-line account of a failure, empty on success.
+    """
+
+    exit_code: int
+    failed_rank: Optional[int] = None
+    ranks: Dict[int, RankState] = field(default_factory=dict)
+    message: str = ""
+
+
+class _Connection:
+    """One wrapper's control connection."""
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.reader = wire.FrameReader()
+        self.rank: Optional[int] = None
+        self.exited = False
+
+
+class _OutputSink:
+    """Writes tagged lines to the console and untagged ones to per-rank log files."""
+
+    def __init__(self, output_dir: Optional[str]):
+        self.output_dir = output_dir
+        self.files = {}
+        self.console_broken = {1: False, 2: False}
+        if output_dir:
+            os.makedirs(output_dir, exist_ok=True)
+
+    def write(self, rank: int, kind: bytes, data: bytes):
+        stream = "stdout" if kind == wire.MSG_STDOUT else "stderr"
+        fd = 1 if kind == wire.MSG_STDOUT else 2
+        prefix = f"[{rank}]<{stream}>:".encode()
+        lines = data.split(b"\n")[:-1]
+        self._console(fd, b"".join(prefix + line + b"\n" for line in lines))
+        if self.output_dir:
+            log = self.files.get(rank)
+            if log is None:
+                log = open(os.path.join(self.output_dir, f"rank.{rank}.log"), "ab")
+                self.files[rank] = log
+            log.write(data)
+            log.flush()
+
+    def _console(self, fd: int, data: bytes):
+        # One write per batch of whole lines keeps lines intact on a shared terminal.
+        if self.console_broken[fd]:
+            return
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(fd, view):]
+            except BrokenPipeError:
+                self.console_broken[fd] = True
+                return
+
+    def close(self):
+        for log in self.files.values():
+            log.close()
+        self.files.clear()
+
+
+class JobSupervisor:
+    """Runs one job: mpiexec plus a control server for the rank wrappers.
+
+    Args:
+        num_ranks: how many wrappers will connect.
+        start_timeout: seconds for every rank to connect before the job is ended.
+        output_dir: --output-filename directory, or None.
+        bind_host: address to listen on (127.0.0.1 for one machine, 0.0.0.0 for many).
+        advertise_host: the name ranks connect to.
+    """
+
+    def __init__(self, num_ranks: int, start_timeout: float, output_dir: Optional[str] = None,
+                 bind_host: str = "127.0.0.1", advertise_host: str = "127.0.0.1"):
+        self.num_ranks = num_ranks
+        self.start_timeout = start_timeout
+        self.token = secrets.token_hex(16)
+        self.sel = selectors.DefaultSelector()
+        self.server = socket.create_server((bind_host, 0), backlog=max(128, num_ranks))
+        self.server.setblocking(False)
+        port = self.server.getsockname()[1]
+        host = f"[{advertise_host}]" if ":" in advertise_host else advertise_host
+        self.address = f"{host}:{port}"
+        self.output = _OutputSink(output_dir)
+        self.ranks: Dict[int, RankState] = {}
+        self.connections: List[_Connection] = []
+        self.proc: Optional[subprocess.Popen] = None
+        self.result: Optional[JobResult] = None   # set at the first failure or signal
+        self.kill_time: Optional[float] = None
+        self.term_time: Optional[float] = None
+        self.killed_group = False
+        self.mpiexec_stderr: List[bytes] = []
+        self._sig_r, self._sig_w = socket.socketpair()
+
+    def rank_env(self) -> Dict[str, str]:
+        """The variables that tell a rank wrapper where the launcher is."""
+        return {wire.ENV_ADDR: self.address, wire.ENV_TOKEN: self.token}
+
+    # -- signals -----------------------------------------------------------------------
+
+    def _on_signal(self, signum, frame):
+        try:
+            self._sig_w.send(bytes([signum]))
+        except OSError:
+            pass
+
+    def _install_signal_handlers(self):
+        previous = {}
+        for signum in _SIGNAL_EXIT:
+            previous[signum] = signal.signal(signum, self._on_signal)
+        return previous
+
+    # -- ending the job ----------------------------------------------------------------
+
+    def _fail(self, exit_code: int, message: str, rank: Optional[int] = None):
+        """Records the first failure, reports it and orders every rank to end."""
+        if self.result is not None:
+            return
+        self.result = JobResult(exit_code=exit_code, failed_rank=rank, message=message)
+        self.output._console(2, f"hvdliterun: {message}\n".encode())
+        self._kill_all()
+
+    def _kill_all(self):
+        if self.kill_time is not None:
+            return
+        self.kill_time = time.monotonic()
+        others = [c for c in self.connections if not c.exited]
+        logger.debug("ordering %d rank(s) to end", len(others))
+        for conn in others:
+            try:
+                conn.sock.sendall(wire.encode_frame(wire.MSG_KILL))
+            except OSError:
+                pass
+        if not self.connections and self.proc is not None:
+            # No wrapper to tell (none started yet): end mpiexec itself.
+            self._terminate_group(signal.SIGTERM)
+
+    def _terminate_group(self, sig):
+        if self.proc is None or self.proc.poll() is not None and sig == signal.SIGTERM:
+            return
+        if sig == signal.SIGTERM:
+            self.term_time = time.monotonic()
+        else:
+            self.killed_group = True
+        logger.debug("sending %s to mpiexec's process group %d", signal_name(sig),
+                     self.proc.pid)
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def run(self, argv: Sequence[str], env: Mapping[str, str]) -> JobResult:
+        """Starts ``argv`` (the mpiexec command) and supervises the job to its end.
+
+        Args:
+            argv: the mpiexec command line.
+            env: its environment (must include :meth:`rank_env`).
+
+        Returns:
+            How the job ended.
+        """
+        previous = self._install_signal_handlers()
+        try:
+            return self._run(argv, env)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            self.output.close()
+            self.server.close()
+            for conn in self.connections:
+                conn.sock.close()
+
+    def _run(self, argv, env) -> JobResult:
+        # mpiexec gets a session of its own: a Ctrl-C at the terminal reaches only us,
+        # and we end the job in order; its whole group can be signalled at the end.
+        # Its stdin is /dev/null so that it never competes for the terminal.
+        try:
+            self.proc = subprocess.Popen(list(argv), env=dict(env), stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         start_new_session=True)
+        except OSError as exc:
+            return JobResult(exit_code=1, message=f"cannot start {argv[0]}: {exc.strerror}")
+        started = time.monotonic()
+        self._sig_r.setblocking(False)
+        self.sel.register(self._sig_r, selectors.EVENT_READ, ("signal", None))
+        self.sel.register(self.server, selectors.EVENT_READ, ("accept", None))
+        self.sel.register(self.proc.stdout, selectors.EVENT_READ, ("mpi_out", 1))
+        self.sel.register(self.proc.stderr, selectors.EVENT_READ, ("mpi_err", 2))
+        pidfd = None
+        if hasattr(os, "pidfd_open"):
+            try:
+                pidfd = os.pidfd_open(self.proc.pid)
+                self.sel.register(pidfd, selectors.EVENT_READ, ("mpiexec", None))
+            except OSError:
+                pidfd = None
+        mpiexec_done = None
+        try:
+            while True:
+                now = time.monotonic()
+                if mpiexec_done is None and self.proc.poll() is not None:
+                    mpiexec_done = now
+                    logger.debug("mpiexec %s", describe_returncode(self.proc.returncode))
+                self._check_deadlines(now, started)
+                if mpiexec_done is not None and now - mpiexec_done > DRAIN_S:
+                    break
+                # Once mpiexec is gone, wait only for what is already in flight: the
+                # wrappers' last frames and connections still in the listen backlog.
+                if mpiexec_done is not None:
+                    timeout = 0.05
+                else:
+                    timeout = 0.5 if pidfd is not None else 0.1
+                events = self.sel.select(timeout)
+                for key, _ in events:
+                    self._dispatch(key)
+                if mpiexec_done is not None and not events and \
+                        all(c.exited for c in self.connections):
+                    break
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+        self._on_mpiexec_exit()
+        # Anything mpiexec left in its group (a stuck proxy) goes with it.
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return self._finish()
+
+    def _check_deadlines(self, now, started):
+        if self.result is None and len(self.ranks) < self.num_ranks \
+                and now - started > self.start_timeout:
+            missing = sorted(set(range(self.num_ranks)) - set(self.ranks))
+            self._fail(1, f"only {len(self.ranks)} of {self.num_ranks} ranks started within "
+                          f"{self.start_timeout:g} s (--start-timeout); missing ranks: "
+                          f"{_short_list(missing)}")
+        if self.kill_time is not None:
+            if self.term_time is None and now - self.kill_time > KILL_GRACE_S:
+                self._terminate_group(signal.SIGTERM)
+            elif self.term_time is not None and not self.killed_group \
+                    and now - self.term_time > TERM_GRACE_S:
+                self._terminate_group(signal.SIGKILL)
+
+    def _dispatch(self, key):
+        tag, extra = key.data
+        if tag == "signal":
+            for signum in self._sig_r.recv(64):
+                self._fail(_SIGNAL_EXIT.get(signum, 128 + signum),
+                           f"received {signal_name(signum)}, ending all ranks")
+        elif tag == "accept":
+            self._accept()
+        elif tag == "conn":
+            self._on_conn_readable(key, extra)
+        elif tag == "mpiexec":
+            self.sel.unregister(key.fileobj)
+        else:
+            self._on_mpiexec_output(key, extra)
+
+    def _accept(self):
+        while True:
+            try:
+                sock, _ = self.server.accept()
+            except BlockingIOError:
+                return
+            sock.setblocking(True)
+            conn = _Connection(sock)
+            self.connections.append(conn)
+            self.sel.register(sock, selectors.EVENT_READ, ("conn", conn))
+
+    def _on_conn_readable(self, key, conn):
+        try:
+            data = conn.sock.recv(1 << 16)
+        except OSError:
+            data = b""
+        if not data:
+            self._on_conn_closed(key, conn)
+            return
+        try:
+            frames = conn.reader.feed(data)
+        except ValueError:
+            frames = []
+            self._on_conn_closed(key, conn)
+        for kind, payload in frames:
+            if conn.rank is None and kind != wire.MSG_HELLO:
+                self._on_conn_closed(key, conn)
+                return
+            if kind == wire.MSG_HELLO:
+                if not self._on_hello(conn, payload):
+                    self._on_conn_closed(key, conn)
+                    return
+            elif kind in (wire.MSG_STDOUT, wire.MSG_STDERR):
+                self.output.write(conn.rank, kind, payload)
+            elif kind == wire.MSG_EXIT:
+                try:
+                    returncode = int(json.loads(payload)["returncode"])
+                except (ValueError, KeyError, TypeError):
+                    returncode = 1
+                self._on_rank_exit(conn, returncode)
+
+    def _on_hello(self, conn, payload) -> bool:
+        try:
+            hello = json.loads(payload)
+        except ValueError:
+            return False
+        if not secrets.compare_digest(str(hello.get("token", "")), self.token):
+            logger.warning("dropped a control connection with a wrong token")
+            return False
+        conn.rank = int(hello["rank"])
+        self.ranks[conn.rank] = RankState(rank=conn.rank, host=str(hello.get("host", "")),
+                                          pid=int(hello.get("pid", 0)))
+        logger.debug("rank %d started: pid %s on %s", conn.rank, hello.get("pid"),
+                     hello.get("host"))
+        if self.kill_time is not None:
+            # The job is already ending; a late rank ends too.
+            try:
+                conn.sock.sendall(wire.encode_frame(wire.MSG_KILL))
+            except OSError:
+                pass
+        return True
+
+    def _on_rank_exit(self, conn, returncode):
+        conn.exited = True
+        state = self.ranks[conn.rank]
+        state.returncode = returncode
+        logger.debug("rank %d %s", conn.rank, describe_returncode(returncode))
+        if returncode != 0 and self.kill_time is None:
+            where = f" (pid {state.pid} on {state.host})" if state.pid else ""
+            self._fail(exit_code_for(returncode),
+                       f"rank {conn.rank}{where} {describe_returncode(returncode)}; "
+                       f"ending the other ranks", rank=conn.rank)
+
+    def _on_conn_closed(self, key, conn):
+        try:
+            self.sel.unregister(key.fileobj)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+        if conn.rank is not None and not conn.exited:
+            conn.exited = True
+            if self.kill_time is None:
+                self._fail(1, f"lost contact with rank {conn.rank} (its wrapper ended without "
+                              f"an exit status); ending the other ranks", rank=conn.rank)
+        else:
+            conn.exited = True
+
+    def _on_mpiexec_output(self, key, fd):
+        data = os.read(key.fd, 1 << 16)
+        if not data:
+            self.sel.unregister(key.fileobj)
+            return
+        if fd == 2:
+            self.mpiexec_stderr.append(data)
+        # Once the job is being ended, mpiexec's complaints about killed ranks are noise.
+        if self.kill_time is None or logger.isEnabledFor(logging.DEBUG):
+            self.output._console(fd, data)
+
+    def _on_mpiexec_exit(self):
+        code = self.proc.returncode
+        if self.result is None and len(self.ranks) < self.num_ranks:
+            self._fail(exit_code_for(code) or 1,
+                       f"mpiexec {describe_returncode(code)} before all ranks started "
+                       f"({len(self.ranks)} of {self.num_ranks})")
+
+    def _finish(self) -> JobResult:
+        # Pick up output that mpiexec wrote just before it ended.
+        for stream, fd in ((self.proc.stdout, 1), (self.proc.stderr, 2)):
+            # Non-blocking: a proxy in a session of its own may still hold the pipe.
+            try:
+                os.set_blocking(stream.fileno(), False)
+                rest = stream.read() or b""
+            except (OSError, ValueError):
+                rest = b""
+            if rest and (self.kill_time is None or logger.isEnabledFor(logging.DEBUG)):
+                self.output._console(fd, rest)
+        if self.result is not None:
+            self.result.ranks = self.ranks
+            return self.result
+        code = self.proc.returncode
+        if code != 0:
+            self.output._console(2, f"hvdliterun: mpiexec {describe_returncode(code)}\n".encode())
+            return JobResult(exit_code=exit_code_for(code), ranks=self.ranks,
+                             message=f"mpiexec {describe_returncode(code)}")
+        return JobResult(exit_code=0, ranks=self.ranks)
+
+
+def _short_list(items, limit=16):
+    text = ", ".join(str(i) for i in items[:limit])
+    return text + (", ..." if len(items) > limit else "")
