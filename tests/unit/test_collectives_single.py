@@ -1,0 +1,241 @@
+"""Every collective and dtype in one process (size 1), against numpy.
+
+Expectations are written for any size where that costs nothing, but this module runs as
+the MPI singleton, rank 0 of 1.
+"""
+import gc
+import weakref
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.timeout(120)
+
+DTYPES = [np.uint8, np.int8, np.int32, np.int64, np.float16, ml_dtypes.bfloat16,
+          np.float32, np.float64]
+ALL_DTYPES = DTYPES + [np.bool_]
+FLOATS = {np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64)}
+
+
+def _ids(dtype):
+    return np.dtype(dtype).name
+
+
+def sample(dtype, shape=(3, 4), seed=0):
+    rng = np.random.default_rng(seed)
+    dt = np.dtype(dtype)
+    if dt == np.bool_:
+        return rng.integers(0, 2, size=shape).astype(bool)
+    if dt in FLOATS:
+        return rng.uniform(-4, 4, size=shape).astype(dt)
+    low = 0 if dt.kind == "u" else -20
+    return rng.integers(low, 20, size=shape).astype(dt)
+
+
+def close(actual, expected):
+    actual = np.asarray(actual)
+    expected = np.asarray(expected)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if actual.dtype in FLOATS:
+        tol = 1e-2 if actual.dtype.itemsize == 2 else 1e-6
+        np.testing.assert_allclose(actual.astype(np.float64), expected.astype(np.float64),
+                                   rtol=tol, atol=tol)
+    else:
+        np.testing.assert_array_equal(actual, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("op", ["Sum", "Average", "Min", "Max", "Product"])
+def test_allreduce_each_dtype_and_op(hvd, dtype, op):
+    x = sample(dtype)
+    before = x.copy()
+    out = hvd.allreduce(x, op=getattr(hvd, op))
+    close(out, x)  # every reduction of one contribution is that contribution
+    assert out is not x and not np.shares_memory(out, x)
+    np.testing.assert_array_equal(x, before)  # the input is untouched
+
+
+@pytest.mark.parametrize("op", ["Min", "Max"])
+def test_allreduce_bool(hvd, op):
+    x = sample(np.bool_)
+    close(hvd.allreduce(x, op=getattr(hvd, op)), x)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32, np.float64],
+                         ids=_ids)
+def test_allreduce_scaling(hvd, dtype):
+    x = sample(dtype)
+    out = hvd.allreduce(x, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0)
+    close(out, (x.astype(np.float64) * 1.5).astype(dtype))
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (1,), (5,), (2, 0, 3), (2, 3, 4), (1000,)],
+                         ids=str)
+def test_allreduce_shapes(hvd, shape):
+    x = sample(np.float32, shape)
+    out = hvd.allreduce(x, op=hvd.Sum)
+    close(out, x)
+
+
+def test_allreduce_array_like(hvd):
+    out = hvd.allreduce([1.0, 2.0, 3.0], op=hvd.Sum)
+    close(out, np.array([1.0, 2.0, 3.0]))
+
+
+def test_allreduce_async_poll_synchronize(hvd):
+    x = sample(np.float64, (100,))
+    handle = hvd.allreduce_async(x, name="async.one", op=hvd.Sum)
+    result = hvd.synchronize(handle)
+    close(result, x)
+    assert hvd.poll(handle) is True
+    assert hvd.synchronize(handle) is result  # a second wait returns the same result
+
+
+def test_many_async_then_wait(hvd):
+    xs = [sample(np.float32, (64,), seed=i) for i in range(100)]
+    handles = [hvd.allreduce_async(x, name=f"many.{i}", op=hvd.Sum) for i, x in enumerate(xs)]
+    for x, h in zip(xs, handles):
+        close(hvd.synchronize(h), x)
+
+
+def test_unnamed_calls_do_not_collide(hvd):
+    handles = [hvd.allreduce_async(np.full(3, i, np.int32), op=hvd.Sum) for i in range(20)]
+    assert [int(hvd.synchronize(h)[0]) for h in handles] == list(range(20))
+
+
+def test_grouped_allreduce(hvd):
+    arrays = [sample(t, (i + 1, 2), seed=i) for i, t in enumerate(DTYPES)]
+    outs = hvd.grouped_allreduce(arrays, name="group.a", op=hvd.Sum)
+    assert isinstance(outs, list) and len(outs) == len(arrays)
+    for out, x in zip(outs, arrays):
+        close(out, x)
+    handle = hvd.grouped_allreduce_async(arrays[:3], op=hvd.Max)
+    for out, x in zip(hvd.synchronize(handle), arrays[:3]):
+        close(out, x)
+    assert hvd.grouped_allreduce([]) == []
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=_ids)
+def test_allgather(hvd, dtype):
+    x = sample(dtype, (3, 2))
+    out = hvd.allgather(x)
+    close(out, np.concatenate([x] * hvd.size()))
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 3), (1,), (4, 2, 2)], ids=str)
+def test_allgather_shapes(hvd, shape):
+    x = sample(np.int64, shape)
+    close(hvd.allgather(x), np.concatenate([x] * hvd.size()))
+
+
+def test_allgather_result_outlives_its_handle(hvd):
+    # The result views memory the core owns; the array must keep the native handle.
+    x = np.arange(1000, dtype=np.float64).reshape(100, 10)
+    handle = hvd.allgather_async(x, name="outlives")
+    out = hvd.synchronize(handle)
+    owner = out
+    while owner is not None and not hasattr(owner, "_owner"):
+        owner = owner.base
+    native = weakref.ref(owner._owner) if owner is not None else None
+    del handle, owner
+    gc.collect()
+    # Reuse memory the allocator may hand out again, then read the result.
+    junk = [np.ones(1000) for _ in range(50)]
+    close(out, x)
+    out[0, 0] = -1.0  # writable
+    del junk
+    if native is not None:
+        assert native() is not None
+        del out
+        gc.collect()
+        assert native() is None, "the native handle outlived every view of its buffer"
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=_ids)
+def test_broadcast(hvd, dtype):
+    x = sample(dtype)
+    out = hvd.broadcast(x, root_rank=0)
+    close(out, x)
+    assert not np.shares_memory(out, x)
+
+
+def test_broadcast_scalar_and_async(hvd):
+    close(hvd.synchronize(hvd.broadcast_async(np.float32(2.5), 0, name="bscalar")),
+          np.array(2.5, np.float32))
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=_ids)
+def test_alltoall(hvd, dtype):
+    x = sample(dtype, (4, 3))
+    out, splits = hvd.alltoall(x, splits=[4])
+    close(out, x)
+    assert splits.dtype == np.int64 and splits.tolist() == [4]
+    out, splits = hvd.alltoall(x)
+    close(out, x)
+    assert splits.tolist() == [4]
+
+
+def test_alltoall_empty(hvd):
+    x = np.zeros((0, 5), np.float32)
+    out, splits = hvd.alltoall(x, splits=np.array([0]))
+    assert out.shape == (0, 5) and splits.tolist() == [0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("op", ["Sum", "Average"])
+def test_reducescatter(hvd, dtype, op):
+    x = sample(dtype, (5, 2))
+    out = hvd.reducescatter(x, op=getattr(hvd, op))
+    close(out, x)  # size 1: rank 0 gets every row
+
+
+def test_reducescatter_rows_rule(native):
+    from hvdlite.ops import reducescatter_rows
+
+    assert [reducescatter_rows(7, 3, r) for r in range(3)] == [3, 2, 2]
+    assert [reducescatter_rows(2, 3, r) for r in range(3)] == [1, 1, 0]
+    assert sum(reducescatter_rows(10, 4, r) for r in range(4)) == 10
+
+
+def test_barrier_and_join(hvd):
+    hvd.barrier()
+    hvd.barrier()
+    assert hvd.join() == 0
+    # Usable after a join.
+    close(hvd.allreduce(np.ones(2, np.float32), op=hvd.Sum), np.ones(2, np.float32))
+
+
+def test_dropped_handle_in_flight_is_safe(hvd):
+    for i in range(20):
+        hvd.allreduce_async(np.ones(10_000, np.float32), name=f"dropped.{i}")
+    gc.collect()
+    # Later calls reap the orphans; the names become free again once they end.
+    import time
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            hvd.allreduce(np.ones(3, np.float32), name="dropped.0")
+            break
+        except hvd.errors.DuplicateNameError:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+
+def test_stats_count(hvd):
+    before = hvd.stats()
+    hvd.allreduce(np.ones(8, np.float32), name="stats.x")
+    after = hvd.stats()
+    assert after["tensors"] > before["tensors"]
+    assert after["cycles"] >= before["cycles"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=st.lists(st.integers(0, 5), max_size=3),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 1000))
+def test_allreduce_property(hvd, shape, dtype, seed):
+    x = sample(dtype, tuple(shape), seed)
+    close(hvd.allreduce(x, op=hvd.Sum), x)
