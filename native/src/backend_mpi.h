@@ -1,0 +1,58 @@
+// Every MPI call of the core. Background thread only (see background_loop.cc).
+//
+// Negotiation uses nonblocking collectives polled with a growing sleep, because a
+// peer may still be computing and a rank blocked in MPICH busy-polls a core. Data
+// collectives run after every rank agreed to run them now, so they use the blocking
+// calls, which progress fastest.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace hvdlite {
+
+struct MpiTopology {
+  int rank = 0, size = 1, local_rank = 0, local_size = 1, cross_rank = 0, cross_size = 1;
+  bool threads_multiple = false;
+};
+
+class MpiBackend {
+ public:
+  // comm_f2c < 0: MPI_COMM_WORLD. Initializes MPI when nobody has.
+  Status Init(int64_t comm_f2c, MpiTopology* topo);
+  // Frees the core's communicators; finalizes MPI if Init initialized it and
+  // `finalize` is set (not after a transport failure, where it could hang).
+  void Shutdown(bool finalize);
+
+  // Negotiation (nonblocking, polled with backoff).
+  Status AndBits(std::vector<uint64_t>* bits);
+  // Rank 0 receives every rank's blob; others get an empty vector.
+  Status GatherBlobs(const std::vector<uint8_t>& mine, std::vector<std::vector<uint8_t>>* all);
+  Status BroadcastBlob(std::vector<uint8_t>* blob);  // from rank 0
+
+  // Data (blocking).
+  Status Allreduce(void* buf, int64_t count, int32_t dtype, int32_t reduce_op);
+  Status Allgatherv(const void* in, int64_t in_bytes, void* out,
+                    const std::vector<int64_t>& bytes_per_rank);
+  Status Bcast(void* buf, int64_t nbytes, int root);
+  Status Alltoallv(const void* in, const std::vector<int64_t>& send_bytes, void* out,
+                   const std::vector<int64_t>& recv_bytes);
+  Status ReduceScatter(const void* in, void* out, const std::vector<int64_t>& counts,
+                       int32_t dtype, int32_t reduce_op);
+  Status Barrier();
+
+  static std::string LibraryVersion();
+
+ private:
+  Status Check(int rc, const char* what);
+  Status WaitBackoff(void* request, const char* what);
+
+  void* comm_ = nullptr;  // MPI_Comm*, kept opaque so mpi.h stays in one file
+  bool initialized_mpi_ = false;
+  std::vector<void*> ops_;  // user-defined reductions for 16-bit floats
+};
+
+}  // namespace hvdlite

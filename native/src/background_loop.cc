@@ -1,0 +1,709 @@
+// The background loop.
+//
+// Why one thread owns every MPI call: collectives must run in the same order on every
+// rank, and the order is decided here, cycle by cycle, from one response list that is
+// identical everywhere. Framework threads only validate, enqueue and wait, so no
+// framework thread can ever issue a collective out of that order, and MPI needs no
+// locking of ours.
+//
+// One cycle:
+//  1. pop new requests; each is a response-cache hit (its slot's bit will be set), a
+//     changed cache entry (its slot is invalidated everywhere), or uncached;
+//  2. one MPI_Iallreduce(BAND) over [flags | hit bits | invalid bits] tells every rank
+//     which cached tensors are ready everywhere, which slots to drop, and whether
+//     anyone has uncached requests, has joined, or asked to shut down;
+//  3. only if someone has uncached requests: gather them on rank 0, whose Controller
+//     checks them across ranks and broadcasts the new responses;
+//  4. execute cached-ready responses (slot order) then new ones (broadcast order),
+//     fusing consecutive compatible allreduces up to the fusion threshold;
+//  5. complete the handles.
+#include "background_loop.h"
+
+#include <cmath>
+#include <cstring>
+#include <future>
+
+namespace hvdlite {
+namespace {
+
+constexpr const char* kJoinName = "__join__";
+
+Status NotInitialized() {
+  return Status(HVDLITE_ERR_NOT_INITIALIZED,
+                "hvdlite is not initialized: call hvdlite.init() first");
+}
+
+int64_t RowElements(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (size_t i = 1; i < shape.size(); ++i) n *= shape[i];
+  return n;
+}
+
+std::string Upper(const char* s) {
+  std::string u(s);
+  for (auto& c : u) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return u;
+}
+
+}  // namespace
+
+Core& Core::Get() {
+  // Never destroyed: the background thread may outlive static destruction order.
+  static Core* core = new Core();
+  return *core;
+}
+
+Status Core::CheckRunning() const {
+  if (!running_) return NotInitialized();
+  return Status::OK();
+}
+
+Status Core::Init(int64_t comm_f2c) {
+  std::lock_guard<std::mutex> lock(lifecycle_mutex_);
+  if (running_) {
+    return Status(HVDLITE_ERR_ALREADY_INITIALIZED, "hvdlite is already initialized");
+  }
+  if (thread_.joinable()) thread_.join();
+  Config config;
+  Status s = LoadConfig(&config);
+  if (!s.ok()) return s;
+  config_ = config;
+  shutdown_requested_ = false;
+  loop_ended_ = false;
+  {
+    std::lock_guard<std::mutex> end_lock(end_mutex_);
+    end_status_ = Status::OK();
+  }
+  std::promise<Status> started;
+  std::future<Status> result = started.get_future();
+  thread_ = std::thread([this, comm_f2c, &started] {
+    MpiTopology topo;
+    Status st = mpi_.Init(comm_f2c, &topo);
+    if (st.ok()) {
+      topo_ = topo;
+      SetLogRank(topo.rank);
+      if (topo.rank == 0 && !config_.timeline_path.empty()) {
+        st = timeline_.Start(config_.timeline_path, config_.timeline_mark_cycles);
+        if (!st.ok()) mpi_.Shutdown(true);
+      }
+    }
+    bool ok = st.ok();
+    started.set_value(st);
+    if (ok) Loop(comm_f2c);
+  });
+  s = result.get();
+  if (!s.ok()) {
+    thread_.join();
+    return s;
+  }
+  running_ = true;
+  HVDLITE_LOG(DEBUG) << "initialized: rank " << topo_.rank << " of " << topo_.size;
+  return Status::OK();
+}
+
+Status Core::Shutdown() {
+  std::lock_guard<std::mutex> lock(lifecycle_mutex_);
+  if (!thread_.joinable()) return Status::OK();
+  shutdown_requested_ = true;
+  queue_.Wake();
+  thread_.join();
+  running_ = false;
+  std::lock_guard<std::mutex> tl(timeline_mutex_);
+  timeline_.Stop();
+  return Status::OK();
+}
+
+Status Core::StartTimeline(const std::string& path, bool mark_cycles) {
+  Status s = CheckRunning();
+  if (!s.ok()) return s;
+  std::lock_guard<std::mutex> tl(timeline_mutex_);
+  if (topo_.rank != 0) return Status::OK();
+  return timeline_.Start(path, mark_cycles);
+}
+
+Status Core::StopTimeline() {
+  Status s = CheckRunning();
+  if (!s.ok()) return s;
+  std::lock_guard<std::mutex> tl(timeline_mutex_);
+  timeline_.Stop();
+  return Status::OK();
+}
+
+// ---------------------------------------------------------------- enqueue (any thread)
+
+Status Core::Validate(const hvdlite_tensor_t& t, int64_t index) const {
+  std::string who = t.name ? std::string("tensor '") + t.name + "'" : "tensor #" + std::to_string(index);
+  if (!t.name || !*t.name) return InvalidArgument(who + ": a name is required");
+  if (!ValidOp(t.op)) return InvalidArgument(who + ": unknown op " + std::to_string(t.op));
+  if (!ValidDtype(t.dtype)) return InvalidArgument(who + ": unsupported dtype code " + std::to_string(t.dtype));
+  if (t.ndim < 0 || t.ndim > 64 || (t.ndim > 0 && !t.shape)) {
+    return InvalidArgument(who + ": invalid number of dimensions " + std::to_string(t.ndim));
+  }
+  int64_t elems = 1;
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] < 0) return InvalidArgument(who + ": negative dimension in its shape");
+    elems *= t.shape[i];
+  }
+  const char* op = OpName(t.op);
+  if (t.device != -1) {
+    return InvalidArgument(who + ": device tensors (device " + std::to_string(t.device) +
+                           ") are not supported by this build yet; only host memory");
+  }
+  if (t.process_set_id != 0) {
+    return InvalidArgument(who + ": process set " + std::to_string(t.process_set_id) +
+                           " does not exist (only 0, all ranks)");
+  }
+  if (t.op == HVDLITE_OP_ALLREDUCE || t.op == HVDLITE_OP_REDUCESCATTER) {
+    if (!ValidReduceOp(t.reduce_op)) {
+      return InvalidArgument(who + ": unknown reduction op " + std::to_string(t.reduce_op));
+    }
+    if (t.dtype == HVDLITE_BOOL && t.reduce_op != HVDLITE_MIN && t.reduce_op != HVDLITE_MAX) {
+      return InvalidArgument(who + ": bool tensors support only Min and Max, not " +
+                             ReduceOpName(t.reduce_op));
+    }
+    if (!std::isfinite(t.prescale_factor) || !std::isfinite(t.postscale_factor)) {
+      return InvalidArgument(who + ": scale factors must be finite");
+    }
+  }
+  bool data_op = t.op != HVDLITE_OP_BARRIER && t.op != HVDLITE_OP_JOIN;
+  if (data_op && elems > 0 && !t.input) return InvalidArgument(who + ": input pointer is NULL");
+  bool caller_output = t.op == HVDLITE_OP_ALLREDUCE || t.op == HVDLITE_OP_BROADCAST ||
+                       t.op == HVDLITE_OP_REDUCESCATTER;
+  if (caller_output && elems > 0 && !t.output) {
+    return InvalidArgument(who + ": " + op + " needs an output buffer");
+  }
+  if ((t.op == HVDLITE_OP_ALLGATHER || t.op == HVDLITE_OP_ALLTOALL ||
+       t.op == HVDLITE_OP_REDUCESCATTER) && t.ndim < 1) {
+    return InvalidArgument(who + ": " + op + " needs a tensor with at least one dimension, got a 0-d one");
+  }
+  int size = topo_.size;
+  if (t.op == HVDLITE_OP_BROADCAST && (t.root_rank < 0 || t.root_rank >= size)) {
+    return InvalidArgument(who + ": root rank " + std::to_string(t.root_rank) +
+                           " is out of range for " + std::to_string(size) + " ranks");
+  }
+  if (t.op == HVDLITE_OP_ALLTOALL) {
+    if (t.splits) {
+      int64_t sum = 0;
+      for (int r = 0; r < size; ++r) {
+        if (t.splits[r] < 0) return InvalidArgument(who + ": alltoall splits must not be negative");
+        sum += t.splits[r];
+      }
+      if (sum != t.shape[0]) {
+        return InvalidArgument(who + ": alltoall splits sum to " + std::to_string(sum) +
+                               " but the first dimension is " + std::to_string(t.shape[0]));
+      }
+    } else if (t.shape[0] % size != 0) {
+      return InvalidArgument(who + ": " + std::to_string(t.shape[0]) +
+                             " rows cannot be split evenly across " + std::to_string(size) +
+                             " ranks; pass splits");
+    }
+  }
+  return Status::OK();
+}
+
+Status Core::Enqueue(const hvdlite_tensor_t* tensors, int32_t n, bool group, hvdlite_handle_t* out) {
+  Status s = CheckRunning();
+  if (!s.ok()) return s;
+  if (loop_ended_) {
+    std::lock_guard<std::mutex> lock(end_mutex_);
+    return end_status_;
+  }
+  if (n <= 0 || !tensors || !out) return InvalidArgument("no tensors given");
+  std::vector<TensorEntry> entries;
+  entries.reserve(n);
+  std::string group_name = group ? "group:" + std::string(tensors[0].name ? tensors[0].name : "") +
+                                       ":" + std::to_string(n)
+                                 : "";
+  auto now = Clock::now();
+  for (int32_t i = 0; i < n; ++i) {
+    const hvdlite_tensor_t& t = tensors[i];
+    s = Validate(t, i);
+    if (!s.ok()) return s;
+    if (group && t.op != HVDLITE_OP_ALLREDUCE) {
+      return InvalidArgument("grouped ops must all be allreduces");
+    }
+    TensorEntry e;
+    Request& q = e.request;
+    q.rank = topo_.rank;
+    q.name = t.op == HVDLITE_OP_JOIN ? kJoinName : t.name;
+    q.op = t.op;
+    q.dtype = t.dtype;
+    q.shape.assign(t.shape, t.shape + t.ndim);
+    q.reduce_op = t.reduce_op;
+    q.prescale = t.prescale_factor;
+    q.postscale = t.postscale_factor;
+    q.root_rank = t.root_rank;
+    if (t.op == HVDLITE_OP_ALLTOALL) {
+      if (t.splits) {
+        q.splits.assign(t.splits, t.splits + topo_.size);
+      } else {
+        q.splits.assign(topo_.size, t.shape[0] / topo_.size);
+      }
+    }
+    q.process_set = t.process_set_id;
+    q.device = t.device;
+    q.group = group_name;
+    q.group_size = group ? n : 0;
+    e.input = t.input;
+    e.output = t.output;
+    e.enqueued = now;
+    entries.push_back(std::move(e));
+  }
+  std::vector<hvdlite_handle_t> created;
+  for (auto& e : entries) {
+    e.handle = handles_.Create();
+    created.push_back(e.handle);
+  }
+  s = queue_.Add(std::move(entries));
+  if (!s.ok()) {
+    for (auto h : created) {
+      handles_.Complete(h, s);
+      handles_.Release(h);
+    }
+    return s;
+  }
+  for (int32_t i = 0; i < n; ++i) out[i] = created[i];
+  // The loop may have ended between the check above and Add: never leave a handle
+  // that nobody will complete.
+  if (loop_ended_) {
+    std::lock_guard<std::mutex> lock(end_mutex_);
+    FailEverything(end_status_);
+  }
+  return Status::OK();
+}
+
+// ------------------------------------------------------------ background thread
+
+void Core::FailEverything(const Status& s) {
+  for (hvdlite_handle_t h : queue_.TakeAll()) handles_.Complete(h, s);
+}
+
+void Core::Loop(int64_t comm_f2c) {
+  cache_.reset(config_.cache_capacity > 0 ? new ResponseCache(config_.cache_capacity) : nullptr);
+  controller_.reset(topo_.rank == 0 ? new Controller(topo_.size, config_) : nullptr);
+  uncached_.clear();
+  cached_pending_.clear();
+  invalid_slots_.clear();
+  join_active_ = local_joined_ = false;
+  auto cycle = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double, std::milli>(config_.cycle_time_ms));
+  auto last_start = Clock::now();
+  Status end = Status(HVDLITE_ERR_SHUTDOWN, "hvdlite was shut down");
+  while (true) {
+    queue_.WaitForWork(last_start + cycle);
+    last_start = Clock::now();
+    Status s;
+    bool go_on = true;
+    try {
+      go_on = RunCycle();
+    } catch (const std::exception& ex) {
+      s = Status(HVDLITE_ERR_INTERNAL, std::string("internal error in the background loop: ") + ex.what());
+    }
+    if (!go_on) {
+      std::lock_guard<std::mutex> lock(end_mutex_);
+      if (!end_status_.ok()) s = end_status_;
+    }
+    if (!s.ok()) {
+      HVDLITE_LOG(ERROR) << s.message();
+      end = s;
+      break;
+    }
+    if (!go_on) break;
+  }
+  bool transport_ok = end.code() == HVDLITE_ERR_SHUTDOWN;
+  {
+    std::lock_guard<std::mutex> lock(end_mutex_);
+    end_status_ = end;
+    loop_ended_ = true;
+    FailEverything(end);
+  }
+  mpi_.Shutdown(transport_ok);
+}
+
+bool Core::RunCycle() {
+  counters_.cycles++;
+  timeline_.MarkCycle();
+  auto now = Clock::now();
+  std::vector<Request> fresh;
+  queue_.PopPending(&fresh);
+  for (Request& q : fresh) {
+    if (timeline_.active() && q.op != HVDLITE_OP_JOIN) {
+      timeline_.Begin(q.name, "NEGOTIATE_" + Upper(OpName(q.op)));
+    }
+    if (q.op == HVDLITE_OP_JOIN) local_joined_ = true;
+    int64_t slot = -1;
+    auto lookup = ResponseCache::Lookup::kMiss;
+    if (cache_ && !join_active_ && q.group.empty() && q.op != HVDLITE_OP_JOIN &&
+        q.op != HVDLITE_OP_BARRIER) {
+      lookup = cache_->Find(q, &slot);
+    }
+    if (lookup == ResponseCache::Lookup::kHit) {
+      cached_pending_[slot] = now;
+      continue;
+    }
+    if (lookup == ResponseCache::Lookup::kChanged) invalid_slots_.insert(slot);
+    uncached_.push_back(std::move(q));
+  }
+  // A cached tensor waiting long on this rank goes back through the coordinator,
+  // which can tell who is missing (a bit vector cannot).
+  double stall_s = config_.stall_check_s;
+  if (config_.stall_shutdown_s > 0 && (stall_s <= 0 || config_.stall_shutdown_s < stall_s)) {
+    stall_s = config_.stall_shutdown_s;
+  }
+  if (stall_s > 0) {
+    for (auto& kv : cached_pending_) {
+      if (std::chrono::duration<double>(now - kv.second).count() > stall_s / 2) {
+        invalid_slots_.insert(kv.first);
+      }
+    }
+  }
+
+  const size_t words = cache_ ? (cache_->capacity() + 63) / 64 : 0;
+  std::vector<uint64_t> bits(1 + 2 * words, 0);
+  uint64_t flags = 0;
+  bool wants_round = controller_ && controller_->WantsRound(now);
+  if (!uncached_.empty() || wants_round) flags |= 1;
+  if (shutdown_requested_) flags |= 2;
+  if (local_joined_) flags |= 4;
+  // BAND over inverted flags is an OR over ranks.
+  bits[0] = ~flags;
+  for (auto& kv : cached_pending_) {
+    if (!invalid_slots_.count(kv.first)) bits[1 + kv.first / 64] |= 1ull << (kv.first % 64);
+  }
+  for (size_t i = 0; i < words; ++i) bits[1 + words + i] = ~0ull;
+  for (int64_t slot : invalid_slots_) bits[1 + words + slot / 64] &= ~(1ull << (slot % 64));
+  invalid_slots_.clear();
+
+  Status s = mpi_.AndBits(&bits);
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> lock(end_mutex_);
+    end_status_ = s;
+    return false;
+  }
+  flags = ~bits[0];
+  bool any_uncached = flags & 1, any_shutdown = flags & 2, any_joined = flags & 4;
+
+  auto to_uncached = [&](int64_t slot) {
+    const Response& r = cache_->Get(slot);
+    TensorEntry* e = queue_.Find(r.name);
+    if (e) uncached_.push_back(e->request);
+    cached_pending_.erase(slot);
+  };
+  for (size_t w = 0; w < words; ++w) {
+    uint64_t invalid = ~bits[1 + words + w];
+    while (invalid) {
+      int64_t slot = static_cast<int64_t>(w * 64 + __builtin_ctzll(invalid));
+      invalid &= invalid - 1;
+      if (!cache_->Has(slot)) continue;
+      if (cached_pending_.count(slot)) to_uncached(slot);
+      cache_->Erase(slot);
+    }
+  }
+  join_active_ = any_joined;
+  if (any_joined) {
+    while (!cached_pending_.empty()) to_uncached(cached_pending_.begin()->first);
+  }
+
+  std::vector<Response> ready;
+  for (size_t w = 0; w < words; ++w) {
+    uint64_t hit = bits[1 + w];
+    while (hit) {
+      int64_t slot = static_cast<int64_t>(w * 64 + __builtin_ctzll(hit));
+      hit &= hit - 1;
+      if (!cache_->Has(slot) || !cached_pending_.count(slot)) continue;
+      cache_->Touch(slot);
+      ready.push_back(cache_->Get(slot));
+      cached_pending_.erase(slot);
+      counters_.cache_hits++;
+    }
+  }
+
+  if (any_uncached) {
+    counters_.coordinator_gathers++;
+    counters_.cache_misses += static_cast<int64_t>(uncached_.size());
+    for (Request& q : uncached_) {
+      TensorEntry* e = queue_.Find(q.name);
+      q.wait_ms = e ? std::chrono::duration_cast<std::chrono::milliseconds>(now - e->enqueued).count() : 0;
+    }
+    std::vector<uint8_t> mine;
+    SerializeRequests(uncached_, &mine);
+    uncached_.clear();
+    std::vector<std::vector<uint8_t>> all;
+    s = mpi_.GatherBlobs(mine, &all);
+    std::vector<uint8_t> blob;
+    if (s.ok() && controller_) {
+      for (size_t r = 0; r < all.size() && s.ok(); ++r) {
+        std::vector<Request> reqs;
+        s = ParseRequests(all[r].data(), all[r].size(), &reqs);
+        for (const Request& q : reqs) {
+          if (timeline_.active() && q.op != HVDLITE_OP_JOIN) {
+            timeline_.Instant(q.name, "rank " + std::to_string(q.rank) + " ready");
+          }
+          controller_->AddRequest(q, now);
+        }
+      }
+      SerializeResponses(controller_->BuildResponses(now), &blob);
+    }
+    if (s.ok()) s = mpi_.BroadcastBlob(&blob);
+    std::vector<Response> fresh_responses;
+    if (s.ok()) s = ParseResponses(blob.data(), blob.size(), &fresh_responses);
+    if (!s.ok()) {
+      std::lock_guard<std::mutex> lock(end_mutex_);
+      end_status_ = s;
+      return false;
+    }
+    for (Response& r : fresh_responses) {
+      if (r.cacheable && cache_ && r.error.empty()) {
+        // Every rank submitted a cacheable tensor, so each has its own request here;
+        // Put runs on every rank in this same order, keeping slots identical.
+        TensorEntry* e = queue_.Find(r.name);
+        Request local = e ? e->request : Request();
+        if (!e) local.name = r.name;
+        cache_->Put(local, r);
+      }
+      ready.push_back(std::move(r));
+    }
+  }
+
+  Execute(ready);
+  {
+    std::lock_guard<std::mutex> lock(end_mutex_);
+    if (!end_status_.ok()) return false;
+  }
+  return !any_shutdown;
+}
+
+void Core::Finish(TensorEntry* e, const Status& s, OpOutput out) {
+  if (!e) return;
+  std::string name = e->request.name;
+  hvdlite_handle_t h = e->handle;
+  queue_.Remove(name);  // e is gone from here on
+  if (s.ok()) {
+    counters_.tensors++;
+  } else {
+    counters_.errors++;
+  }
+  handles_.Complete(h, s, std::move(out));
+}
+
+void Core::Execute(const std::vector<Response>& ready) {
+  size_t i = 0;
+  while (i < ready.size()) {
+    const Response& r = ready[i];
+    if (timeline_.active() && r.op != HVDLITE_OP_JOIN) timeline_.End(r.name);
+    if (!r.error.empty()) {
+      Finish(queue_.Find(r.name), Status(r.error_code, r.error));
+      ++i;
+      continue;
+    }
+    if (r.op != HVDLITE_OP_ALLREDUCE) {
+      ExecuteOne(r);
+      ++i;
+      continue;
+    }
+    // Fuse the run of compatible allreduces that fits under the threshold. Every
+    // field used here comes from the responses, which are identical on all ranks.
+    std::vector<const Response*> fused{&r};
+    int64_t bytes = NumElements(r.shape) * ElementSize(r.dtype);
+    size_t j = i + 1;
+    while (config_.fusion_threshold > 0 && j < ready.size()) {
+      const Response& c = ready[j];
+      int64_t b = NumElements(c.shape) * ElementSize(c.dtype);
+      if (c.op != HVDLITE_OP_ALLREDUCE || !c.error.empty() || c.dtype != r.dtype ||
+          c.reduce_op != r.reduce_op || c.prescale != r.prescale || c.postscale != r.postscale ||
+          c.contributors != r.contributors || bytes + b > config_.fusion_threshold) {
+        break;
+      }
+      if (timeline_.active()) timeline_.End(c.name);
+      fused.push_back(&c);
+      bytes += b;
+      ++j;
+    }
+    ExecuteAllreduce(fused);
+    i = j;
+  }
+}
+
+void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
+  const Response& first = *fused[0];
+  const int32_t dtype = first.dtype;
+  const int elem = ElementSize(dtype);
+  const bool average = first.reduce_op == HVDLITE_AVERAGE;
+  const int64_t divisor = average ? std::max(1, first.contributors) : 1;
+  const int32_t mpi_op = average ? HVDLITE_SUM : first.reduce_op;
+  const bool tl = timeline_.active();
+  std::vector<TensorEntry*> entries;
+  int64_t total = 0;
+  for (const Response* r : fused) {
+    entries.push_back(queue_.Find(r->name));
+    total += NumElements(r->shape);
+    if (tl) {
+      timeline_.Begin(r->name, "ALLREDUCE",
+                      std::string("\"dtype\": \"") + DtypeName(dtype) + "\", \"shape\": \"" +
+                          ShapeString(r->shape) + "\", \"bytes\": " +
+                          std::to_string(NumElements(r->shape) * elem) + ", \"fused\": " +
+                          std::to_string(fused.size()));
+    }
+  }
+  auto activity = [&](const char* name) {
+    if (!tl) return;
+    for (const Response* r : fused) timeline_.Begin(r->name, name);
+  };
+  auto activity_end = [&] {
+    if (!tl) return;
+    for (const Response* r : fused) timeline_.End(r->name);
+  };
+  Status s;
+  if (fused.size() == 1 && entries[0]) {
+    // One tensor: reduce in its output buffer, no fusion-buffer round trip.
+    TensorEntry* e = entries[0];
+    activity("MEMCPY_IN_FUSION_BUFFER");
+    ScaledCopy(e->output, e->input, total, dtype, first.prescale, 1);
+    activity_end();
+    activity("MPI_ALLREDUCE");
+    s = mpi_.Allreduce(e->output, total, dtype, mpi_op);
+    activity_end();
+    activity("MEMCPY_OUT_FUSION_BUFFER");
+    if (s.ok()) ScaledCopy(e->output, e->output, total, dtype, first.postscale, divisor);
+    activity_end();
+  } else {
+    uint8_t* buf = fusion_.Get(total * elem);
+    activity("MEMCPY_IN_FUSION_BUFFER");
+    int64_t off = 0;
+    for (size_t k = 0; k < fused.size(); ++k) {
+      int64_t n = NumElements(fused[k]->shape);
+      if (entries[k]) {
+        ScaledCopy(buf + off * elem, entries[k]->input, n, dtype, first.prescale, 1);
+      } else {
+        std::memset(buf + off * elem, 0, n * elem);  // a joined rank contributes zeros
+      }
+      off += n;
+    }
+    activity_end();
+    activity("MPI_ALLREDUCE");
+    s = mpi_.Allreduce(buf, total, dtype, mpi_op);
+    activity_end();
+    activity("MEMCPY_OUT_FUSION_BUFFER");
+    off = 0;
+    for (size_t k = 0; k < fused.size() && s.ok(); ++k) {
+      int64_t n = NumElements(fused[k]->shape);
+      if (entries[k]) ScaledCopy(entries[k]->output, buf + off * elem, n, dtype, first.postscale, divisor);
+      off += n;
+    }
+    activity_end();
+  }
+  if (tl) {
+    for (const Response* r : fused) timeline_.End(r->name);
+  }
+  counters_.collectives++;
+  if (fused.size() > 1) counters_.fused_collectives++;
+  counters_.bytes += total * elem;
+  for (TensorEntry* e : entries) Finish(e, s);
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> lock(end_mutex_);
+    end_status_ = s;
+  }
+}
+
+void Core::ExecuteOne(const Response& r) {
+  TensorEntry* e = r.op == HVDLITE_OP_JOIN ? queue_.Find(kJoinName) : queue_.Find(r.name);
+  const int elem = ElementSize(r.dtype);
+  const int size = topo_.size, me = topo_.rank;
+  const bool tl = timeline_.active() && r.op != HVDLITE_OP_JOIN;
+  std::string op_upper = Upper(OpName(r.op));
+  if (tl) {
+    timeline_.Begin(r.name, op_upper, std::string("\"dtype\": \"") + DtypeName(r.dtype) +
+                                          "\", \"shape\": \"" + ShapeString(r.shape) + "\"");
+    timeline_.Begin(r.name, "MPI_" + op_upper);
+  }
+  Status s;
+  OpOutput out;
+  int64_t moved = 0;
+  switch (r.op) {
+    case HVDLITE_OP_ALLGATHER: {
+      int64_t row = RowElements(r.shape) * elem;
+      std::vector<int64_t> bytes(size);
+      int64_t total = 0;
+      for (int k = 0; k < size; ++k) {
+        bytes[k] = r.first_dims[k] * row;
+        total += bytes[k];
+        out.first_dim += r.first_dims[k];
+      }
+      out.data.reset(new uint8_t[std::max<int64_t>(total, 1)]);
+      out.nbytes = total;
+      s = mpi_.Allgatherv(e ? e->input : nullptr, bytes[me], out.data.get(), bytes);
+      moved = total;
+      break;
+    }
+    case HVDLITE_OP_BROADCAST: {
+      int64_t nbytes = NumElements(r.shape) * elem;
+      void* target = e ? e->output : fusion_.Get(nbytes);  // a joined rank receives and drops
+      if (me == r.root_rank && e && e->output != e->input && nbytes > 0) {
+        std::memcpy(e->output, e->input, nbytes);
+      }
+      s = mpi_.Bcast(target, nbytes, r.root_rank);
+      moved = nbytes;
+      break;
+    }
+    case HVDLITE_OP_ALLTOALL: {
+      int64_t row = RowElements(r.shape) * elem;
+      std::vector<int64_t> send(size), recv(size);
+      int64_t total = 0;
+      out.recv_splits.resize(size);
+      for (int k = 0; k < size; ++k) {
+        send[k] = r.splits[static_cast<size_t>(me) * size + k] * row;
+        out.recv_splits[k] = r.splits[static_cast<size_t>(k) * size + me];
+        recv[k] = out.recv_splits[k] * row;
+        out.first_dim += out.recv_splits[k];
+        total += recv[k];
+      }
+      out.data.reset(new uint8_t[std::max<int64_t>(total, 1)]);
+      out.nbytes = total;
+      s = mpi_.Alltoallv(e ? e->input : nullptr, send, out.data.get(), recv);
+      moved = total;
+      break;
+    }
+    case HVDLITE_OP_REDUCESCATTER: {
+      int64_t rows = r.shape[0], row = RowElements(r.shape);
+      std::vector<int64_t> counts(size);
+      for (int k = 0; k < size; ++k) counts[k] = (rows / size + (k < rows % size ? 1 : 0)) * row;
+      int64_t total = rows * row;
+      const void* in = e->input;
+      if (r.prescale != 1.0) {
+        uint8_t* scratch = fusion_.Get(total * elem);
+        ScaledCopy(scratch, e->input, total, r.dtype, r.prescale, 1);
+        in = scratch;
+      }
+      bool average = r.reduce_op == HVDLITE_AVERAGE;
+      s = mpi_.ReduceScatter(in, e->output, counts, r.dtype, average ? HVDLITE_SUM : r.reduce_op);
+      if (s.ok()) {
+        ScaledCopy(e->output, e->output, counts[me], r.dtype, r.postscale,
+                   average ? std::max(1, r.contributors) : 1);
+      }
+      moved = total * elem;
+      break;
+    }
+    case HVDLITE_OP_BARRIER:
+      s = mpi_.Barrier();
+      break;
+    case HVDLITE_OP_JOIN:
+      local_joined_ = false;
+      out.first_dim = r.last_joined_rank;
+      break;
+  }
+  if (tl) {
+    timeline_.End(r.name);
+    timeline_.End(r.name);
+  }
+  if (r.op != HVDLITE_OP_JOIN) {
+    counters_.collectives++;
+    counters_.bytes += moved;
+  }
+  Finish(e, s, std::move(out));
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> lock(end_mutex_);
+    end_status_ = s;
+  }
+}
+
+}  // namespace hvdlite

@@ -1,0 +1,62 @@
+// Types shared by every part of the core: Status, element types, names, logging.
+#pragma once
+
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "hvdlite/c_api.h"
+
+namespace hvdlite {
+
+// The outcome of an operation: a code from c_api.h and, when not OK, why.
+class Status {
+ public:
+  Status() = default;
+  Status(hvdlite_status_t code, std::string message) : code_(code), message_(std::move(message)) {}
+  static Status OK() { return Status(); }
+  bool ok() const { return code_ == HVDLITE_OK; }
+  hvdlite_status_t code() const { return code_; }
+  const std::string& message() const { return message_; }
+
+ private:
+  hvdlite_status_t code_ = HVDLITE_OK;
+  std::string message_;
+};
+
+inline Status InvalidArgument(std::string m) { return Status(HVDLITE_ERR_INVALID_ARGUMENT, std::move(m)); }
+
+bool ValidDtype(int32_t dtype);
+int ElementSize(int32_t dtype);
+const char* DtypeName(int32_t dtype);
+bool IsFloat(int32_t dtype);
+bool ValidOp(int32_t op);
+const char* OpName(int32_t op);
+bool ValidReduceOp(int32_t reduce_op);
+const char* ReduceOpName(int32_t reduce_op);
+std::string ShapeString(const std::vector<int64_t>& shape);
+int64_t NumElements(const std::vector<int64_t>& shape);
+
+// Logging: HVDLITE_LOG(WARNING) << "..."; level from HVDLITE_LOG_LEVEL.
+enum class LogLevel { TRACE = 0, DEBUG = 1, INFO = 2, WARNING = 3, ERROR = 4 };
+LogLevel MinLogLevel();
+void SetLogRank(int rank);
+
+class LogMessage {
+ public:
+  explicit LogMessage(LogLevel level) : level_(level) {}
+  ~LogMessage();
+  std::ostream& stream() { return stream_; }
+
+ private:
+  LogLevel level_;
+  std::ostringstream stream_;
+};
+
+#define HVDLITE_LOG(level)                                                 \
+  if (::hvdlite::LogLevel::level < ::hvdlite::MinLogLevel()) {             \
+  } else                                                                   \
+    ::hvdlite::LogMessage(::hvdlite::LogLevel::level).stream()
+
+}  // namespace hvdlite

@@ -1,0 +1,56 @@
+#include "config.h"
+
+#include <cerrno>
+#include <cstdlib>
+
+namespace hvdlite {
+namespace {
+
+Status ReadDouble(const char* var, double min, double* out) {
+  const char* env = std::getenv(var);
+  if (!env || !*env) return Status::OK();
+  char* end = nullptr;
+  errno = 0;
+  double v = std::strtod(env, &end);
+  if (errno || *end || v < min) {
+    return InvalidArgument(std::string(var) + "='" + env + "' is not a number >= " +
+                           std::to_string(min));
+  }
+  *out = v;
+  return Status::OK();
+}
+
+Status ReadInt(const char* var, int64_t min, int64_t* out) {
+  const char* env = std::getenv(var);
+  if (!env || !*env) return Status::OK();
+  char* end = nullptr;
+  errno = 0;
+  long long v = std::strtoll(env, &end, 10);
+  if (errno || *end || v < min) {
+    return InvalidArgument(std::string(var) + "='" + env + "' is not an integer >= " +
+                           std::to_string(min));
+  }
+  *out = v;
+  return Status::OK();
+}
+
+}  // namespace
+
+Status LoadConfig(Config* c) {
+  Status s;
+  if (!(s = ReadInt("HVDLITE_FUSION_THRESHOLD", 0, &c->fusion_threshold)).ok()) return s;
+  if (!(s = ReadDouble("HVDLITE_CYCLE_TIME", 0.0, &c->cycle_time_ms)).ok()) return s;
+  if (!(s = ReadInt("HVDLITE_CACHE_CAPACITY", 0, &c->cache_capacity)).ok()) return s;
+  if (!(s = ReadDouble("HVDLITE_STALL_CHECK_TIME", 0.0, &c->stall_check_s)).ok()) return s;
+  if (!(s = ReadDouble("HVDLITE_STALL_SHUTDOWN_TIME", 0.0, &c->stall_shutdown_s)).ok()) return s;
+  if (c->cache_capacity > (1 << 20)) {
+    return InvalidArgument("HVDLITE_CACHE_CAPACITY must be at most 1048576");
+  }
+  if (const char* t = std::getenv("HVDLITE_TIMELINE")) c->timeline_path = t;
+  if (const char* m = std::getenv("HVDLITE_TIMELINE_MARK_CYCLES")) {
+    c->timeline_mark_cycles = std::string(m) == "1" || std::string(m) == "true";
+  }
+  return Status::OK();
+}
+
+}  // namespace hvdlite

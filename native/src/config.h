@@ -1,0 +1,24 @@
+// Knobs read from HVDLITE_* environment variables at init.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common.h"
+
+namespace hvdlite {
+
+struct Config {
+  int64_t fusion_threshold = 128LL * 1024 * 1024;  // HVDLITE_FUSION_THRESHOLD, bytes; 0: off
+  double cycle_time_ms = 1.0;                      // HVDLITE_CYCLE_TIME
+  int64_t cache_capacity = 1024;                   // HVDLITE_CACHE_CAPACITY; 0: off
+  double stall_check_s = 60.0;                     // HVDLITE_STALL_CHECK_TIME; 0: off
+  double stall_shutdown_s = 0.0;                   // HVDLITE_STALL_SHUTDOWN_TIME; 0: off
+  std::string timeline_path;                       // HVDLITE_TIMELINE
+  bool timeline_mark_cycles = false;               // HVDLITE_TIMELINE_MARK_CYCLES
+};
+
+// Reads the environment; a malformed value is an error naming the variable.
+Status LoadConfig(Config* config);
+
+}  // namespace hvdlite

@@ -1,0 +1,319 @@
+#include "controller.h"
+
+#include <algorithm>
+#include <functional>
+
+namespace hvdlite {
+namespace {
+
+std::string RankList(const std::vector<int>& ranks) {
+  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s;
+}
+
+std::string Num(double v) {
+  std::ostringstream o;
+  o << v;
+  return o.str();
+}
+
+}  // namespace
+
+void Controller::AddRequest(const Request& q, Clock::time_point now) {
+  if (q.rank < 0 || q.rank >= size_) return;
+  if (q.op == HVDLITE_OP_JOIN) {
+    if (!joined_[q.rank]) {
+      joined_[q.rank] = 1;
+      ++joined_count_;
+    }
+    last_joined_ = q.rank;
+    return;
+  }
+  auto it = table_.find(q.name);
+  if (it == table_.end()) {
+    PendingTensor p;
+    p.requests.resize(size_);
+    p.have.assign(size_, 0);
+    p.seq = seq_++;
+    p.first_seen = now - std::chrono::milliseconds(q.wait_ms);
+    p.last_warning = p.first_seen;
+    order_[p.seq] = q.name;
+    it = table_.emplace(q.name, std::move(p)).first;
+  }
+  PendingTensor& p = it->second;
+  auto seen = now - std::chrono::milliseconds(q.wait_ms);
+  if (seen < p.first_seen) p.first_seen = seen;
+  p.requests[q.rank] = q;
+  p.have[q.rank] = 1;
+}
+
+bool Controller::Ready(const PendingTensor& p) const {
+  bool any = false;
+  for (int r = 0; r < size_; ++r) {
+    if (p.have[r]) {
+      any = true;
+    } else if (!joined_[r]) {
+      return false;
+    }
+  }
+  return any;
+}
+
+std::string Controller::MissingRanks(const PendingTensor& p) const {
+  std::vector<int> missing;
+  for (int r = 0; r < size_; ++r) {
+    if (!p.have[r] && !joined_[r]) missing.push_back(r);
+  }
+  return RankList(missing);
+}
+
+// Checks one property across the ranks that submitted; on disagreement returns a
+// message listing which ranks had which value.
+static bool Agree(const std::vector<Request>& reqs, const std::vector<uint8_t>& have,
+                  const std::function<std::string(const Request&)>& value, std::string* diff) {
+  std::vector<std::pair<std::string, std::vector<int>>> groups;
+  for (size_t r = 0; r < reqs.size(); ++r) {
+    if (!have[r]) continue;
+    std::string v = value(reqs[r]);
+    auto g = std::find_if(groups.begin(), groups.end(), [&](auto& x) { return x.first == v; });
+    if (g == groups.end()) {
+      groups.push_back({v, {static_cast<int>(r)}});
+    } else {
+      g->second.push_back(static_cast<int>(r));
+    }
+  }
+  if (groups.size() <= 1) return true;
+  diff->clear();
+  for (size_t i = 0; i < groups.size(); ++i) {
+    *diff += (i ? "; " : "") + RankList(groups[i].second) + " had " + groups[i].first;
+  }
+  return false;
+}
+
+Response Controller::Validate(const std::string& name, const PendingTensor& p) const {
+  int base_rank = 0;
+  while (!p.have[base_rank]) ++base_rank;
+  const Request& base = p.requests[base_rank];
+  Response out;
+  out.op = base.op;
+  out.name = name;
+  out.dtype = base.dtype;
+  out.shape = base.shape;
+  out.reduce_op = base.reduce_op;
+  out.prescale = base.prescale;
+  out.postscale = base.postscale;
+  out.root_rank = base.root_rank;
+  out.group = base.group;
+  out.contributors = size_ - joined_count_;
+  out.joined = joined_;
+
+  auto fail = [&](const std::string& what, const std::string& diff) {
+    out.error_code = HVDLITE_ERR_MISMATCH;
+    out.error = std::string("Mismatched ") + what + " for " + OpName(base.op) + " of tensor '" +
+                name + "': " + diff;
+    out.cacheable = false;
+    return out;
+  };
+  std::string diff;
+  const auto& rq = p.requests;
+  if (!Agree(rq, p.have, [](const Request& q) { return std::string(OpName(q.op)); }, &diff)) {
+    return fail("operations", diff);
+  }
+  if (!Agree(rq, p.have, [](const Request& q) { return std::string(DtypeName(q.dtype)); }, &diff)) {
+    return fail("data types", diff);
+  }
+  if (!Agree(rq, p.have, [](const Request& q) { return q.device < 0 ? std::string("host memory") : "device " + std::to_string(q.device); }, &diff)) {
+    return fail("devices", diff);
+  }
+  if (!Agree(rq, p.have, [](const Request& q) { return "process set " + std::to_string(q.process_set); }, &diff)) {
+    return fail("process sets", diff);
+  }
+  if (!Agree(rq, p.have, [](const Request& q) { return q.group.empty() ? std::string("no group") : "group '" + q.group + "'"; }, &diff)) {
+    return fail("groups", diff);
+  }
+  const int op = base.op;
+  if (op == HVDLITE_OP_ALLREDUCE || op == HVDLITE_OP_REDUCESCATTER) {
+    if (!Agree(rq, p.have, [](const Request& q) { return std::string(ReduceOpName(q.reduce_op)); }, &diff)) {
+      return fail("reduction ops", diff);
+    }
+    if (!Agree(rq, p.have, [](const Request& q) { return "prescale " + Num(q.prescale) + ", postscale " + Num(q.postscale); }, &diff)) {
+      return fail("scale factors", diff);
+    }
+  }
+  if (op == HVDLITE_OP_ALLREDUCE || op == HVDLITE_OP_BROADCAST || op == HVDLITE_OP_REDUCESCATTER) {
+    if (!Agree(rq, p.have, [](const Request& q) { return "shape " + ShapeString(q.shape); }, &diff)) {
+      return fail("shapes", diff);
+    }
+  }
+  if (op == HVDLITE_OP_ALLGATHER || op == HVDLITE_OP_ALLTOALL) {
+    auto tail = [](const Request& q) {
+      if (q.shape.empty()) return std::string("a 0-d tensor");
+      std::vector<int64_t> t(q.shape.begin() + 1, q.shape.end());
+      return "shape " + ShapeString(q.shape) + " (trailing dims " + ShapeString(t) + ")";
+    };
+    if (!Agree(rq, p.have, tail, &diff)) return fail("trailing dimensions", diff);
+    if (base.shape.empty()) {
+      out.error_code = HVDLITE_ERR_INVALID_ARGUMENT;
+      out.error = std::string(OpName(op)) + " of tensor '" + name + "' needs at least one dimension";
+      return out;
+    }
+  }
+  if (op == HVDLITE_OP_BROADCAST) {
+    if (!Agree(rq, p.have, [](const Request& q) { return "root rank " + std::to_string(q.root_rank); }, &diff)) {
+      return fail("root ranks", diff);
+    }
+    if (base.root_rank < 0 || base.root_rank >= size_) {
+      out.error_code = HVDLITE_ERR_INVALID_ARGUMENT;
+      out.error = "broadcast of tensor '" + name + "': root rank " + std::to_string(base.root_rank) +
+                  " is out of range for " + std::to_string(size_) + " ranks";
+      return out;
+    }
+    if (joined_[base.root_rank]) {
+      out.error_code = HVDLITE_ERR_INVALID_ARGUMENT;
+      out.error = "broadcast of tensor '" + name + "': root rank " + std::to_string(base.root_rank) +
+                  " has already joined";
+      return out;
+    }
+  }
+  if (joined_count_ > 0) {
+    bool sum_like = op == HVDLITE_OP_ALLREDUCE &&
+                    (base.reduce_op == HVDLITE_SUM || base.reduce_op == HVDLITE_AVERAGE);
+    if (!(sum_like || op == HVDLITE_OP_ALLGATHER || op == HVDLITE_OP_BROADCAST)) {
+      out.error_code = HVDLITE_ERR_INVALID_ARGUMENT;
+      out.error = std::string(OpName(op)) + " of tensor '" + name +
+                  "' is not supported while ranks have joined (only Sum/Average allreduce, "
+                  "allgather and broadcast are)";
+      return out;
+    }
+  }
+  if (op == HVDLITE_OP_ALLGATHER) {
+    out.first_dims.assign(size_, 0);
+    for (int r = 0; r < size_; ++r) out.first_dims[r] = p.have[r] ? rq[r].shape[0] : 0;
+  }
+  if (op == HVDLITE_OP_ALLTOALL) {
+    out.splits.assign(static_cast<size_t>(size_) * size_, 0);
+    for (int r = 0; r < size_; ++r) {
+      const auto& s = rq[r].splits;
+      if (static_cast<int>(s.size()) != size_) {
+        out.error_code = HVDLITE_ERR_INVALID_ARGUMENT;
+        out.error = "alltoall of tensor '" + name + "': rank " + std::to_string(r) + " gave " +
+                    std::to_string(s.size()) + " splits for " + std::to_string(size_) + " ranks";
+        return out;
+      }
+      std::copy(s.begin(), s.end(), out.splits.begin() + static_cast<size_t>(r) * size_);
+    }
+  }
+  out.cacheable = joined_count_ == 0 && base.group.empty() && op != HVDLITE_OP_BARRIER;
+  return out;
+}
+
+void Controller::CheckStalls(Clock::time_point now, std::vector<Response>* out) {
+  last_stall_check_ = now;
+  std::vector<std::string> expired;
+  for (auto& kv : order_) {
+    PendingTensor& p = table_[kv.second];
+    double age = std::chrono::duration<double>(now - p.first_seen).count();
+    if (config_.stall_shutdown_s > 0 && age >= config_.stall_shutdown_s) {
+      Response r;
+      r.op = p.requests[0].op;
+      for (int k = 0; k < size_; ++k) {
+        if (p.have[k]) {
+          r.op = p.requests[k].op;
+          r.dtype = p.requests[k].dtype;
+          break;
+        }
+      }
+      r.name = kv.second;
+      r.error_code = HVDLITE_ERR_STALLED;
+      r.error = std::string(OpName(r.op)) + " of tensor '" + kv.second + "' stalled: " +
+                MissingRanks(p) + " did not submit it within " + Num(config_.stall_shutdown_s) +
+                " s (HVDLITE_STALL_SHUTDOWN_TIME)";
+      HVDLITE_LOG(ERROR) << r.error;
+      out->push_back(r);
+      expired.push_back(kv.second);
+      continue;
+    }
+    double since_warning = std::chrono::duration<double>(now - p.last_warning).count();
+    if (config_.stall_check_s > 0 && age >= config_.stall_check_s &&
+        (!p.warned || since_warning >= config_.stall_check_s)) {
+      p.warned = true;
+      p.last_warning = now;
+      std::vector<int> ready;
+      for (int r = 0; r < size_; ++r) if (p.have[r]) ready.push_back(r);
+      HVDLITE_LOG(WARNING) << "stall: " << OpName(p.requests[ready.empty() ? 0 : ready[0]].op)
+                           << " of tensor '" << kv.second << "' has waited " << Num(age)
+                           << " s; submitted by " << RankList(ready) << ", missing on "
+                           << MissingRanks(p);
+    }
+  }
+  for (const auto& name : expired) {
+    order_.erase(table_[name].seq);
+    table_.erase(name);
+  }
+}
+
+bool Controller::WantsRound(Clock::time_point now) const {
+  if (table_.empty()) return false;
+  double check = config_.stall_check_s > 0 ? config_.stall_check_s : 1e300;
+  if (config_.stall_shutdown_s > 0) check = std::min(check, config_.stall_shutdown_s);
+  double interval = std::min(1.0, check / 4);
+  return std::chrono::duration<double>(now - last_stall_check_).count() >= interval;
+}
+
+std::vector<Response> Controller::BuildResponses(Clock::time_point now) {
+  std::vector<Response> out;
+  // Groups complete only when every member is ready; members keep arrival order.
+  std::unordered_map<std::string, std::vector<std::string>> ready_groups;
+  std::vector<std::string> done;
+  for (auto& kv : order_) {
+    const PendingTensor& p = table_[kv.second];
+    if (!Ready(p)) continue;
+    int base_rank = 0;
+    while (!p.have[base_rank]) ++base_rank;
+    const Request& base = p.requests[base_rank];
+    if (!base.group.empty()) {
+      auto& members = ready_groups[base.group];
+      members.push_back(kv.second);
+      if (static_cast<int>(members.size()) < base.group_size) continue;
+      for (const auto& m : members) {
+        out.push_back(Validate(m, table_[m]));
+        done.push_back(m);
+      }
+      continue;
+    }
+    out.push_back(Validate(kv.second, p));
+    done.push_back(kv.second);
+  }
+  for (const auto& name : done) {
+    order_.erase(table_[name].seq);
+    table_.erase(name);
+  }
+  // A group is all-or-nothing: if any member failed validation, fail all of them.
+  for (auto& r : out) {
+    if (r.group.empty() || !r.error.empty()) continue;
+    for (const auto& other : out) {
+      if (other.group == r.group && !other.error.empty()) {
+        r.error = other.error;
+        r.error_code = other.error_code;
+        break;
+      }
+    }
+  }
+  if (joined_count_ == size_) {
+    Response j;
+    j.op = HVDLITE_OP_JOIN;
+    j.name = "join";
+    j.last_joined_rank = last_joined_;
+    j.contributors = 0;
+    out.push_back(j);
+    std::fill(joined_.begin(), joined_.end(), 0);
+    joined_count_ = 0;
+  }
+  if (WantsRound(now) || config_.stall_shutdown_s > 0 || config_.stall_check_s > 0) {
+    if (std::chrono::duration<double>(now - last_stall_check_).count() >= 0.25) CheckStalls(now, &out);
+  }
+  return out;
+}
+
+}  // namespace hvdlite

@@ -1,0 +1,57 @@
+// The coordinator's decisions, free of any transport: rank 0 feeds it the requests
+// gathered from every rank and it returns the responses every rank executes, in one
+// order. It checks each tensor across ranks, tracks joined ranks, holds groups until
+// they are complete, and reports stalls. Background thread of rank 0 only.
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "config.h"
+#include "message.h"
+
+namespace hvdlite {
+
+class Controller {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  Controller(int size, const Config& config) : size_(size), config_(config), joined_(size, 0) {}
+
+  void AddRequest(const Request& request, Clock::time_point now);
+  // Responses for every tensor that is now ready on all ranks, then errors for
+  // stalled tensors past the stall shutdown time. Logs stall warnings.
+  std::vector<Response> BuildResponses(Clock::time_point now);
+  // True when a stall check is due although no rank sent anything.
+  bool WantsRound(Clock::time_point now) const;
+  size_t NumPending() const { return table_.size(); }
+
+ private:
+  struct PendingTensor {
+    std::vector<Request> requests;  // indexed by rank
+    std::vector<uint8_t> have;
+    uint64_t seq = 0;
+    Clock::time_point first_seen;
+    Clock::time_point last_warning;
+    bool warned = false;
+  };
+  bool Ready(const PendingTensor& p) const;
+  Response Validate(const std::string& name, const PendingTensor& p) const;
+  std::string MissingRanks(const PendingTensor& p) const;
+  void CheckStalls(Clock::time_point now, std::vector<Response>* out);
+
+  int size_;
+  Config config_;
+  std::unordered_map<std::string, PendingTensor> table_;
+  std::map<uint64_t, std::string> order_;  // arrival order -> name
+  uint64_t seq_ = 0;
+  std::vector<uint8_t> joined_;
+  int joined_count_ = 0;
+  int last_joined_ = -1;
+  Clock::time_point last_stall_check_;
+};
+
+}  // namespace hvdlite

@@ -1,0 +1,95 @@
+#include "handle_table.h"
+
+#include <chrono>
+
+namespace hvdlite {
+
+hvdlite_handle_t HandleTable::Create() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  hvdlite_handle_t h = next_++;
+  states_.emplace(h, State());
+  return h;
+}
+
+void HandleTable::Complete(hvdlite_handle_t h, const Status& status, OpOutput output) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = states_.find(h);
+    if (it == states_.end()) return;
+    it->second.done = true;
+    it->second.status = status;
+    it->second.output = std::move(output);
+  }
+  done_cv_.notify_all();
+}
+
+Status HandleTable::Missing(hvdlite_handle_t h) const {
+  return Status(HVDLITE_ERR_INVALID_HANDLE,
+                "handle " + std::to_string(h) + " is unknown or was already released");
+}
+
+Status HandleTable::Poll(hvdlite_handle_t h, bool* done) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = states_.find(h);
+  if (it == states_.end()) return Missing(h);
+  *done = it->second.done;
+  return Status::OK();
+}
+
+Status HandleTable::Wait(hvdlite_handle_t h, double timeout_s) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  auto it = states_.find(h);
+  if (it == states_.end()) return Missing(h);
+  // unordered_map references stay valid while other keys are inserted; only Release
+  // erases, and releasing a handle someone waits on is refused (IN_PROGRESS).
+  State& state = it->second;
+  if (timeout_s < 0) {
+    done_cv_.wait(lock, [&] { return state.done; });
+  } else if (!done_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
+                                [&] { return state.done; })) {
+    return Status(HVDLITE_ERR_TIMEOUT, "the op did not finish within " +
+                                           std::to_string(timeout_s) + " s; it is still running");
+  }
+  return state.status;
+}
+
+Status HandleTable::Output(hvdlite_handle_t h, void** data, int64_t* nbytes, int64_t* first_dim) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = states_.find(h);
+  if (it == states_.end()) return Missing(h);
+  if (!it->second.done) return Status(HVDLITE_ERR_IN_PROGRESS, "the op has not finished");
+  if (!it->second.status.ok()) return it->second.status;
+  *data = it->second.output.data.get();
+  *nbytes = it->second.output.nbytes;
+  *first_dim = it->second.output.first_dim;
+  return Status::OK();
+}
+
+Status HandleTable::RecvSplits(hvdlite_handle_t h, std::vector<int64_t>* splits) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = states_.find(h);
+  if (it == states_.end()) return Missing(h);
+  if (!it->second.done) return Status(HVDLITE_ERR_IN_PROGRESS, "the op has not finished");
+  if (!it->second.status.ok()) return it->second.status;
+  *splits = it->second.output.recv_splits;
+  return Status::OK();
+}
+
+Status HandleTable::Release(hvdlite_handle_t h) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = states_.find(h);
+  if (it == states_.end()) return Status::OK();
+  if (!it->second.done) {
+    return Status(HVDLITE_ERR_IN_PROGRESS, "cannot release handle " + std::to_string(h) +
+                                               ": its op is still in flight");
+  }
+  states_.erase(it);
+  return Status::OK();
+}
+
+size_t HandleTable::Live() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return states_.size();
+}
+
+}  // namespace hvdlite
