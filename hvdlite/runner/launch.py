@@ -230,6 +230,36 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     return config
 
 
+def _glue_mpi_args(argv: Sequence[str], parser: argparse.ArgumentParser) -> List[str]:
+    """Writes ``--mpi-args VALUE`` as ``--mpi-args=VALUE`` among the launcher's options.
+
+    argparse takes a separate value that starts with '-' (``--mpi-args -genvnone``) for
+    an option and fails; the glued form is unambiguous. Scanning stops where the user's
+    command starts, so the command's own arguments are never touched.
+    """
+    takes_value = {option for action in parser._actions if action.nargs is None
+                   and action.option_strings and not isinstance(
+                       action, (argparse._StoreTrueAction, argparse._VersionAction,
+                                argparse._HelpAction))
+                   for option in action.option_strings}
+    out, i = [], 0
+    argv = list(argv)
+    while i < len(argv):
+        token = argv[i]
+        if token == "--mpi-args" and i + 1 < len(argv):
+            out.append("--mpi-args=" + argv[i + 1])
+            i += 2
+        elif token in takes_value:
+            out += argv[i:i + 2]
+            i += 2
+        elif token.startswith("-") and token != "--":
+            out.append(token)
+            i += 1
+        else:
+            return out + argv[i:]
+    return out
+
+
 def parse_command_line(argv: Sequence[str]) -> LaunchConfig:
     """Parses and validates hvdliterun's arguments.
 
@@ -244,7 +274,7 @@ def parse_command_line(argv: Sequence[str]) -> LaunchConfig:
             for --help and --version).
     """
     parser = build_parser()
-    args = parser.parse_args(list(argv))
+    args = parser.parse_args(_glue_mpi_args(argv, parser))
     try:
         return config_from_args(args)
     except UsageError as exc:
