@@ -237,10 +237,10 @@ def _glue_mpi_args(argv: Sequence[str], parser: argparse.ArgumentParser) -> List
     an option and fails; the glued form is unambiguous. Scanning stops where the user's
     command starts, so the command's own arguments are never touched.
     """
-    takes_value = {option for action in parser._actions if action.nargs is None
-                   and action.option_strings and not isinstance(
-                       action, (argparse._StoreTrueAction, argparse._VersionAction,
-                                argparse._HelpAction))
+    # Flags (store_true, --help, --version) have nargs == 0; every other option takes
+    # exactly one value.
+    takes_value = {option for action in parser._actions
+                   if action.option_strings and action.nargs != 0
                    for option in action.option_strings}
     out, i = [], 0
     argv = list(argv)
@@ -324,9 +324,11 @@ def build_job_command(config: LaunchConfig, launcher: mpi_command.MpiLauncher,
 
 
 def _setup_logging(verbose: bool):
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"{PROG}: %(levelname)s: %(message)s"))
-    logger.addHandler(handler)
+    if not any(getattr(h, "_hvdliterun", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"{PROG}: %(levelname)s: %(message)s"))
+        handler._hvdliterun = True
+        logger.addHandler(handler)
     logger.setLevel(logging.DEBUG if verbose else logging.WARNING)
     logger.propagate = False
 
@@ -341,11 +343,10 @@ def run(config: LaunchConfig) -> int:
         The launcher's exit code: 0, the failed rank's code (128+N for signal N),
         128+N when the launcher got signal N, or 1 for a launch problem.
     """
-    from hvdlite.runner.supervisor import JobSupervisor  # the job's machinery, only here
-
     if config.check_build:
         from hvdlite.runner.check_build import check_build
         return check_build()
+    from hvdlite.runner.supervisor import JobSupervisor
     try:
         mpiexec = mpi_command.find_mpiexec()
     except mpi_command.MpiNotFoundError as exc:
