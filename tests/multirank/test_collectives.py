@@ -1,0 +1,504 @@
+"""Every collective on real 2- and 3-rank jobs: values, dtypes, shapes, errors, join.
+
+Each rank script starts with PRELUDE: deterministic per-rank inputs (``data``) that any
+rank can recompute for any other rank, so expected values come from numpy alone, and a
+``check``/``expect_error`` pair that records failures instead of raising. A rank that
+raises anyway fails the job with its traceback; otherwise every rank reports its
+failures in one ``HVDLITE_RESULT`` line and the test asserts there are none, so one job
+reports every broken case at once. Bodies use ``size``/``rank`` only, so they pass at
+any rank count; jobs are few and each checks many cases, since a job costs a startup.
+"""
+import pytest
+
+from harness import assert_ok, run_job
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("native")]
+
+JOB_TIMEOUT = 150
+
+PRELUDE = r'''
+import json, sys, time, traceback
+import numpy as np
+import ml_dtypes
+import hvdlite as hvd
+from hvdlite import errors, ops
+
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+failures = []
+DTYPES = ["uint8", "int8", "int32", "int64", "float16", "bfloat16", "float32", "float64",
+          "bool"]
+FLOATS = {"float16", "bfloat16", "float32", "float64"}
+SIGNED = {"int8", "int32", "int64"} | FLOATS
+
+
+def npdtype(name):
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def data(r, shape, dt, salt=0):
+    """Rank r's input: small integers (exact in every dtype), negative where signed."""
+    shape = tuple(shape)
+    n = int(np.prod(shape, dtype=np.int64))
+    v = (np.arange(n, dtype=np.int64) * 3 + r * 5 + salt * 7) % 17
+    if dt == "bool":
+        return (v % 2 == 1).reshape(shape)
+    if dt in SIGNED:
+        v = v - 8
+    return v.astype(npdtype(dt)).reshape(shape)
+
+
+def reduce_expected(arrays, dt, op):
+    """The reduction of ``arrays`` computed in float64/int64 by numpy, cast back."""
+    wide = [a.astype(np.float64 if dt in FLOATS else np.int64) for a in arrays]
+    if op in ("sum", "average"):
+        total = np.sum(wide, axis=0)
+        if op == "average":
+            total = total / len(arrays) if dt in FLOATS else np.trunc(total / len(arrays))
+    elif op == "min":
+        total = np.min(wide, axis=0)
+    else:
+        total = np.max(wide, axis=0)
+    return np.asarray(total).astype(npdtype(dt))
+
+
+def check(label, got, expected):
+    got = np.asarray(got)
+    expected = np.asarray(expected)
+    if got.dtype != expected.dtype or got.shape != expected.shape:
+        failures.append(f"{label}: got {got.dtype}{got.shape}, expected "
+                        f"{expected.dtype}{expected.shape}")
+        return
+    if got.dtype.name in FLOATS or got.dtype == npdtype("bfloat16"):
+        tol = 2e-2 if got.dtype.itemsize == 2 else 1e-6
+        ok = np.allclose(got.astype(np.float64), expected.astype(np.float64), rtol=tol,
+                         atol=tol)
+    else:
+        ok = np.array_equal(got, expected)
+    if not ok:
+        failures.append(f"{label}: got {got.tolist()!r}, expected {expected.tolist()!r}")
+
+
+def expect_error(label, cls, fn, *fragments):
+    """fn() must raise cls whose message contains every fragment."""
+    try:
+        fn()
+    except cls as e:
+        for f in fragments:
+            if f not in str(e):
+                failures.append(f"{label}: message {str(e)!r} lacks {f!r}")
+        return str(e)
+    except Exception as e:
+        failures.append(f"{label}: raised {type(e).__name__}: {e}, expected {cls.__name__}")
+        return None
+    failures.append(f"{label}: did not raise {cls.__name__}")
+    return None
+
+
+def still_usable(label):
+    """An allreduce right after an error: the job must go on."""
+    got = hvd.allreduce(np.array([rank + 1.0]), name="usable." + label, op=hvd.Sum)
+    check("usable after " + label, got, np.array([size * (size + 1) / 2.0]))
+
+
+def report(**extra):
+    print("HVDLITE_RESULT " + json.dumps({"failures": failures, **extra}), flush=True)
+'''
+
+
+def run_ranks(np_, body, **kwargs):
+    """Runs PRELUDE + body on np_ ranks; returns the JobResult after checking failures."""
+    result = assert_ok(run_job(np_, PRELUDE + body, timeout=JOB_TIMEOUT, **kwargs))
+    problems = []
+    for r in range(np_):
+        for f in result.result(r)["failures"]:
+            problems.append(f"rank {r}: {f}")
+    assert not problems, "\n".join(problems)
+    return result
+
+
+# ---------------------------------------------------------------- every op, every dtype
+
+EVERY_OP = r'''
+for dt in DTYPES:
+    np_dt = npdtype(dt)
+
+    # allgather: uneven first dims, a rank with zero rows, trailing dims kept.
+    rows = [(r * 2 + 1) % 4 for r in range(size)]
+    rows[size - 1] = 0                                      # the last rank sends nothing
+    got = hvd.allgather(data(rank, (rows[rank], 2, 3), dt), name=f"ag.{dt}")
+    check(f"allgather {dt}", got,
+          np.concatenate([data(r, (rows[r], 2, 3), dt) for r in range(size)]))
+    got = hvd.allgather(data(rank, (rank + 1,), dt, 1), name=f"ag1d.{dt}")
+    check(f"allgather 1-d {dt}", got,
+          np.concatenate([data(r, (r + 1,), dt, 1) for r in range(size)]))
+    got = hvd.allgather(np.zeros((0, 4), np_dt), name=f"ag.empty.{dt}")
+    check(f"allgather all-empty {dt}", got, np.zeros((0, 4), np_dt))
+    got = hvd.synchronize(hvd.allgather_async(data(rank, (2, 0), dt), name=f"ag.0col.{dt}"))
+    check(f"allgather zero-width rows {dt}", got, np.zeros((2 * size, 0), np_dt))
+
+    # broadcast: every root, a 0-d scalar, an empty tensor.
+    for root in range(size):
+        got = hvd.broadcast(data(rank, (3, 2), dt), root, name=f"bc.{dt}")
+        check(f"broadcast {dt} root {root}", got, data(root, (3, 2), dt))
+        got = hvd.broadcast(data(rank, (), dt, 2), root_rank=root, name=f"bc0d.{dt}")
+        check(f"broadcast 0-d {dt} root {root}", got, data(root, (), dt, 2))
+    got = hvd.broadcast(np.zeros((0, 3), np_dt), size - 1, name=f"bc.empty.{dt}")
+    check(f"broadcast empty {dt}", got, np.zeros((0, 3), np_dt))
+
+    # alltoall with even splits: rank k sends rows [2m, 2m+2) to rank m.
+    x = data(rank, (2 * size, 3), dt, 3)
+    got, splits = hvd.alltoall(x, name=f"a2a.even.{dt}")
+    check(f"alltoall even {dt}", got,
+          np.concatenate([data(k, (2 * size, 3), dt, 3)[2 * rank:2 * rank + 2]
+                          for k in range(size)]))
+    check(f"alltoall even splits {dt}", splits, np.full(size, 2, np.int64))
+
+    # alltoall with explicit splits, zeros among them.
+    def sp(k):
+        return [(k + 2 * m) % 3 for m in range(size)]
+
+    def chunk(k, m):
+        s = sp(k)
+        return data(k, (sum(s), 2), dt, 4)[sum(s[:m]):sum(s[:m + 1])]
+
+    got, splits = hvd.alltoall(data(rank, (sum(sp(rank)), 2), dt, 4), splits=sp(rank),
+                               name=f"a2a.splits.{dt}")
+    check(f"alltoall splits {dt}", got, np.concatenate([chunk(k, rank) for k in range(size)]))
+    check(f"alltoall recv splits {dt}", splits, np.array([sp(k)[rank] for k in range(size)]))
+    got, splits = hvd.alltoall(np.zeros((0, 3), np_dt), splits=[0] * size,
+                               name=f"a2a.zero.{dt}")
+    check(f"alltoall all-zero splits {dt}", got, np.zeros((0, 3), np_dt))
+    check(f"alltoall all-zero recv splits {dt}", splits, np.zeros(size, np.int64))
+
+    # reducescatter: uneven rows (first ranks take one more), fewer rows than ranks, none.
+    rs_ops = [("min", hvd.Min), ("max", hvd.Max)] if dt == "bool" else \
+             [("sum", hvd.Sum), ("average", hvd.Average)]
+    for d0 in (2 * size + 1, 1, 0):
+        base = d0 // size
+        counts = [base + (1 if r < d0 % size else 0) for r in range(size)]
+        lo = sum(counts[:rank])
+        for label, op in rs_ops:
+            got = hvd.reducescatter(data(rank, (d0, 2), dt, 5), op=op,
+                                    name=f"rs.{dt}.{d0}.{label}")
+            full = reduce_expected([data(r, (d0, 2), dt, 5) for r in range(size)], dt, label)
+            check(f"reducescatter {label} {dt} rows {d0}", got, full[lo:lo + counts[rank]])
+
+    # grouped allreduce: fused, scalars and empties among the members.
+    red = ("max", hvd.Max) if dt == "bool" else ("sum", hvd.Sum)
+    shapes = [(3,), (2, 2), (), (0, 5)]
+    before = hvd.stats()
+    got = hvd.grouped_allreduce([data(rank, s, dt, 6 + i) for i, s in enumerate(shapes)],
+                                op=red[1], name=f"group.{dt}")
+    after = hvd.stats()
+    for i, s in enumerate(shapes):
+        check(f"grouped_allreduce {dt} member {i}", got[i],
+              reduce_expected([data(r, s, dt, 6 + i) for r in range(size)], dt, red[0]))
+    if after["collectives"] - before["collectives"] != 1:
+        failures.append(f"grouped_allreduce {dt}: {after['collectives'] - before['collectives']}"
+                        " collectives, expected 1 (fused)")
+
+    # allreduce of a 0-d scalar and of an empty tensor.
+    got = hvd.allreduce(data(rank, (), dt, 8), op=red[1], name=f"ar0d.{dt}")
+    check(f"allreduce 0-d {dt}", got,
+          reduce_expected([data(r, (), dt, 8) for r in range(size)], dt, red[0]))
+    got = hvd.allreduce(np.zeros((0, 3), np_dt), op=red[1], name=f"ar.empty.{dt}")
+    check(f"allreduce empty {dt}", got, np.zeros((0, 3), np_dt))
+    if dt != "bool":
+        got = hvd.allreduce(data(rank, (4,), dt, 9), op=hvd.Average, name=f"ar.avg.{dt}")
+        check(f"allreduce average {dt}", got,
+              reduce_expected([data(r, (4,), dt, 9) for r in range(size)], dt, "average"))
+
+# reducescatter with scaling, float64.
+got = hvd.reducescatter(data(rank, (size, 3), "float64"), op=hvd.Sum, prescale_factor=2.0,
+                        postscale_factor=0.5, name="rs.scaled")
+check("reducescatter scaled", got,
+      reduce_expected([data(r, (size, 3), "float64") for r in range(size)], "float64",
+                      "sum")[rank:rank + 1])
+
+# barrier: nobody leaves before everyone arrived.
+time.sleep(0.2 * rank)
+t0 = time.time()
+hvd.barrier()
+stamps = hvd.allgather(np.array([t0, time.time()]).reshape(1, 2), name="barrier.stamps")
+if stamps[:, 1].min() < stamps[:, 0].max() - 0.05:
+    failures.append(f"barrier: a rank left before another arrived: {stamps.tolist()}")
+for i in range(3):
+    hvd.barrier()
+
+# 0-d tensors are refused by allgather, alltoall and reducescatter, with a clear error,
+# in numpy's front end and in the core itself.
+scalar = np.array(1.0, np.float32)
+expect_error("allgather 0-d", errors.InvalidArgumentError, lambda: hvd.allgather(scalar),
+             "dimension")
+expect_error("alltoall 0-d", errors.InvalidArgumentError, lambda: hvd.alltoall(scalar),
+             "dimension")
+expect_error("reducescatter 0-d", errors.InvalidArgumentError,
+             lambda: hvd.reducescatter(scalar), "dimension")
+code = ops.dtypes.native_code("float32")
+for kind in (ops.ALLGATHER, ops.ALLTOALL, ops.REDUCESCATTER):
+    out = np.empty((), np.float32)
+    expect_error(f"core 0-d op {kind}", errors.InvalidArgumentError,
+                 lambda: ops.enqueue(kind, f"core0d.{kind}", code, (), scalar.ctypes.data,
+                                     out.ctypes.data if kind == ops.REDUCESCATTER else None),
+                 "at least one dimension")
+still_usable("0-d refusals")
+report()
+'''
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_every_op_and_dtype(np_):
+    run_ranks(np_, EVERY_OP)
+
+
+# ---------------------------------------------------------------- mismatches
+
+MISMATCH = r'''
+other = 1  # the rank that disagrees
+M = errors.MismatchError
+
+
+def everywhere(label, fn, *fragments):
+    """fn() must fail with a MismatchError on every rank; then the job goes on."""
+    msg = expect_error(label, M, fn, *fragments)
+    still_usable(label)
+    return msg
+
+
+x32 = np.ones((2, 3), np.float32)
+everywhere("allgather trailing dims",
+           lambda: hvd.allgather(np.ones((rank + 1, 3 + (rank == other)), np.float32),
+                                 name="m.ag"),
+           "trailing", "rank 1", "[4]", "[3]", "'m.ag'")
+everywhere("allgather ndim",
+           lambda: hvd.allgather(np.ones((2, 3) + ((1,) if rank == other else ()), np.int32),
+                                 name="m.ag.ndim"), "trailing", "[3, 1]")
+everywhere("allgather dtype",
+           lambda: hvd.allgather(np.ones((2,), np.int64 if rank == other else np.int32),
+                                 name="m.ag.dtype"), "data types", "int64", "int32")
+everywhere("broadcast roots differ",
+           lambda: hvd.broadcast(x32, root_rank=0 if rank != other else 1, name="m.bc.root"),
+           "root", "rank 1")
+everywhere("broadcast shape",
+           lambda: hvd.broadcast(np.ones((2, 3 + (rank == other)), np.float32), 0,
+                                 name="m.bc.shape"), "shape")
+everywhere("broadcast dtype",
+           lambda: hvd.broadcast(np.ones(3, np.float64 if rank == other else np.float32), 0,
+                                 name="m.bc.dtype"), "data types")
+everywhere("allreduce dtype",
+           lambda: hvd.allreduce(np.ones(3, np.float16 if rank == other else np.float32),
+                                 name="m.ar.dtype"), "data types", "float16")
+everywhere("allreduce shape",
+           lambda: hvd.allreduce(np.ones((3 + (rank == other),), np.float32),
+                                 name="m.ar.shape"), "shape")
+everywhere("allreduce reduce op",
+           lambda: hvd.allreduce(x32, op=hvd.Max if rank == other else hvd.Sum,
+                                 name="m.ar.op"), "reduction")
+everywhere("allreduce scale",
+           lambda: hvd.allreduce(x32, prescale_factor=2.0 if rank == other else 1.0,
+                                 name="m.ar.scale"), "scale")
+everywhere("op kinds differ",
+           lambda: (hvd.allgather(x32, name="m.kind") if rank == other
+                    else hvd.allreduce(x32, name="m.kind")), "operations")
+everywhere("reducescatter shape",
+           lambda: hvd.reducescatter(np.ones((size + (rank == other), 2), np.float32),
+                                     op=hvd.Sum, name="m.rs.shape"), "shape")
+everywhere("reducescatter op",
+           lambda: hvd.reducescatter(np.ones((size, 2), np.float32),
+                                     op=hvd.Sum if rank == other else hvd.Average,
+                                     name="m.rs.op"), "reduction")
+everywhere("alltoall trailing dims",
+           lambda: hvd.alltoall(np.ones((size, 2 + (rank == other)), np.float32),
+                                name="m.a2a"), "trailing")
+everywhere("alltoall dtype",
+           lambda: hvd.alltoall(np.ones((size,), np.int8 if rank == other else np.uint8),
+                                name="m.a2a.dtype"), "data types")
+
+
+def group():
+    arrays = [np.ones(3, np.float32), np.ones((2 + (rank == other),), np.float32),
+              np.ones(4, np.float32)]
+    return hvd.grouped_allreduce(arrays, op=hvd.Sum, name="m.group")
+
+
+everywhere("grouped allreduce, one member mismatched", group, "shape")
+
+# Bad splits and roots are refused at the call, on every rank that makes them.
+I = errors.InvalidArgumentError
+rows = np.ones((size + 1, 2), np.float32)
+expect_error("alltoall uneven without splits", I, lambda: hvd.alltoall(rows), "splits")
+expect_error("alltoall splits sum", I,
+             lambda: hvd.alltoall(rows, splits=[1] * size), "sum")
+expect_error("alltoall splits count", I,
+             lambda: hvd.alltoall(rows, splits=[size + 1]), "per rank")
+expect_error("alltoall negative split", I,
+             lambda: hvd.alltoall(rows, splits=[-1] + [0] * (size - 2) + [size + 2]),
+             "negative")
+expect_error("broadcast root out of range", I, lambda: hvd.broadcast(x32, size), "range")
+expect_error("broadcast negative root", I, lambda: hvd.broadcast(x32, -1), "range")
+still_usable("refusals")
+
+# The same names work once the ranks agree, and run through the cache on repeats.
+for i in range(3):
+    got = hvd.allgather(np.full((rank + 1, 3), rank, np.float32), name="m.ag")
+    check("allgather after mismatch", got,
+          np.concatenate([np.full((r + 1, 3), r, np.float32) for r in range(size)]))
+    got = hvd.broadcast(np.full(3, rank, np.float32), 1, name="m.bc.root")
+    check("broadcast after mismatch", got, np.full(3, 1, np.float32))
+    got = hvd.grouped_allreduce([np.ones(3, np.float32)] * 3, op=hvd.Sum, name="m.group")
+    for g in got:
+        check("group after mismatch", g, np.full(3, size, np.float32))
+report()
+'''
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_mismatches_fail_on_every_rank(np_):
+    run_ranks(np_, MISMATCH)
+
+
+# ---------------------------------------------------------------- join
+
+JOIN = r'''
+steps = {2: [6, 3], 3: [4, 8, 2]}.get(size) or [3 + (r * 5) % 7 for r in range(size)]
+longest = int(np.argmax(steps))
+params = np.zeros((4, 3), np.float64)
+lr = 0.1
+for step in range(steps[rank]):
+    active = [r for r in range(size) if steps[r] > step]
+    grad = data(rank, (4, 3), "float64", step)
+    avg = hvd.allreduce(grad, name="grad.avg", op=hvd.Average)
+    expected_avg = np.sum([data(r, (4, 3), "float64", step) for r in active], axis=0) / len(active)
+    check(f"join avg step {step}", avg, expected_avg)
+    total = hvd.allreduce(data(rank, (5,), "int32", step), name="count.sum", op=hvd.Sum)
+    check(f"join sum step {step}", total,
+          np.sum([data(r, (5,), "int32", step) for r in active], axis=0).astype(np.int32))
+    iavg = hvd.allreduce(data(rank, (5,), "int64", step), name="int.avg", op=hvd.Average)
+    check(f"join int average step {step}", iavg,
+          reduce_expected([data(r, (5,), "int64", step) for r in active], "int64", "average"))
+    grouped = hvd.grouped_allreduce([data(rank, (2,), "float32", step),
+                                     data(rank, (3, 1), "float32", step + 1)],
+                                    op=hvd.Sum, name="grouped")
+    check(f"join group step {step}", grouped[1],
+          np.sum([data(r, (3, 1), "float32", step + 1) for r in active], axis=0)
+          .astype(np.float32))
+    gathered = hvd.allgather(data(rank, (rank + 1, 2), "int8", step), name="gather")
+    check(f"join allgather step {step}", gathered,
+          np.concatenate([data(r, (r + 1, 2), "int8", step) for r in active]))
+    got = hvd.broadcast(data(rank, (3,), "float32", step), longest, name="bcast")
+    check(f"join broadcast step {step}", got, data(longest, (3,), "float32", step))
+    params -= lr * avg
+last = hvd.join()
+if last != longest:
+    failures.append(f"join returned {last}, expected {longest}")
+
+# Each rank's parameters follow the averages of the steps it ran.
+expected_params = np.zeros((4, 3))
+for step in range(max(steps)):
+    active = [r for r in range(size) if steps[r] > step]
+    if rank in active:
+        expected_params -= lr * (np.sum([data(r, (4, 3), "float64", step) for r in active],
+                                        axis=0) / len(active))
+check("params", params, expected_params)
+# As after uneven epochs in training: the longest-running rank's parameters win.
+params = hvd.broadcast(params, longest, name="params")
+
+# After the join everything works normally again (all ranks contribute).
+got = hvd.allreduce(np.full(2, rank + 1.0), name="grad.avg2", op=hvd.Average)
+check("after join", got, np.full(2, (size + 1) / 2.0))
+
+# Ops that cannot run while a rank has joined fail with a clear error on the others.
+if rank == 0:
+    second = hvd.join()
+else:
+    expect_error("reducescatter while joined", errors.InvalidArgumentError,
+                 lambda: hvd.reducescatter(np.ones((size, 2), np.float32), name="rs.joined"),
+                 "joined")
+    expect_error("alltoall while joined", errors.InvalidArgumentError,
+                 lambda: hvd.alltoall(np.ones((size, 2), np.float32), name="a2a.joined"),
+                 "joined")
+    expect_error("max allreduce while joined", errors.InvalidArgumentError,
+                 lambda: hvd.allreduce(np.ones(2, np.float32), op=hvd.Max, name="max.joined"),
+                 "joined")
+    if rank == size - 1:
+        time.sleep(0.3)  # join last
+    second = hvd.join()
+if second != size - 1:
+    failures.append(f"second join returned {second}, expected {size - 1}")
+got = hvd.allreduce(np.full(2, rank + 1.0), name="grad.avg3", op=hvd.Sum)
+check("after second join", got, np.full(2, size * (size + 1) / 2.0))
+
+# Every rank joins at once: join returns the same rank everywhere.
+third = hvd.join()
+report(third=third, params=params.tolist())
+'''
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_join_uneven_training_loop(np_):
+    result = run_ranks(np_, JOIN)
+    thirds = {result.result(r)["third"] for r in range(np_)}
+    assert len(thirds) == 1 and thirds.pop() in range(np_)
+    assert all(result.result(r)["params"] == result.result(0)["params"] for r in range(np_))
+
+
+# ---------------------------------------------------------------- mixed random order
+
+MIXED = r'''
+step_dtypes = ["float32", "int32", "float64", "bfloat16", "int8", "float16", "int64", "uint8"]
+for step in range(40):
+    dt = step_dtypes[step % len(step_dtypes)]
+    rng = np.random.default_rng(1000 * rank + step)   # a different order on every rank
+    root = step % size
+    rows = [(r + step) % 3 for r in range(size)]      # zero rows now and then
+
+    def sp(k):
+        return [(k + m + step) % 3 for m in range(size)]
+
+    def chunk(k, m):
+        s = sp(k)
+        return data(k, (sum(s), 2), dt, step)[sum(s[:m]):sum(s[:m + 1])]
+
+    starters = {
+        "allreduce": lambda: hvd.allreduce_async(data(rank, (5,), dt, step), name="mx.ar",
+                                                 op=hvd.Sum),
+        "allgather": lambda: hvd.allgather_async(data(rank, (rows[rank], 3), dt, step),
+                                                 name="mx.ag"),
+        "broadcast": lambda: hvd.broadcast_async(data(rank, (2, 2), dt, step), root,
+                                                 name="mx.bc"),
+        "alltoall": lambda: hvd.alltoall_async(data(rank, (sum(sp(rank)), 2), dt, step),
+                                               splits=sp(rank), name="mx.a2a"),
+    }
+    order = list(starters)
+    rng.shuffle(order)
+    handles = {kind: starters[kind]() for kind in order}
+    if step % 2:
+        deadline = time.time() + 60
+        while not all(hvd.poll(h) for h in handles.values()):
+            if time.time() > deadline:
+                raise RuntimeError(f"step {step}: ops never ended")
+            time.sleep(0.001)
+    waits = list(handles)
+    rng.shuffle(waits)
+    results = {kind: hvd.synchronize(handles[kind]) for kind in waits}
+    check(f"mixed {step} allreduce", results["allreduce"],
+          reduce_expected([data(r, (5,), dt, step) for r in range(size)], dt, "sum"))
+    check(f"mixed {step} allgather", results["allgather"],
+          np.concatenate([data(r, (rows[r], 3), dt, step) for r in range(size)]))
+    check(f"mixed {step} broadcast", results["broadcast"], data(root, (2, 2), dt, step))
+    got, splits = results["alltoall"]
+    check(f"mixed {step} alltoall", got, np.concatenate([chunk(k, rank) for k in range(size)]))
+    check(f"mixed {step} alltoall splits", splits, np.array([sp(k)[rank] for k in range(size)]))
+stats = hvd.stats()
+report(stats=stats)
+'''
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_mixed_random_order_loop(np_):
+    result = run_ranks(np_, MIXED)
+    for r in range(np_):
+        stats = result.result(r)["stats"]
+        assert stats["errors"] == 0, stats
+        assert stats["tensors"] >= 40 * 4, stats
