@@ -231,7 +231,8 @@ def _input_array(array, name, *, min_ndim=0):
 
 
 def _check_reduce_op(op, arr, name):
-    if isinstance(op, bool) or op not in _REDUCE_OP_NAMES:
+    if (isinstance(op, bool) or not isinstance(op, (int, np.integer))
+            or op not in _REDUCE_OP_NAMES):
         raise InvalidArgumentError(
             f"tensor '{name}': op {op!r} is not one of hvdlite.Average, Sum, Min, Max, "
             "Product")

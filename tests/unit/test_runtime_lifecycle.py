@@ -54,7 +54,7 @@ def test_before_init_raises(native, run_py):
         import hvdlite as hvd
         assert hvd.is_initialized() is False
         for call in (hvd.size, hvd.rank, hvd.local_rank, hvd.local_size, hvd.cross_rank,
-                     hvd.cross_size, hvd.stats, hvd.barrier,
+                     hvd.cross_size, hvd.barrier,
                      lambda: hvd.allreduce(np.ones(3, np.float32), name="x"),
                      lambda: hvd.allgather(np.ones(3, np.float32)),
                      lambda: hvd.broadcast(np.ones(3, np.float32), 0)):
