@@ -75,22 +75,25 @@ def build_native(out_dir):
     with open(os.path.join(out_dir, "_build_info.json"), "w") as f:
         json.dump({"mpi_source": source, "mpi_prefix": prefix if source == "system" else None,
                    "sanitize": os.environ.get("HVDLITE_SANITIZE") == "1"}, f)
-    shutil.copy(os.path.join(HERE, "native", "include", "hvdlite", "c_api.h"),
-                os.path.join(out_dir, "c_api.h"))
+    for header in ("c_api.h", "testing.h"):
+        shutil.copy(os.path.join(HERE, "native", "include", "hvdlite", header),
+                    os.path.join(out_dir, header))
 
 
 class BuildNative(Command):
     description = "compile native/ into hvdlite/libhvdlite.so"
-    user_options = []
+    # --out-dir puts a second build (e.g. a sanitized one) elsewhere, leaving the
+    # package's library alone; load it with HVDLITE_LIBRARY=<dir>/libhvdlite.so.
+    user_options = [("out-dir=", None, "directory for libhvdlite.so (default: hvdlite/)")]
 
     def initialize_options(self):
-        pass
+        self.out_dir = None
 
     def finalize_options(self):
         pass
 
     def run(self):
-        build_native(PKG)
+        build_native(os.path.abspath(self.out_dir) if self.out_dir else PKG)
 
 
 class BuildPy(build_py):

@@ -5,7 +5,8 @@ ABI mode: nothing is compiled against Python, and cffi releases the GIL around e
 call, so ``hvdlite_wait`` blocks without holding it.
 
 The declarations come from the block between ``/* CDEF-BEGIN */`` and ``/* CDEF-END */``
-in ``c_api.h``; they are never copied by hand.
+in ``c_api.h`` (and in ``testing.h``, the test-only entry points); they are never
+copied by hand.
 
 Loading order matters: the core has ``DT_NEEDED libmpi.so.12`` but, in an editable
 install next to the ``mpich`` wheel, no rpath the loader can use. So libmpi is opened
@@ -33,11 +34,11 @@ _CDEF_BEGIN = "/* CDEF-BEGIN */"
 _CDEF_END = "/* CDEF-END */"
 
 
-def _header_path():
-    """Returns the path of c_api.h: the installed copy, else the source checkout's."""
+def _header_path(name="c_api.h"):
+    """Returns the path of a header: the installed copy, else the source checkout's."""
     candidates = [
-        os.path.join(_PKG_DIR, "c_api.h"),
-        os.path.join(os.path.dirname(_PKG_DIR), "native", "include", "hvdlite", "c_api.h"),
+        os.path.join(_PKG_DIR, name),
+        os.path.join(os.path.dirname(_PKG_DIR), "native", "include", "hvdlite", name),
     ]
     for path in candidates:
         if os.path.isfile(path):
@@ -66,6 +67,14 @@ def read_cdef(path=None):
     if begin < 0 or end < begin:
         raise ImportError(f"hvdlite: {path} has no {_CDEF_BEGIN} ... {_CDEF_END} block")
     return text[begin + len(_CDEF_BEGIN):end]
+
+
+def _testing_cdef():
+    """Returns the CDEF block of testing.h (test-only entry points), or "" without it."""
+    try:
+        return read_cdef(_header_path("testing.h"))
+    except ImportError:
+        return ""
 
 
 def _build_info():
@@ -133,7 +142,9 @@ def _load():
     import cffi  # deferred so that the error for a missing cffi is an ImportError here
 
     ffi = cffi.FFI()
-    ffi.cdef(read_cdef())
+    # testing.h's hvdlite_test_* functions are for tests/faults only; declaring them
+    # costs nothing and a library without them fails only if a test calls one.
+    ffi.cdef(read_cdef() + _testing_cdef())
     path = _library_path()
     if not os.path.isfile(path):
         raise ImportError(

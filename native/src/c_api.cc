@@ -45,6 +45,11 @@ hvdlite_status_t Topology(int32_t* out, Getter get) {
 
 }  // namespace
 
+namespace hvdlite {
+// For testing_api.cc: records s as the calling thread's last error; returns its code.
+hvdlite_status_t RecordStatus(const Status& s) { return Record(s); }
+}  // namespace hvdlite
+
 HVDLITE_EXPORT hvdlite_status_t hvdlite_init(const hvdlite_init_options_t* options) {
   return Guard([&] { return hvdlite::Core::Get().Init(options ? options->comm_f2c : -1); });
 }

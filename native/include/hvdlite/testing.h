@@ -1,0 +1,65 @@
+/*
+ * hvdlite test-only entry points: NOT part of the public C API.
+ *
+ * They expose pieces of the core that have no transport (the wire format, the
+ * coordinator's decisions) so that tests/faults can drive them with random inputs
+ * (hypothesis) in one process, without MPI. Nothing here is stable; user code must not
+ * call it. Every function follows c_api.h's conventions: a status code, results
+ * through out-pointers, hvdlite_last_error() on failure.
+ *
+ * hvdlite/_native.py also hands the block between the CDEF markers to cffi.
+ */
+#pragma once
+
+#include <stdint.h>
+
+#include "hvdlite/c_api.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* CDEF-BEGIN */
+
+/* Parses a serialized request list (the rank -> coordinator message) and serializes
+ * the result again into out (capacity out_cap). The input is first copied to the end
+ * of a page followed by an inaccessible guard page, so a read past its end crashes
+ * instead of going unnoticed. *count receives the number of requests, *out_len the
+ * bytes written (or, with HVDLITE_ERR_INVALID_ARGUMENT and a message saying so, the
+ * capacity needed). A corrupted or truncated message is HVDLITE_ERR_INTERNAL. */
+hvdlite_status_t hvdlite_test_roundtrip_requests(const uint8_t* in, int64_t len,
+                                                 uint8_t* out, int64_t out_cap,
+                                                 int64_t* out_len, int32_t* count);
+
+/* The same for a response list (the coordinator -> every rank message). */
+hvdlite_status_t hvdlite_test_roundtrip_responses(const uint8_t* in, int64_t len,
+                                                  uint8_t* out, int64_t out_cap,
+                                                  int64_t* out_len, int32_t* count);
+
+/* A coordinator (rank 0's Controller) for `size` simulated ranks, with the given stall
+ * times in seconds (0: off). *out receives an id for the calls below. */
+hvdlite_status_t hvdlite_test_controller_new(int32_t size, double stall_check_s,
+                                             double stall_shutdown_s, int64_t* out);
+
+/* Feeds a serialized request list (each request names its rank) to the coordinator,
+ * as arrived at simulated time now_s (seconds since the controller was made). */
+hvdlite_status_t hvdlite_test_controller_add(int64_t id, const uint8_t* requests, int64_t len,
+                                             double now_s);
+
+/* Runs the coordinator's decision at time now_s and writes the serialized response
+ * list into out, as it would be broadcast; *out_len as for the round trips. A call
+ * whose out_cap is too small decides nothing: call again with the capacity needed. */
+hvdlite_status_t hvdlite_test_controller_build(int64_t id, double now_s, uint8_t* out,
+                                               int64_t out_cap, int64_t* out_len);
+
+/* The number of tensors the coordinator still waits on. */
+hvdlite_status_t hvdlite_test_controller_pending(int64_t id, int64_t* out);
+
+/* Forgets a controller. Unknown ids are a no-op. */
+hvdlite_status_t hvdlite_test_controller_free(int64_t id);
+
+/* CDEF-END */
+
+#ifdef __cplusplus
+}  /* extern "C" */
+#endif

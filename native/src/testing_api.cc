@@ -1,0 +1,201 @@
+// Test-only entry points (native/include/hvdlite/testing.h): the wire format and the
+// coordinator, driven without MPI. Called from any thread; the controller table is
+// guarded by its own mutex, and one simulated controller must not be driven from two
+// threads at once (tests do not).
+#include "hvdlite/testing.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "controller.h"
+#include "message.h"
+
+#define HVDLITE_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace hvdlite {
+hvdlite_status_t RecordStatus(const Status& s);  // c_api.cc
+}  // namespace hvdlite
+
+namespace hvdlite {
+namespace {
+
+template <typename F>
+hvdlite_status_t Guard(F&& f) {
+  try {
+    return RecordStatus(f());
+  } catch (const std::exception& e) {
+    return RecordStatus(Status(HVDLITE_ERR_INTERNAL, std::string("internal error: ") + e.what()));
+  }
+}
+
+// A copy of a buffer placed so that its last byte is the last readable one: the next
+// page is PROT_NONE, so reading past the end faults at once.
+class GuardedCopy {
+ public:
+  GuardedCopy(const uint8_t* data, size_t len) {
+    size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    size_t body = (len + page - 1) / page * page;
+    if (body == 0) body = page;
+    size_ = body + page;
+    void* m = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) throw std::bad_alloc();
+    base_ = static_cast<uint8_t*>(m);
+    mprotect(base_ + body, page, PROT_NONE);
+    data_ = base_ + body - len;
+    if (len) std::memcpy(data_, data, len);
+  }
+  ~GuardedCopy() { munmap(base_, size_); }
+  const uint8_t* data() const { return data_; }
+
+ private:
+  uint8_t* base_ = nullptr;
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+Status CopyOut(const std::vector<uint8_t>& blob, uint8_t* out, int64_t cap, int64_t* out_len) {
+  if (!out_len) return InvalidArgument("out_len is NULL");
+  *out_len = static_cast<int64_t>(blob.size());
+  if (static_cast<int64_t>(blob.size()) > cap || (!out && !blob.empty())) {
+    return InvalidArgument("output buffer too small: " + std::to_string(blob.size()) +
+                           " bytes needed");
+  }
+  if (!blob.empty()) std::memcpy(out, blob.data(), blob.size());
+  return Status::OK();
+}
+
+template <typename T>
+Status RoundTrip(const uint8_t* in, int64_t len, uint8_t* out, int64_t cap, int64_t* out_len,
+                 int32_t* count,
+                 Status (*parse)(const uint8_t*, size_t, std::vector<T>*),
+                 void (*serialize)(const std::vector<T>&, std::vector<uint8_t>*)) {
+  if (len < 0 || (len > 0 && !in)) return InvalidArgument("bad input buffer");
+  GuardedCopy copy(in, static_cast<size_t>(len));
+  std::vector<T> items;
+  Status s = parse(copy.data(), static_cast<size_t>(len), &items);
+  if (!s.ok()) return s;
+  if (count) *count = static_cast<int32_t>(items.size());
+  std::vector<uint8_t> blob;
+  serialize(items, &blob);
+  return CopyOut(blob, out, cap, out_len);
+}
+
+struct SimController {
+  Controller controller;
+  Controller::Clock::time_point epoch;
+  std::vector<uint8_t> unread;  // a decision whose output did not fit yet
+  bool has_unread = false;
+  SimController(int size, const Config& c) : controller(size, c), epoch(Controller::Clock::now()) {}
+  Controller::Clock::time_point At(double s) const {
+    return epoch + std::chrono::duration_cast<Controller::Clock::duration>(
+                       std::chrono::duration<double>(s));
+  }
+};
+
+std::mutex g_sims_mutex;
+std::map<int64_t, std::unique_ptr<SimController>> g_sims;  // Guarded by g_sims_mutex.
+int64_t g_next_sim = 1;                                    // Guarded by g_sims_mutex.
+
+Status FindSim(int64_t id, SimController** out) {
+  std::lock_guard<std::mutex> lock(g_sims_mutex);
+  auto it = g_sims.find(id);
+  if (it == g_sims.end()) return InvalidArgument("unknown test controller " + std::to_string(id));
+  *out = it->second.get();
+  return Status::OK();
+}
+
+}  // namespace
+}  // namespace hvdlite
+
+using hvdlite::Status;
+
+HVDLITE_EXPORT hvdlite_status_t hvdlite_test_roundtrip_requests(const uint8_t* in, int64_t len,
+                                                                uint8_t* out, int64_t out_cap,
+                                                                int64_t* out_len, int32_t* count) {
+  return hvdlite::Guard([&] {
+    return hvdlite::RoundTrip<hvdlite::Request>(in, len, out, out_cap, out_len, count,
+                                                hvdlite::ParseRequests, hvdlite::SerializeRequests);
+  });
+}
+
+HVDLITE_EXPORT hvdlite_status_t hvdlite_test_roundtrip_responses(const uint8_t* in, int64_t len,
+                                                                 uint8_t* out, int64_t out_cap,
+                                                                 int64_t* out_len, int32_t* count) {
+  return hvdlite::Guard([&] {
+    return hvdlite::RoundTrip<hvdlite::Response>(in, len, out, out_cap, out_len, count,
+                                                 hvdlite::ParseResponses,
+                                                 hvdlite::SerializeResponses);
+  });
+}
+
+HVDLITE_EXPORT hvdlite_status_t hvdlite_test_controller_new(int32_t size, double stall_check_s,
+                                                            double stall_shutdown_s, int64_t* out) {
+  return hvdlite::Guard([&] {
+    if (!out) return hvdlite::InvalidArgument("out is NULL");
+    if (size < 1 || size > 4096) return hvdlite::InvalidArgument("size out of range");
+    hvdlite::Config config;
+    config.stall_check_s = stall_check_s;
+    config.stall_shutdown_s = stall_shutdown_s;
+    std::lock_guard<std::mutex> lock(hvdlite::g_sims_mutex);
+    int64_t id = hvdlite::g_next_sim++;
+    hvdlite::g_sims[id].reset(new hvdlite::SimController(size, config));
+    *out = id;
+    return Status::OK();
+  });
+}
+
+HVDLITE_EXPORT hvdlite_status_t hvdlite_test_controller_add(int64_t id, const uint8_t* requests,
+                                                            int64_t len, double now_s) {
+  return hvdlite::Guard([&] {
+    hvdlite::SimController* sim = nullptr;
+    Status s = hvdlite::FindSim(id, &sim);
+    if (!s.ok()) return s;
+    if (len < 0 || (len > 0 && !requests)) return hvdlite::InvalidArgument("bad input buffer");
+    hvdlite::GuardedCopy copy(requests, static_cast<size_t>(len));
+    std::vector<hvdlite::Request> reqs;
+    s = hvdlite::ParseRequests(copy.data(), static_cast<size_t>(len), &reqs);
+    if (!s.ok()) return s;
+    for (const auto& q : reqs) sim->controller.AddRequest(q, sim->At(now_s));
+    return Status::OK();
+  });
+}
+
+HVDLITE_EXPORT hvdlite_status_t hvdlite_test_controller_build(int64_t id, double now_s, uint8_t* out,
+                                                              int64_t out_cap, int64_t* out_len) {
+  return hvdlite::Guard([&] {
+    hvdlite::SimController* sim = nullptr;
+    Status s = hvdlite::FindSim(id, &sim);
+    if (!s.ok()) return s;
+    if (!sim->has_unread) {
+      hvdlite::SerializeResponses(sim->controller.BuildResponses(sim->At(now_s)), &sim->unread);
+      sim->has_unread = true;
+    }
+    s = hvdlite::CopyOut(sim->unread, out, out_cap, out_len);
+    if (s.ok()) sim->has_unread = false;
+    return s;
+  });
+}
+
+HVDLITE_EXPORT hvdlite_status_t hvdlite_test_controller_pending(int64_t id, int64_t* out) {
+  return hvdlite::Guard([&] {
+    hvdlite::SimController* sim = nullptr;
+    Status s = hvdlite::FindSim(id, &sim);
+    if (!s.ok()) return s;
+    if (!out) return hvdlite::InvalidArgument("out is NULL");
+    *out = static_cast<int64_t>(sim->controller.NumPending());
+    return Status::OK();
+  });
+}
+
+HVDLITE_EXPORT hvdlite_status_t hvdlite_test_controller_free(int64_t id) {
+  return hvdlite::Guard([&] {
+    std::lock_guard<std::mutex> lock(hvdlite::g_sims_mutex);
+    hvdlite::g_sims.erase(id);
+    return Status::OK();
+  });
+}
