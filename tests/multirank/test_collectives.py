@@ -216,6 +216,49 @@ check("reducescatter scaled", got,
       reduce_expected([data(r, (size, 3), "float64") for r in range(size)], "float64",
                       "sum")[rank:rank + 1])
 
+# Mixed-dtype group, Min/Max/Product reductions.
+got = hvd.grouped_allreduce([data(rank, (3,), "float32"), data(rank, (2,), "int64"),
+                             data(rank, (4,), "float16")], op=hvd.Sum, name="group.mixed")
+for i, (s, dt) in enumerate((((3,), "float32"), ((2,), "int64"), ((4,), "float16"))):
+    check(f"mixed-dtype group member {i}", got[i],
+          reduce_expected([data(r, s, dt) for r in range(size)], dt, "sum"))
+for label, op in (("min", hvd.Min), ("max", hvd.Max)):
+    got = hvd.reducescatter(data(rank, (size + 2, 2), "int32"), op=op, name=f"rs.{label}")
+    full = reduce_expected([data(r, (size + 2, 2), "int32") for r in range(size)], "int32",
+                           label)
+    lo = sum((size + 2) // size + (1 if r < (size + 2) % size else 0) for r in range(rank))
+    check(f"reducescatter {label}", got,
+          full[lo:lo + (size + 2) // size + (1 if rank < (size + 2) % size else 0)])
+got = hvd.allreduce(np.full(3, rank + 2, np.int64), op=hvd.Product, name="ar.prod")
+check("allreduce product", got, np.full(3, np.prod(np.arange(2, size + 2)), np.int64))
+
+# Many ops in flight at once; handles dropped unwaited; results kept while later ops
+# reuse the core's memory.
+kept = []
+handles = [hvd.allgather_async(data(rank, (rank + i % 3, 3), "float32", i),
+                               name=f"many.ag.{i}") for i in range(40)]
+handles += [hvd.alltoall_async(data(rank, (size * (i % 2), 2), "int64", i),
+                               name=f"many.a2a.{i}") for i in range(40)]
+for i in range(0, 10):
+    hvd.allgather_async(data(rank, (2, 2), "int32", i), name=f"dropped.{i}")
+for h in reversed(handles):
+    kept.append(hvd.synchronize(h))
+kept.reverse()
+for j in range(3):
+    hvd.allgather(np.full((100, 100), -1.0, np.float32), name="churn")
+for i in range(40):
+    check(f"kept allgather {i}", kept[i],
+          np.concatenate([data(r, (r + i % 3, 3), "float32", i) for r in range(size)]))
+    recv, splits = kept[40 + i]
+    check(f"kept alltoall {i}", recv,
+          np.concatenate([data(r, (size * (i % 2), 2), "int64", i)
+                          [rank * (i % 2):(rank + 1) * (i % 2)] for r in range(size)]))
+
+# Big enough to take more than one MPI message on the way.
+big = hvd.allgather(np.full((1 << 18, 4), rank, np.float32), name="big.ag")
+check("big allgather", big, np.repeat(np.arange(size, dtype=np.float32), 1 << 18)[:, None]
+      .repeat(4, axis=1))
+
 # barrier: nobody leaves before everyone arrived.
 time.sleep(0.2 * rank)
 t0 = time.time()
@@ -243,6 +286,14 @@ for kind in (ops.ALLGATHER, ops.ALLTOALL, ops.REDUCESCATTER):
                                      out.ctypes.data if kind == ops.REDUCESCATTER else None),
                  "at least one dimension")
 still_usable("0-d refusals")
+
+# Results of core-allocated outputs outlive shutdown (they belong to their arrays).
+survivor = hvd.allgather(data(rank, (2, 2), "int64"), name="survivor")
+hvd.shutdown()
+check("allgather result after shutdown", survivor,
+      np.concatenate([data(r, (2, 2), "int64") for r in range(size)]))
+expect_error("allgather after shutdown", errors.NotInitializedError,
+             lambda: hvd.allgather(np.ones((1, 1))))
 report()
 '''
 
@@ -339,6 +390,29 @@ expect_error("broadcast root out of range", I, lambda: hvd.broadcast(x32, size),
 expect_error("broadcast negative root", I, lambda: hvd.broadcast(x32, -1), "range")
 still_usable("refusals")
 
+# A tensor negotiated once (so in the response cache) that then disagrees: the cache
+# must not hide the mismatch, and the next agreeing call must work again.
+for kind, call in (
+        ("allgather", lambda bad: hvd.allgather(
+            np.ones((2, 3 + bad), np.float32), name="c.ag")),
+        ("broadcast", lambda bad: hvd.broadcast(np.ones(3, np.float32), bad, name="c.bc")),
+        ("alltoall", lambda bad: hvd.alltoall(
+            np.ones((size, 2), np.float64 if bad else np.float32), name="c.a2a")),
+        ("reducescatter", lambda bad: hvd.reducescatter(
+            np.ones((size + bad, 2), np.float32), op=hvd.Sum, name="c.rs"))):
+    for i in range(2):
+        call(0)
+    everywhere(f"{kind} cached then mismatched", lambda: call(int(rank == other)),
+               "rank 1")
+    for i in range(2):
+        call(0)
+
+# A name already in flight on this rank is refused at the call.
+h = hvd.allgather_async(np.ones((1, 2), np.float32), name="dup")
+expect_error("duplicate name", errors.DuplicateNameError,
+             lambda: hvd.allgather_async(np.ones((1, 2), np.float32), name="dup"), "dup")
+check("first of duplicate", hvd.synchronize(h), np.ones((size, 2), np.float32))
+
 # The same names work once the ranks agree, and run through the cache on repeats.
 for i in range(3):
     got = hvd.allgather(np.full((rank + 1, 3), rank, np.float32), name="m.ag")
@@ -421,6 +495,15 @@ else:
     expect_error("max allreduce while joined", errors.InvalidArgumentError,
                  lambda: hvd.allreduce(np.ones(2, np.float32), op=hvd.Max, name="max.joined"),
                  "joined")
+    expect_error("broadcast from a joined root", errors.InvalidArgumentError,
+                 lambda: hvd.broadcast(np.ones(2, np.float32), 0, name="bc.joined"),
+                 "joined")
+    expect_error("barrier while joined", errors.InvalidArgumentError, hvd.barrier, "joined")
+    got = hvd.allgather(np.full((1, 2), rank, np.int64), name="ag.joined")
+    check("allgather while rank 0 joined", got,
+          np.array([[r, r] for r in range(1, size)], np.int64))
+    got = hvd.allreduce(np.full(2, float(rank)), op=hvd.Average, name="avg.joined")
+    check("average while rank 0 joined", got, np.full(2, sum(range(1, size)) / (size - 1)))
     if rank == size - 1:
         time.sleep(0.3)  # join last
     second = hvd.join()
