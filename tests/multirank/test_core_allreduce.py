@@ -1,0 +1,187 @@
+"""The native core's allreduce in real 2- and 3-rank jobs: values, orders, cache, fusion.
+
+Each job runs one rank script that makes many checks and reports them on
+``HVDLITE_RESULT`` lines; ranks never raise on a wrong value (a diverging rank would
+leave the others waiting), they report it, and the test asserts here. Expected values
+come from ``core_reference`` (numpy), computed on each rank from every rank's
+regenerated contribution, never from hvdlite.
+"""
+import pytest
+
+import harness
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("native")]
+
+RANKS = (2, 3)
+DEFAULTS = {"HVDLITE_FUSION_THRESHOLD": None, "HVDLITE_CACHE_CAPACITY": None,
+            "HVDLITE_CYCLE_TIME": None, "HVDLITE_STALL_CHECK_TIME": None,
+            "HVDLITE_STALL_SHUTDOWN_TIME": None, "HVDLITE_TIMELINE": None}
+FUSION = {"fusion_on": {}, "fusion_off": {"HVDLITE_FUSION_THRESHOLD": "0"}}
+CACHE = {"cache_on": {}, "cache_off": {"HVDLITE_CACHE_CAPACITY": "0"}}
+
+
+def env_for(*settings):
+    env = dict(DEFAULTS)
+    for s in settings:
+        env.update(s)
+    return env
+
+
+def results_by_kind(job, rank):
+    """Returns {kind: payload} of the ``{"kind": ..., ...}`` results a rank printed."""
+    return {r["kind"]: r for r in job.results.get(rank, [])}
+
+
+# Every (dtype, op, shape) and scaled variant, twice: pass 1 negotiates through the
+# coordinator, pass 2 (same names, new values) can hit the response cache. Each pass
+# submits everything asynchronously in a per-rank random order, with jitter, then
+# waits in another random order.
+MATRIX_SCRIPT = r"""
+import json, random, time
+import numpy as np
+import hvdlite as hvd
+from core_reference import matrix_cases, contribution, check
+
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+cases = matrix_cases()
+OPS = {name: getattr(hvd, name) for name in ("Sum", "Average", "Min", "Max", "Product")}
+
+def run_pass(seed):
+    rng = random.Random(seed * 7919 + rank)
+    order = list(cases)
+    rng.shuffle(order)
+    handles = {}
+    for i, case in enumerate(order):
+        if rng.random() < 0.05:
+            time.sleep(0.002)  # ranks drift apart: tensors arrive in different cycles
+        handles[case.name] = hvd.allreduce_async(
+            contribution(seed, rank, case), name=case.name, op=OPS[case.op],
+            prescale_factor=case.prescale, postscale_factor=case.postscale)
+    rng.shuffle(order)
+    failures = []
+    for case in order:
+        got = hvd.synchronize(handles[case.name])
+        contribs = [contribution(seed, r, case) for r in range(size)]
+        problem = check(got, contribs, case)
+        if problem:
+            failures.append(problem)
+    return failures
+
+s0 = hvd.stats()
+f1 = run_pass(1)
+s1 = hvd.stats()
+f2 = run_pass(2)
+s2 = hvd.stats()
+print("HVDLITE_RESULT", json.dumps({
+    "kind": "matrix", "cases": len(cases), "failures": f1 + f2,
+    "stats": [s0, s1, s2]}))
+"""
+
+
+@pytest.mark.parametrize("cache", sorted(CACHE))
+@pytest.mark.parametrize("fusion", sorted(FUSION))
+@pytest.mark.parametrize("np_", RANKS)
+def test_every_op_dtype_against_numpy(np_, fusion, cache):
+    job = harness.assert_ok(harness.run_job(
+        np_, MATRIX_SCRIPT, timeout=180, env=env_for(FUSION[fusion], CACHE[cache])))
+    for rank in range(np_):
+        res = results_by_kind(job, rank)["matrix"]
+        assert not res["failures"], (
+            f"rank {rank}: {len(res['failures'])} wrong results:\n"
+            + "\n".join(res["failures"][:30]))
+        n = res["cases"]
+        s0, s1, s2 = res["stats"]
+        assert s1["tensors"] - s0["tensors"] == n and s2["tensors"] - s1["tensors"] == n
+        assert s2["errors"] == 0
+        if fusion == "fusion_on":
+            assert s2["fused_collectives"] > 0, s2
+            assert s2["collectives"] < 2 * n, s2
+        else:
+            assert s2["fused_collectives"] == 0, s2
+            assert s2["collectives"] == 2 * n, s2
+        if cache == "cache_on":
+            # Pass 2: every tensor was negotiated by its cache bit alone.
+            assert s2["cache_hits"] - s1["cache_hits"] == n, (s1, s2)
+            assert s2["coordinator_gathers"] == s1["coordinator_gathers"], (s1, s2)
+        else:
+            assert s2["cache_hits"] == 0, s2
+            assert s2["coordinator_gathers"] > s1["coordinator_gathers"], (s1, s2)
+            assert s2["cache_misses"] - s1["cache_misses"] == n, (s1, s2)
+
+
+# 1,000 steps of 50 small tensors, each rank submitting in a new random order per step;
+# every result checked. After a warm-up the coordinator is never asked again.
+LOOP_SCRIPT = r"""
+import json, random, sys
+import numpy as np
+import hvdlite as hvd
+
+STEPS, TENSORS, WARMUP = int(sys.argv[1]), 50, 5
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+rng = random.Random(rank)
+names = [f"layer{i}.grad" for i in range(TENSORS)]
+base = [np.arange(1 + i % 7, dtype=np.float32) for i in range(TENSORS)]
+rank_sum = size * (size - 1) // 2
+bad = []
+snapshot = None
+for step in range(STEPS):
+    if step == WARMUP:
+        snapshot = hvd.stats()
+    order = list(range(TENSORS))
+    rng.shuffle(order)
+    handles = {}
+    for i in order:
+        if i % 10 == 9:  # a few int64 Max tensors among the float32 sums
+            x = np.full(3, rank * 1000 + step + i, dtype=np.int64)
+            handles[i] = hvd.allreduce_async(x, name=names[i], op=hvd.Max)
+        else:
+            handles[i] = hvd.allreduce_async(base[i] + (rank + step), name=names[i],
+                                             op=hvd.Sum)
+    rng.shuffle(order)
+    for i in order:
+        got = hvd.synchronize(handles[i])
+        if i % 10 == 9:
+            want = np.full(3, (size - 1) * 1000 + step + i, dtype=np.int64)
+        else:
+            want = size * (base[i] + step) + rank_sum
+        if not np.array_equal(got, want) and len(bad) < 10:
+            bad.append(f"step {step} {names[i]}: got {got.tolist()} want {want.tolist()}")
+end = hvd.stats()
+print("HVDLITE_RESULT", json.dumps({"kind": "loop", "bad": bad, "warm": snapshot,
+                                    "end": end, "steps": STEPS, "tensors": TENSORS,
+                                    "warmup": WARMUP}))
+"""
+
+
+@pytest.mark.parametrize("np_", RANKS)
+def test_thousand_steps_steady_state_uses_cache_only(np_):
+    job = harness.assert_ok(harness.run_job(np_, LOOP_SCRIPT, args=[1000], timeout=300,
+                                            env=env_for()))
+    for rank in range(np_):
+        res = results_by_kind(job, rank)["loop"]
+        assert not res["bad"], f"rank {rank}: wrong results: {res['bad']}"
+        warm, end = res["warm"], res["end"]
+        steady = (res["steps"] - res["warmup"]) * res["tensors"]
+        # No gather to the coordinator in steady state, while the cache answers.
+        assert end["coordinator_gathers"] == warm["coordinator_gathers"], (warm, end)
+        assert end["cache_hits"] - warm["cache_hits"] == steady, (warm, end)
+        assert end["cache_misses"] == warm["cache_misses"], (warm, end)
+        assert end["tensors"] - warm["tensors"] == steady, (warm, end)
+        assert end["fused_collectives"] > 0, end
+        assert end["errors"] == 0, end
+
+
+def test_steady_state_without_cache_gathers_every_step():
+    # The control for the test above: with the cache off, the same loop needs the
+    # coordinator at least once per step.
+    steps = 50
+    job = harness.assert_ok(harness.run_job(
+        2, LOOP_SCRIPT, args=[steps], timeout=120, env=env_for(CACHE["cache_off"])))
+    for rank in range(2):
+        res = results_by_kind(job, rank)["loop"]
+        assert not res["bad"], f"rank {rank}: wrong results: {res['bad']}"
+        warm, end = res["warm"], res["end"]
+        assert end["cache_hits"] == 0, end
+        assert end["coordinator_gathers"] - warm["coordinator_gathers"] >= steps - res["warmup"]
