@@ -45,6 +45,28 @@ std::string Upper(const char* s) {
   return u;
 }
 
+// Arguments of an op's timeline span. bytes: what rank 0 contributes or receives.
+std::string TimelineArgs(const Response& r, size_t fused, int rank, int size) {
+  const int64_t elem = ElementSize(r.dtype);
+  const int64_t row = RowElements(r.shape) * elem;
+  int64_t bytes = NumElements(r.shape) * elem;
+  if (r.op == HVDLITE_OP_ALLGATHER) {
+    bytes = 0;
+    for (int64_t rows : r.first_dims) bytes += rows * row;
+  } else if (r.op == HVDLITE_OP_ALLTOALL) {
+    bytes = 0;
+    for (int k = 0; k < size && static_cast<size_t>(k) * size + rank < r.splits.size(); ++k) {
+      bytes += r.splits[static_cast<size_t>(k) * size + rank] * row;
+    }
+  } else if (r.op == HVDLITE_OP_BARRIER) {
+    bytes = 0;
+  }
+  std::string args = std::string("\"dtype\": \"") + DtypeName(r.dtype) + "\", \"shape\": \"" +
+                     ShapeString(r.shape) + "\", \"bytes\": " + std::to_string(bytes);
+  if (r.op == HVDLITE_OP_ALLREDUCE) args += ", \"fused\": " + std::to_string(fused);
+  return args;
+}
+
 }  // namespace
 
 Core& Core::Get() {
@@ -328,7 +350,7 @@ bool Core::RunCycle() {
   queue_.PopPending(&fresh);
   for (Request& q : fresh) {
     if (timeline_.active() && q.op != HVDLITE_OP_JOIN) {
-      timeline_.Begin(q.name, "NEGOTIATE_" + Upper(OpName(q.op)));
+      timeline_.BeginNegotiation(q.name, "NEGOTIATE_" + Upper(OpName(q.op)));
     }
     if (q.op == HVDLITE_OP_JOIN) local_joined_ = true;
     int64_t slot = -1;
@@ -338,6 +360,9 @@ bool Core::RunCycle() {
       lookup = cache_->Find(q, &slot);
     }
     if (lookup == ResponseCache::Lookup::kHit) {
+      // Cached: the other ranks' readiness reaches rank 0 only as one "all ranks
+      // ready" bit, marked when the bit vector comes back.
+      if (timeline_.active()) timeline_.Instant(q.name, "rank 0 ready", "\"cached\": true");
       cached_pending_[slot] = now;
       continue;
     }
@@ -413,6 +438,7 @@ bool Core::RunCycle() {
       if (!cache_->Has(slot) || !cached_pending_.count(slot)) continue;
       cache_->Touch(slot);
       ready.push_back(cache_->Get(slot));
+      if (timeline_.active()) timeline_.Instant(ready.back().name, "all ranks ready", "\"cached\": true");
       cached_pending_.erase(slot);
       counters_.cache_hits++;
     }
@@ -437,6 +463,7 @@ bool Core::RunCycle() {
         s = ParseRequests(all[r].data(), all[r].size(), &reqs);
         for (const Request& q : reqs) {
           if (timeline_.active() && q.op != HVDLITE_OP_JOIN) {
+            timeline_.BeginNegotiation(q.name, "NEGOTIATE_" + Upper(OpName(q.op)));
             timeline_.Instant(q.name, "rank " + std::to_string(q.rank) + " ready");
           }
           controller_->AddRequest(q, now);
@@ -487,40 +514,59 @@ void Core::Finish(TensorEntry* e, const Status& s, OpOutput out) {
 }
 
 void Core::Execute(const std::vector<Response>& ready) {
-  size_t i = 0;
-  while (i < ready.size()) {
+  // Plan: ready[begin, ends[n]) is one collective, a run of compatible allreduces fused
+  // under the threshold or one other response. Every field used here comes from the
+  // responses, which are identical on all ranks.
+  std::vector<size_t> ends;
+  for (size_t i = 0; i < ready.size();) {
     const Response& r = ready[i];
-    if (timeline_.active() && r.op != HVDLITE_OP_JOIN) timeline_.End(r.name);
+    size_t j = i + 1;
+    if (r.op == HVDLITE_OP_ALLREDUCE && r.error.empty()) {
+      int64_t bytes = NumElements(r.shape) * ElementSize(r.dtype);
+      while (config_.fusion_threshold > 0 && j < ready.size()) {
+        const Response& c = ready[j];
+        int64_t b = NumElements(c.shape) * ElementSize(c.dtype);
+        if (c.op != HVDLITE_OP_ALLREDUCE || !c.error.empty() || c.dtype != r.dtype ||
+            c.reduce_op != r.reduce_op || c.prescale != r.prescale || c.postscale != r.postscale ||
+            c.contributors != r.contributors || bytes + b > config_.fusion_threshold) {
+          break;
+        }
+        bytes += b;
+        ++j;
+      }
+    }
+    ends.push_back(j);
+    i = j;
+  }
+  if (timeline_.active()) {
+    // Negotiation ends for the whole list at once; the time a tensor then waits for the
+    // collectives ahead of it is its QUEUE activity, ended when its own one starts.
+    size_t begin = 0;
+    for (size_t end : ends) {
+      for (size_t k = begin; k < end; ++k) {
+        const Response& r = ready[k];
+        if (r.op == HVDLITE_OP_JOIN) continue;
+        timeline_.End(r.name);
+        if (!r.error.empty()) continue;
+        timeline_.Begin(r.name, Upper(OpName(r.op)), TimelineArgs(r, end - begin, topo_.rank, topo_.size));
+        timeline_.Begin(r.name, "QUEUE");
+      }
+      begin = end;
+    }
+  }
+  size_t i = 0;
+  for (size_t end : ends) {
+    const Response& r = ready[i];
     if (!r.error.empty()) {
       Finish(queue_.Find(r.name), Status(r.error_code, r.error));
-      ++i;
-      continue;
-    }
-    if (r.op != HVDLITE_OP_ALLREDUCE) {
+    } else if (r.op != HVDLITE_OP_ALLREDUCE) {
       ExecuteOne(r);
-      ++i;
-      continue;
+    } else {
+      std::vector<const Response*> fused;
+      for (size_t k = i; k < end; ++k) fused.push_back(&ready[k]);
+      ExecuteAllreduce(fused);
     }
-    // Fuse the run of compatible allreduces that fits under the threshold. Every
-    // field used here comes from the responses, which are identical on all ranks.
-    std::vector<const Response*> fused{&r};
-    int64_t bytes = NumElements(r.shape) * ElementSize(r.dtype);
-    size_t j = i + 1;
-    while (config_.fusion_threshold > 0 && j < ready.size()) {
-      const Response& c = ready[j];
-      int64_t b = NumElements(c.shape) * ElementSize(c.dtype);
-      if (c.op != HVDLITE_OP_ALLREDUCE || !c.error.empty() || c.dtype != r.dtype ||
-          c.reduce_op != r.reduce_op || c.prescale != r.prescale || c.postscale != r.postscale ||
-          c.contributors != r.contributors || bytes + b > config_.fusion_threshold) {
-        break;
-      }
-      if (timeline_.active()) timeline_.End(c.name);
-      fused.push_back(&c);
-      bytes += b;
-      ++j;
-    }
-    ExecuteAllreduce(fused);
-    i = j;
+    i = end;
   }
 }
 
@@ -537,13 +583,7 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
   for (const Response* r : fused) {
     entries.push_back(queue_.Find(r->name));
     total += NumElements(r->shape);
-    if (tl) {
-      timeline_.Begin(r->name, "ALLREDUCE",
-                      std::string("\"dtype\": \"") + DtypeName(dtype) + "\", \"shape\": \"" +
-                          ShapeString(r->shape) + "\", \"bytes\": " +
-                          std::to_string(NumElements(r->shape) * elem) + ", \"fused\": " +
-                          std::to_string(fused.size()));
-    }
+    if (tl) timeline_.End(r->name);  // QUEUE
   }
   auto activity = [&](const char* name) {
     if (!tl) return;
@@ -612,8 +652,7 @@ void Core::ExecuteOne(const Response& r) {
   const bool tl = timeline_.active() && r.op != HVDLITE_OP_JOIN;
   std::string op_upper = Upper(OpName(r.op));
   if (tl) {
-    timeline_.Begin(r.name, op_upper, std::string("\"dtype\": \"") + DtypeName(r.dtype) +
-                                          "\", \"shape\": \"" + ShapeString(r.shape) + "\"");
+    timeline_.End(r.name);  // QUEUE
     timeline_.Begin(r.name, "MPI_" + op_upper);
   }
   Status s;

@@ -7,7 +7,11 @@
 namespace hvdlite {
 namespace {
 
+// Events waiting for the writer; beyond this, new spans and marks are dropped.
 constexpr size_t kMaxQueued = 1 << 16;
+// The writer wakes this often (or when the queue is half full) and flushes each batch,
+// so a crash loses at most this much of the end of the trace.
+constexpr auto kWriterPeriod = std::chrono::milliseconds(50);
 
 std::string JsonEscape(const std::string& s) {
   std::string out;
@@ -28,7 +32,7 @@ std::string JsonEscape(const std::string& s) {
 
 }  // namespace
 
-int64_t Timeline::NowUs() const {
+int64_t Timeline::NowUs() {
   return std::chrono::duration_cast<std::chrono::microseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
@@ -41,17 +45,25 @@ Status Timeline::Start(const std::string& path, bool mark_cycles) {
     return InvalidArgument("cannot write the timeline to '" + path + "': " + std::strerror(errno));
   }
   file_ = f;
-  mark_cycles_ = mark_cycles;
-  tracks_.clear();
-  first_event_ = true;
+  depth_.assign(1, 0);
   start_us_ = NowUs();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = false;
     dropped_ = 0;
     queue_.clear();
+    tracks_.clear();
   }
-  std::fputs("[\n", file_);
+  // Every later event starts with ",\n", so the file is one event per line: a reader
+  // can recover everything but a torn last line after a crash.
+  std::fputs("[\n{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": 0, "
+             "\"args\": {\"name\": \"hvdlite rank 0 (coordinator)\"}}",
+             file_);
+  std::fputs(",\n{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": 0, \"tid\": 0, "
+             "\"args\": {\"name\": \"background loop\"}}",
+             file_);
+  std::fflush(file_);
+  mark_cycles_ = mark_cycles;
   writer_ = std::thread(&Timeline::WriterLoop, this);
   active_ = true;
   return Status::OK();
@@ -71,71 +83,142 @@ void Timeline::Stop() {
   file_ = nullptr;
 }
 
-void Timeline::Push(Event e) {
+Timeline::Track& Timeline::TrackOf(const std::string& tensor) {
+  auto it = tracks_.find(tensor);
+  if (it != tracks_.end()) return it->second;
+  int tid = static_cast<int>(tracks_.size()) + 1;
+  // The track's name travels with its first event, even when the queue is full:
+  // a track without a name would be unreadable.
+  queue_.push_back({'M', tid, tensor, "", 0});
+  return tracks_.emplace(tensor, Track{tid, {}}).first->second;
+}
+
+void Timeline::Push(const std::string& tensor, char phase, std::string name, std::string args,
+                    bool only_if_idle) {
+  int64_t ts = NowUs();
+  bool notify;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (queue_.size() >= kMaxQueued) {
+    if (stop_) return;
+    int tid = 0;
+    bool full = queue_.size() >= kMaxQueued;
+    if (!tensor.empty()) {
+      if (phase == 'E') {
+        auto it = tracks_.find(tensor);
+        if (it == tracks_.end() || it->second.open.empty()) return;  // its B was never recorded
+        bool queued = it->second.open.back();
+        it->second.open.pop_back();
+        if (!queued) return;  // dropped with its B
+        full = false;         // the B is in the file: its E must be too
+        tid = it->second.tid;
+      } else {
+        Track& track = TrackOf(tensor);
+        tid = track.tid;
+        if (phase == 'B') {
+          if (only_if_idle && !track.open.empty()) return;
+          track.open.push_back(!full);
+        }
+      }
+    }
+    if (full) {
       ++dropped_;
       return;
     }
-    queue_.push_back(std::move(e));
+    queue_.push_back({phase, tid, std::move(name), std::move(args), ts});
+    notify = queue_.size() == kMaxQueued / 2;
   }
-  cv_.notify_one();
+  if (notify) cv_.notify_one();
 }
 
 void Timeline::Begin(const std::string& tensor, const std::string& activity, const std::string& args) {
-  if (active()) Push({'B', tensor, activity, args, NowUs()});
+  if (active()) Push(tensor, 'B', activity, args);
+}
+
+void Timeline::BeginNegotiation(const std::string& tensor, const std::string& activity) {
+  if (active()) Push(tensor, 'B', activity, "", /*only_if_idle=*/true);
 }
 
 void Timeline::End(const std::string& tensor) {
-  if (active()) Push({'E', tensor, "", "", NowUs()});
+  if (active()) Push(tensor, 'E', "", "");
 }
 
-void Timeline::Instant(const std::string& tensor, const std::string& what) {
-  if (active()) Push({'i', tensor, what, "", NowUs()});
+void Timeline::Instant(const std::string& tensor, const std::string& what, const std::string& args) {
+  if (active()) Push(tensor, 'i', what, args);
 }
 
 void Timeline::MarkCycle() {
-  if (active() && mark_cycles_) Push({'i', "", "CYCLE_START", "", NowUs()});
+  if (active() && mark_cycles()) Push("", 'i', "CYCLE_START", "");
+}
+
+void Timeline::Write(const Event& e) {
+  if (e.phase == 'M') {
+    if (static_cast<size_t>(e.tid) >= depth_.size()) depth_.resize(e.tid + 1, 0);
+    std::string name = JsonEscape(e.name);
+    std::fprintf(file_,
+                 ",\n{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": 0, \"tid\": %d, "
+                 "\"args\": {\"name\": \"%s\"}}"
+                 ",\n{\"name\": \"thread_sort_index\", \"ph\": \"M\", \"pid\": 0, \"tid\": %d, "
+                 "\"args\": {\"sort_index\": %d}}",
+                 e.tid, name.c_str(), e.tid, e.tid);
+    return;
+  }
+  if (e.phase == 'B') ++depth_[e.tid];
+  if (e.phase == 'E') --depth_[e.tid];
+  line_.assign(",\n{\"ph\": \"");
+  line_ += e.phase;
+  line_ += "\", \"pid\": 0, \"tid\": ";
+  line_ += std::to_string(e.tid);
+  line_ += ", \"ts\": ";
+  line_ += std::to_string(e.ts_us - start_us_);
+  if (!e.name.empty()) {
+    line_ += ", \"name\": \"";
+    line_ += JsonEscape(e.name);
+    line_ += '"';
+  }
+  if (e.phase == 'i') line_ += e.tid == 0 ? ", \"s\": \"g\"" : ", \"s\": \"t\"";
+  if (!e.args.empty()) {
+    line_ += ", \"args\": {";
+    line_ += e.args;
+    line_ += '}';
+  }
+  line_ += '}';
+  std::fwrite(line_.data(), 1, line_.size(), file_);
 }
 
 void Timeline::WriterLoop() {
   std::deque<Event> batch;
   while (true) {
     bool stopping;
+    int64_t dropped;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait_for(lock, std::chrono::milliseconds(200), [&] { return stop_ || !queue_.empty(); });
+      cv_.wait_for(lock, kWriterPeriod,
+                   [&] { return stop_ || queue_.size() >= kMaxQueued / 2; });
       batch.swap(queue_);
       stopping = stop_;
+      dropped = dropped_;
     }
-    for (const Event& e : batch) {
-      int tid = 0;
-      if (!e.tensor.empty()) {
-        auto it = tracks_.find(e.tensor);
-        if (it == tracks_.end()) {
-          tid = static_cast<int>(tracks_.size()) + 1;
-          tracks_.emplace(e.tensor, tid);
-          std::fprintf(file_,
-                       "%s{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": 0, \"tid\": %d, "
-                       "\"args\": {\"name\": \"%s\"}}",
-                       first_event_ ? "" : ",\n", tid, JsonEscape(e.tensor).c_str());
-          first_event_ = false;
-        } else {
-          tid = it->second;
+    for (const Event& e : batch) Write(e);
+    batch.clear();
+    if (stopping) {
+      // Spans still open now (the timeline stops in the middle of an operation) end
+      // here, so every B in the file has its E.
+      int64_t now = NowUs();
+      for (size_t tid = 1; tid < depth_.size(); ++tid) {
+        for (; depth_[tid] > 0; --depth_[tid]) {
+          std::fprintf(file_, ",\n{\"ph\": \"E\", \"pid\": 0, \"tid\": %zu, \"ts\": %lld}", tid,
+                       static_cast<long long>(now - start_us_));
         }
       }
-      std::string line = std::string(first_event_ ? "" : ",\n") + "{\"ph\": \"" + e.phase +
-                         "\", \"pid\": 0, \"tid\": " + std::to_string(tid) +
-                         ", \"ts\": " + std::to_string(e.ts_us - start_us_);
-      if (!e.name.empty()) line += ", \"name\": \"" + JsonEscape(e.name) + "\"";
-      if (e.phase == 'i') line += ", \"s\": \"" + std::string(e.tensor.empty() ? "g" : "t") + "\"";
-      if (!e.args.empty()) line += ", \"args\": {" + e.args + "}";
-      line += "}";
-      std::fputs(line.c_str(), file_);
-      first_event_ = false;
+      if (dropped > 0) {
+        std::fprintf(file_,
+                     ",\n{\"ph\": \"i\", \"pid\": 0, \"tid\": 0, \"ts\": %lld, \"s\": \"g\", "
+                     "\"name\": \"EVENTS_DROPPED\", \"args\": {\"count\": %lld}}",
+                     static_cast<long long>(now - start_us_), static_cast<long long>(dropped));
+        HVDLITE_LOG(WARNING) << "timeline: " << dropped
+                             << " events were dropped because the writer fell behind";
+      }
     }
-    batch.clear();
     // Flushed every batch: what was written survives a crash.
     std::fflush(file_);
     if (stopping) break;

@@ -1,7 +1,17 @@
-// Chrome trace (JSON array) of when each tensor was negotiated and reduced. The
-// background loop only pushes events into a bounded queue; a writer thread of its own
-// formats and writes them, so the loop never waits on the disk. When the queue is
-// full, events are dropped and counted. Rank 0 records.
+// Chrome trace (JSON array) of when each tensor was negotiated and reduced, written by
+// rank 0. The background loop only pushes events into a bounded queue; a writer thread
+// of its own formats and writes them, so the loop never waits on the disk.
+//
+// Threads: the background loop is the only producer (Begin/End/Instant/MarkCycle), so
+// timestamps appear in the file in non-decreasing order. Start/Stop come from any
+// thread, serialized by the caller (Core holds its timeline mutex).
+//
+// Balance: every B event in the file has its E. The producer side keeps, per track, a
+// stack of open spans: an E whose B was never recorded (the timeline started in the
+// middle of a span, or rank 0 never saw the tensor's request) is ignored; when the queue
+// is full a B is dropped (and counted) together with its E, while an E whose B was
+// queued is always queued, so the queue exceeds its bound by at most the open spans.
+// Stop closes the spans still open at that moment.
 #pragma once
 
 #include <atomic>
@@ -13,6 +23,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <vector>
 
 #include "common.h"
 
@@ -21,39 +32,60 @@ namespace hvdlite {
 class Timeline {
  public:
   ~Timeline() { Stop(); }
+  // Stops a running timeline, then opens (truncates) path. On failure returns an
+  // error that names the path and the reason, and no timeline runs.
   Status Start(const std::string& path, bool mark_cycles);
+  // Writes what is queued, closes the spans still open, then the closing bracket:
+  // the file is valid JSON afterwards. Idempotent.
   void Stop();
   bool active() const { return active_.load(std::memory_order_relaxed); }
-  bool mark_cycles() const { return mark_cycles_; }
+  bool mark_cycles() const { return mark_cycles_.load(std::memory_order_relaxed); }
 
-  // Phase 'B'/'E' events on the tensor's track; args is a JSON object body or "".
+  // Background thread only. A span ('B' ... 'E') on the tensor's track; args is the
+  // body of a JSON object ("\"bytes\": 4") or "".
   void Begin(const std::string& tensor, const std::string& activity, const std::string& args = "");
+  // Opens the tensor's negotiation span unless a span is already open on its track:
+  // the first of rank 0's own request and any rank's request reaching the coordinator
+  // opens it.
+  void BeginNegotiation(const std::string& tensor, const std::string& activity);
   void End(const std::string& tensor);
-  void Instant(const std::string& tensor, const std::string& what);
+  // An instant mark on the tensor's track.
+  void Instant(const std::string& tensor, const std::string& what, const std::string& args = "");
+  // A global instant per background cycle, when started with mark_cycles.
   void MarkCycle();
 
  private:
   struct Event {
-    char phase;
-    std::string tensor, name, args;
+    char phase;  // 'B', 'E', 'i', or 'M' (a new track: name is the tensor name)
+    int tid;
+    std::string name, args;
     int64_t ts_us;
   };
-  void Push(Event e);
+  // Producer-side state of one track. Guarded by mutex_.
+  struct Track {
+    int tid;
+    std::vector<bool> open;  // one entry per open B: was it queued (true) or dropped
+  };
+  Track& TrackOf(const std::string& tensor);  // needs mutex_
+  void Push(const std::string& tensor, char phase, std::string name, std::string args,
+            bool only_if_idle = false);
   void WriterLoop();
-  int64_t NowUs() const;
+  void Write(const Event& e);  // writer thread only
+  static int64_t NowUs();
 
   std::atomic<bool> active_{false};
-  bool mark_cycles_ = false;
+  std::atomic<bool> mark_cycles_{false};
   std::mutex mutex_;
   std::condition_variable cv_;
-  std::deque<Event> queue_;  // Guarded by mutex_.
-  bool stop_ = false;        // Guarded by mutex_.
-  int64_t dropped_ = 0;      // Guarded by mutex_.
+  std::deque<Event> queue_;                       // Guarded by mutex_.
+  std::unordered_map<std::string, Track> tracks_;  // Guarded by mutex_.
+  bool stop_ = false;                             // Guarded by mutex_.
+  int64_t dropped_ = 0;                           // Guarded by mutex_.
   std::thread writer_;
-  std::FILE* file_ = nullptr;                    // Writer thread only (after Start).
-  std::unordered_map<std::string, int> tracks_;  // Writer thread only.
-  bool first_event_ = true;                      // Writer thread only.
-  int64_t start_us_ = 0;
+  std::FILE* file_ = nullptr;  // Writer thread only while it runs; Start/Stop otherwise.
+  std::vector<int> depth_;     // Writer thread only: open spans per tid, to close at Stop.
+  std::string line_;           // Writer thread only: formatting buffer.
+  int64_t start_us_ = 0;       // Set by Start before the writer and producers see it.
 };
 
 }  // namespace hvdlite
