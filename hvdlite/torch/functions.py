@@ -1,0 +1,198 @@
+"""Broadcasting model and optimizer state, and Python objects, across ranks.
+
+Horovod's helpers for the start of training (``broadcast_parameters``,
+``broadcast_optimizer_state``) and for small Python values (``broadcast_object``,
+``allgather_object``: pickled into uint8 tensors). Every rank must make the same calls
+in the same order.
+"""
+import io
+
+import torch
+
+from hvdlite import ops, runtime
+from hvdlite.torch import mpi_ops
+
+try:  # Horovod pickles with cloudpickle (lambdas, local classes); plain pickle otherwise.
+    import cloudpickle as _pickle
+except ImportError:  # pragma: no cover - cloudpickle is optional
+    import pickle as _pickle
+
+
+def broadcast_parameters(params, root_rank, process_set=mpi_ops.global_process_set):
+    """Overwrites parameters (or any tensors) with ``root_rank``'s values, in place.
+
+    Args:
+        params: a ``state_dict()``-like mapping name -> tensor (broadcast in sorted name
+            order), or an iterable of tensors or of ``(name, tensor)`` pairs such as
+            ``model.named_parameters()``.
+        root_rank: the rank whose values everyone receives.
+        process_set: the global process set.
+
+    Raises:
+        ValueError: ``params`` is neither a mapping nor an iterable.
+        InvalidArgumentError, HorovodInternalError: as for ``broadcast_``.
+    """
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    else:
+        try:
+            items = [p if isinstance(p, tuple) else (None, p) for p in params]
+        except TypeError:
+            raise ValueError(f"invalid params of type {type(params).__name__}") from None
+    handles = []
+    for name, p in items:
+        label = None if name is None else f"broadcast.{name}"
+        with torch.no_grad():
+            handles.append(mpi_ops.broadcast_async_(p.data if isinstance(p, torch.nn.Parameter)
+                                                    else p, root_rank, label, process_set))
+    for handle in handles:
+        ops.synchronize(handle)
+
+
+def _all_ok(ok, process_set):
+    """True on every rank iff ``ok`` is True on every rank."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    return bool(mpi_ops.allreduce_(flag, op=mpi_ops.Min, process_set=process_set)[0])
+
+
+def broadcast_optimizer_state(optimizer, root_rank, process_set=mpi_ops.global_process_set):
+    """Makes every rank's optimizer state and hyper-parameters equal to ``root_rank``'s.
+
+    Works for any ``torch.optim`` optimizer (plain or wrapped by DistributedOptimizer).
+    The root decides the structure: it broadcasts its hyper-parameters (every
+    ``param_groups`` entry except ``params``: scalars, tuples, anything picklable) and a
+    description of its per-parameter state; the others create any state tensor they lack
+    (zeros of the root's shape and dtype) and then receive the values in place; state
+    the root does not have is removed. So state not yet created is handled without a
+    step: if the root's optimizer is fresh, every optimizer ends fresh, exactly as a
+    single process would start (no zero-gradient step that would, e.g., advance Adam's
+    step count or apply weight decay).
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer``.
+        root_rank: the rank whose state everyone receives.
+        process_set: the global process set.
+
+    Raises:
+        ValueError: the optimizer is LBFGS (its state holds no per-parameter layout), or
+            ranks' optimizers do not have the same parameters (raised on every rank).
+        HorovodInternalError: a collective failed.
+    """
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    is_root = runtime.rank() == root_rank
+    spec = None
+    if is_root:
+        state = []
+        for index, p in enumerate(params):
+            entries = []
+            for key, value in sorted(optimizer.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
+                if isinstance(value, torch.Tensor):
+                    entries.append((key, "tensor", tuple(value.shape), str(value.dtype)[6:]))
+                else:
+                    entries.append((key, "value", value))
+            if p in optimizer.state:
+                state.append((index, entries))
+        spec = {
+            "groups": [{k: v for k, v in g.items() if k != "params"}
+                       for g in optimizer.param_groups],
+            "group_sizes": [len(g["params"]) for g in optimizer.param_groups],
+            "shapes": [tuple(p.shape) for p in params],
+            "state": state,
+        }
+    spec = broadcast_object(spec, root_rank, name="broadcast_optimizer_state.spec",
+                            process_set=process_set)
+    ok = (spec["group_sizes"] == [len(g["params"]) for g in optimizer.param_groups]
+          and spec["shapes"] == [tuple(p.shape) for p in params])
+    if not _all_ok(ok, process_set):
+        raise ValueError("broadcast_optimizer_state: ranks' optimizers do not hold the same "
+                         f"parameters (root rank {root_rank} has groups of sizes "
+                         f"{spec['group_sizes']})")
+
+    for group, hyper in zip(optimizer.param_groups, spec["groups"]):
+        for key, value in hyper.items():
+            group[key] = value
+    with_state = set()
+    handles = []
+    for index, entries in spec["state"]:
+        p = params[index]
+        with_state.add(index)
+        state = optimizer.state[p]
+        for entry in entries:
+            key, kind = entry[0], entry[1]
+            if kind == "value":
+                state[key] = entry[2]
+                continue
+            shape, dtype = entry[2], getattr(torch, entry[3])
+            tensor = state.get(key)
+            if (not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape
+                    or tensor.dtype != dtype or not tensor.is_contiguous()):
+                tensor = torch.zeros(shape, dtype=dtype)
+                state[key] = tensor
+            handles.append(mpi_ops.broadcast_async_(
+                tensor, root_rank, f"broadcast_optimizer_state.{index}.{key}", process_set))
+        for key in [k for k in state if k not in {e[0] for e in entries}]:
+            del state[key]
+    for index, p in enumerate(params):
+        if index not in with_state and p in optimizer.state:
+            del optimizer.state[p]
+    for handle in handles:
+        ops.synchronize(handle)
+
+
+def broadcast_object(obj, root_rank=0, name=None, process_set=mpi_ops.global_process_set):
+    """Returns ``root_rank``'s ``obj`` on every rank (pickled through a uint8 tensor).
+
+    Args:
+        obj: any picklable object (only the root's is used).
+        root_rank: the rank whose object everyone receives.
+        name: a base name for the two tensors, equal across ranks; None names it
+            automatically.
+        process_set: the global process set.
+
+    Returns:
+        The root's object (the root gets ``obj`` itself back).
+
+    Raises:
+        InvalidArgumentError, HorovodInternalError: as for ``broadcast_``.
+    """
+    base = name or ops.auto_name("broadcast_object")
+    if runtime.rank() == root_rank:
+        buf = io.BytesIO()
+        _pickle.dump(obj, buf)
+        payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+        mpi_ops.broadcast_(length, root_rank, f"{base}.sz", process_set)
+    else:
+        length = torch.zeros(1, dtype=torch.int64)
+        mpi_ops.broadcast_(length, root_rank, f"{base}.sz", process_set)
+        payload = torch.empty(int(length[0]), dtype=torch.uint8)
+    mpi_ops.broadcast_(payload, root_rank, f"{base}.t", process_set)
+    if runtime.rank() == root_rank:
+        return obj
+    return _pickle.loads(payload.numpy().tobytes())
+
+
+def allgather_object(obj, name=None, process_set=mpi_ops.global_process_set):
+    """Returns the list of every rank's ``obj``, in rank order (pickled through uint8).
+
+    Args:
+        obj: any picklable object.
+        name: a base name, equal across ranks; None names it automatically.
+        process_set: the global process set.
+
+    Raises:
+        InvalidArgumentError, HorovodInternalError: as for ``allgather``.
+    """
+    base = name or ops.auto_name("allgather_object")
+    payload = torch.frombuffer(bytearray(_pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = ops.synchronize(mpi_ops.allgather_async(
+        torch.tensor([payload.numel()], dtype=torch.int64), f"{base}.sz", process_set))
+    data = ops.synchronize(mpi_ops.allgather_async(payload, f"{base}.t", process_set))
+    raw = data.numpy().tobytes()
+    out, offset = [], 0
+    for size in sizes.tolist():
+        out.append(_pickle.loads(raw[offset:offset + size]))
+        offset += size
+    return out

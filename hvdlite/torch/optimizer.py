@@ -1,0 +1,298 @@
+"""DistributedOptimizer: averages gradients across ranks while backward is still running.
+
+Each parameter gets a post-accumulate-grad hook. The moment autograd has finished a
+parameter's gradient, the hook enqueues that gradient's in-place allreduce with the core
+and returns: the background thread negotiates and fuses it with the others while
+backward goes on (wait-free backprop). ``step()`` waits for every handle, decompresses
+and then steps the wrapped optimizer.
+
+Gradient tensors are named ``"allreduce.<parameter name>"`` (the names of
+``named_parameters``, else ``"allreduce.grad.noname.<i>"`` in parameter-group order), so
+the same parameter has the same name on every rank.
+"""
+import contextlib
+import warnings
+
+import torch
+
+from hvdlite import runtime
+from hvdlite.torch import mpi_ops
+from hvdlite.torch.compression import Compression
+
+
+class _DistributedOptimizer:
+    """Methods mixed into a copy of the user's optimizer (see ``DistributedOptimizer``)."""
+
+    def _hvd_setup(self, named_parameters, compression, backward_passes_per_step, op,
+                   gradient_predivide_factor, groups, sparse_as_dense, process_set):
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got "
+                             f"{backward_passes_per_step}")
+        if op != mpi_ops.Average and gradient_predivide_factor != 1.0:
+            raise ValueError("gradient_predivide_factor is supported only with op=Average")
+        mpi_ops._process_set_id(process_set)
+        self._compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        if op == mpi_ops.Average:
+            # The core divides by the number of ranks after postscale; splitting the
+            # factor keeps large sums in range (Horovod's gradient_predivide_factor).
+            self._scale = (1.0 / gradient_predivide_factor, gradient_predivide_factor)
+        else:
+            self._scale = (1.0, 1.0)
+
+        all_params = [p for group in self.param_groups for p in group["params"]]
+        self._parameter_names = self._name_parameters(named_parameters, all_params)
+        self._requires_update = [p for p in all_params if p.requires_grad]
+        self._units = self._make_units(groups, self._requires_update)
+        self._unit_of = {p: unit for unit in self._units for p in unit}
+        self._delay = {p: backward_passes_per_step for p in self._requires_update}
+        self._ready = {}      # unit -> params whose gradient is final for this step
+        self._handles = {}    # unit -> (Handle, [(param, sent tensor, ctx)])
+        self._accumulating = False
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hook_handles = []
+        # One process has nothing to average: like Horovod, no hooks, and step() is the
+        # wrapped optimizer's.
+        if runtime.size() > 1:
+            for p in self._requires_update:
+                self._hook_handles.append(
+                    p.register_post_accumulate_grad_hook(self._make_hook(p)))
+
+    @staticmethod
+    def _name_parameters(named_parameters, all_params):
+        if named_parameters is None:
+            return {p: f"grad.noname.{i}" for i, p in enumerate(all_params)}
+        named = list(named_parameters)
+        if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+            raise ValueError("named_parameters should be a sequence of (name, parameter) "
+                             "tuples, usually model.named_parameters()")
+        names = [name for name, _ in named]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError("parameter names in named_parameters must be unique; "
+                             f"duplicates: {', '.join(duplicates)}")
+        by_param = {p: name for name, p in named}
+        unnamed = [p for p in all_params if p not in by_param]
+        if unnamed:
+            raise ValueError(f"named_parameters was given, but {len(unnamed)} of the "
+                             "optimizer's parameters are not in it (shapes "
+                             f"{[tuple(p.shape) for p in unnamed][:5]})")
+        return by_param
+
+    def _make_units(self, groups, params):
+        """Returns the allreduce units: tuples of parameters enqueued together."""
+        if groups is None or groups == 0:
+            return [(p,) for p in params]
+        if isinstance(groups, int):
+            if groups < 0:
+                raise ValueError(f"groups must be a non-negative int or lists of "
+                                 f"parameters, got {groups}")
+            count = min(groups, len(params)) or 1
+            per, extra = divmod(len(params), count)
+            units, start = [], 0
+            for i in range(count):
+                end = start + per + (1 if i < extra else 0)
+                units.append(tuple(params[start:end]))
+                start = end
+            return [u for u in units if u]
+        wanted = set(params)
+        units, seen = [], set()
+        for group in groups:
+            unit = tuple(group)
+            for p in unit:
+                if p not in wanted:
+                    raise ValueError("groups contains a tensor that is not a parameter of "
+                                     "this optimizer (or does not require grad)")
+                if p in seen:
+                    raise ValueError("a parameter appears in more than one of groups")
+                seen.add(p)
+            if unit:
+                units.append(unit)
+        units += [(p,) for p in params if p not in seen]
+        return units
+
+    def _make_hook(self, p):
+        def hook(param):
+            if self._delay[p] <= 0:
+                raise AssertionError(
+                    "gradients were computed more than backward_passes_per_step times "
+                    "before step(); increase backward_passes_per_step to accumulate "
+                    "gradients locally")
+            self._accumulating = True
+            self._delay[p] -= 1
+            if self._delay[p] == 0:
+                unit = self._unit_of[p]
+                ready = self._ready.setdefault(unit, set())
+                ready.add(p)
+                if len(ready) == len(unit):
+                    self._handles[unit] = self._allreduce_unit_async(unit)
+        return hook
+
+    def _allreduce_unit_async(self, unit):
+        """Enqueues the in-place allreduce of the gradients of ``unit``'s parameters."""
+        sent = []
+        for p in unit:
+            if p.grad is None:
+                # No gradient here (parameter unused on this rank this step), but another
+                # rank may have one: contribute zeros so that every rank submits it.
+                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            grad = p.grad
+            if grad.is_sparse:
+                grad = grad.to_dense()
+            elif not grad.is_contiguous():
+                grad = grad.contiguous()
+            tensor, ctx = self._compression.compress(grad)
+            sent.append((p, tensor, ctx))
+        names = [f"allreduce.{self._parameter_names[p]}" for p in unit]
+        tensors = [t for _, t, _ in sent]
+        if len(unit) == 1:
+            handle = mpi_ops._allreduce_async(tensors[0], tensors[0], names[0], self.op,
+                                              *self._scale, self.process_set)
+        else:
+            handle = mpi_ops._grouped_allreduce_async(tensors, tensors, names, self.op,
+                                                      *self._scale, self.process_set,
+                                                      names[0])
+        return handle, sent
+
+    def synchronize(self):
+        """Waits for every gradient's allreduce and writes the averages into ``p.grad``.
+
+        Parameters whose allreduce was not enqueued by a hook this step (no gradient on
+        this rank, e.g. a branch not taken, or fewer than backward_passes_per_step
+        backward passes) are submitted now, with a zero gradient where ``p.grad`` is None:
+        this is what Horovod does, so ranks that did compute that gradient do not wait
+        forever; the result is the sum over ranks divided by the number of ranks, and a
+        parameter unused on every rank gets a zero gradient rather than None.
+
+        Raises:
+            HorovodInternalError: a collective failed (e.g. MismatchError).
+        """
+        if runtime.size() == 1 and not self._hook_handles:
+            self._synchronized = True
+            return
+        for unit in self._units:
+            if unit not in self._handles:
+                self._handles[unit] = self._allreduce_unit_async(unit)
+        try:
+            for unit, (handle, sent) in self._handles.items():
+                mpi_ops.synchronize(handle)
+                for p, tensor, ctx in sent:
+                    result = self._compression.decompress(tensor, ctx)
+                    if p.grad.is_sparse:
+                        p.grad = result if self.sparse_as_dense else result.to_sparse()
+                    elif result is not p.grad:
+                        p.grad.copy_(result)
+        finally:
+            for p in self._requires_update:
+                self._delay[p] = self.backward_passes_per_step
+            self._handles.clear()
+            self._ready.clear()
+            self._accumulating = False
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Makes ``step()`` skip the synchronization, after an explicit ``synchronize()``.
+
+        For gradient clipping or AMP's GradScaler::
+
+            loss.backward()
+            optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        """
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        """Synchronizes the gradients (unless skipped) and steps the wrapped optimizer."""
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "after optimizer.synchronize(); the gradients are "
+                              "synchronized again, which is slow and, for Sum, wrong")
+            self.synchronize()
+        self._synchronized = False
+        return self._hvd_base.step(self, closure)
+
+    def zero_grad(self, set_to_none=True):
+        """Clears gradients; refused while gradients are being accumulated or reduced.
+
+        Raises:
+            AssertionError: called between ``backward()`` and ``step()``/``synchronize()``.
+        """
+        if self._handles or self._accumulating:
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(); this is not allowed, as "
+                "gradients are still being reduced or accumulated")
+        return self._hvd_base.zero_grad(self, set_to_none)
+
+    def remove_hooks(self):
+        """Removes the gradient hooks (the optimizer then behaves like the wrapped one)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
+                         backward_passes_per_step=1, op=mpi_ops.Average,
+                         gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
+                         process_set=mpi_ops.global_process_set):
+    """Wraps a torch optimizer so that gradients are averaged across ranks before a step.
+
+    The result is an instance of a subclass of ``type(optimizer)`` sharing the
+    optimizer's parameter groups, state and hooks (so LR schedulers and checkpoints keep
+    working); ``optimizer`` itself should no longer be stepped.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``.
+        named_parameters: ``model.named_parameters()``, to name gradients consistently
+            across ranks; None names them by position in the parameter groups.
+        compression: Compression.none, fp16 or bf16 for the wire.
+        backward_passes_per_step: backward passes accumulated locally per ``step()``; the
+            allreduce runs on the last one (gradients are summed over the passes, scale
+            the loss if you want their mean).
+        op: Average (default) or Sum (Min, Max, Product also run).
+        gradient_predivide_factor: with Average, gradients are multiplied by 1/factor
+            before the sum and by factor/size after it.
+        groups: None (each gradient negotiated on its own; the core fuses them), an int
+            (split the parameters into that many groups in order) or lists of parameters;
+            a group's gradients are enqueued together once all of them are ready, and
+            negotiated and run together.
+        sparse_as_dense: sparse gradients are reduced as dense tensors either way (they
+            are written back sparse unless this is True).
+        process_set: the global process set.
+
+    Returns:
+        The distributed optimizer.
+
+    Raises:
+        ValueError: bad arguments (unnamed or duplicate parameters, bad groups, predivide
+            with an op other than Average).
+    """
+    base = optimizer.__class__
+    if getattr(optimizer, "_hvd_base", None) is not None:
+        raise ValueError("the optimizer is already a DistributedOptimizer")
+    methods = {k: v for k, v in _DistributedOptimizer.__dict__.items()
+               if not k.startswith("__")}
+    cls = type(base.__name__, (base,), {**methods, "_hvd_base": base,
+                                        "__module__": __name__,
+                                        "__doc__": base.__doc__})
+    wrapped = cls.__new__(cls)
+    # Instance attributes that shadow our methods (e.g. a ``step`` wrapped in place by an
+    # LR scheduler) would bypass the synchronization: they are left out.
+    wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items()
+                             if k not in methods})
+    wrapped._hvd_setup(named_parameters, compression, backward_passes_per_step, op,
+                       gradient_predivide_factor, groups, sparse_as_dense, process_set)
+    return wrapped
