@@ -86,8 +86,16 @@ typedef struct {
   int64_t comm_f2c;
 } hvdlite_init_options_t;
 
-/* One tensor handed to the core. The caller keeps input (and output) alive and
- * unchanged until the handle has ended. */
+/* One tensor handed to the core.
+ *
+ * Buffer ownership:
+ *  - input, and output where the caller passes one, belong to the caller. The core
+ *    reads input and writes output from its background thread until the handle has
+ *    ended (hvdlite_poll says done, or hvdlite_wait returned), so the caller keeps them
+ *    alive and leaves input unchanged until then. The core never frees them.
+ *  - ALLGATHER and ALLTOALL results belong to the handle: see hvdlite_handle_output.
+ *  - name, shape and splits are copied during hvdlite_enqueue; the caller may free
+ *    them as soon as it returns. */
 typedef struct {
   const char* name;            /* UTF-8, NUL-terminated; equal across ranks */
   hvdlite_op_t op;
@@ -155,17 +163,33 @@ hvdlite_status_t hvdlite_poll(hvdlite_handle_t handle, int32_t* done);
  * op's own status; HVDLITE_ERR_TIMEOUT leaves the op running. */
 hvdlite_status_t hvdlite_wait(hvdlite_handle_t handle, double timeout_s);
 
-/* Result of an ended ALLGATHER or ALLTOALL: the core-allocated buffer, its size, and
- * its first dimension. The buffer belongs to the handle and is freed by
- * hvdlite_release. For JOIN, *first_dim is the last rank that joined. */
+/* Result of an ended ALLGATHER or ALLTOALL: the core-allocated buffer, its size in
+ * bytes, and its first dimension (the other dimensions are the input's).
+ *
+ * The core allocates this buffer in host memory once the op's size is known (after
+ * negotiation), writes it from the background thread, and then never touches it again.
+ * It belongs to the handle: the pointer stays valid, at the same address, from the
+ * op's successful end until hvdlite_release(handle), which frees it; nothing else
+ * does, not even hvdlite_shutdown. The holder may read and write it in place, so an
+ * adapter can give it to its framework without a copy (numpy's __array_interface__,
+ * torch.from_blob or DLPack) and call hvdlite_release from that tensor's deleter, on
+ * any thread. It is aligned for every hvdlite dtype; when *nbytes is 0, *data may be
+ * NULL and must not be dereferenced. Never free() it.
+ *
+ * For JOIN, *data is NULL, *nbytes 0 and *first_dim the last rank that joined; for
+ * other ops all three are 0/NULL. Returns HVDLITE_ERR_IN_PROGRESS while the op is in
+ * flight, and the op's own status if it failed. */
 hvdlite_status_t hvdlite_handle_output(hvdlite_handle_t handle, void** data, int64_t* nbytes,
                                        int64_t* first_dim);
 
-/* ALLTOALL: the rows received from each rank (size() entries). */
+/* ALLTOALL: the rows received from each rank, copied into the caller's array of
+ * size() entries. Same statuses as hvdlite_handle_output. */
 hvdlite_status_t hvdlite_handle_recv_splits(hvdlite_handle_t handle, int64_t* splits);
 
-/* Forgets an ended handle and frees what the core allocated for it. Releasing an
- * unknown handle is a no-op; releasing one in flight is HVDLITE_ERR_IN_PROGRESS. */
+/* Forgets an ended handle and frees what the core allocated for it (the
+ * hvdlite_handle_output buffer, which must no longer be in use). Any thread; also
+ * after hvdlite_shutdown. Releasing an unknown handle is a no-op; releasing one in
+ * flight is HVDLITE_ERR_IN_PROGRESS and changes nothing. */
 hvdlite_status_t hvdlite_release(hvdlite_handle_t handle);
 
 hvdlite_status_t hvdlite_stats(hvdlite_stats_t* out);
