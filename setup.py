@@ -37,7 +37,20 @@ def _mpi_prefix():
         if not os.path.exists(os.path.join(user, "include", "mpi.h")):
             sys.exit(f"hvdlite: HVDLITE_MPI_DIR={user} has no include/mpi.h")
         return os.path.abspath(user), "system"
-    for prefix in (sys.prefix, sysconfig.get_paths()["data"], sys.base_prefix):
+    # pip's isolated build environment installs the mpich wheel into an overlay prefix
+    # of its own: ask the distribution where its files went.
+    candidates = []
+    try:
+        from importlib import metadata
+        dist = metadata.distribution("mpich")
+        for f in dist.files or ():
+            if str(f).endswith("include/mpi.h"):
+                header = os.path.realpath(str(dist.locate_file(f)))
+                candidates.append(os.path.dirname(os.path.dirname(header)))
+    except Exception:  # no mpich distribution: fall back to the prefixes below
+        pass
+    candidates += [sys.prefix, sysconfig.get_paths()["data"], sys.base_prefix]
+    for prefix in candidates:
         if os.path.exists(os.path.join(prefix, "include", "mpi.h")) and glob.glob(
                 os.path.join(prefix, "lib", "libmpi.so*")):
             return prefix, "wheel"
