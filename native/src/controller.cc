@@ -226,9 +226,11 @@ void Controller::CheckStalls(Clock::time_point now, std::vector<Response>* out) 
       }
       r.name = kv.second;
       r.error_code = HVDLITE_ERR_STALLED;
+      // A group member every rank submitted waits for the group's other members.
       r.error = std::string(OpName(r.op)) + " of tensor '" + kv.second + "' stalled: " +
-                MissingRanks(p) + " did not submit it within " + Num(config_.stall_shutdown_s) +
-                " s (HVDLITE_STALL_SHUTDOWN_TIME)";
+                (Ready(p) ? "it waited for the rest of its group, which was not submitted"
+                          : MissingRanks(p) + " did not submit it") +
+                " within " + Num(config_.stall_shutdown_s) + " s (HVDLITE_STALL_SHUTDOWN_TIME)";
       HVDLITE_LOG(ERROR) << r.error;
       out->push_back(r);
       expired.push_back(kv.second);
@@ -266,12 +268,38 @@ std::vector<Response> Controller::BuildResponses(Clock::time_point now) {
   // Groups complete only when every member is ready; members keep arrival order.
   std::unordered_map<std::string, std::vector<std::string>> ready_groups;
   std::vector<std::string> done;
+  // Groups that ranks disagree on (e.g. different numbers of members) can never
+  // complete: their members fail now, together with the members still pending.
+  std::unordered_map<std::string, std::string> failed_groups;  // group -> error
   for (auto& kv : order_) {
     const PendingTensor& p = table_[kv.second];
     if (!Ready(p)) continue;
     int base_rank = 0;
     while (!p.have[base_rank]) ++base_rank;
     const Request& base = p.requests[base_rank];
+    bool same_group = true;
+    for (int r = 0; r < size_; ++r) {
+      if (p.have[r] && (p.requests[r].group != base.group ||
+                        p.requests[r].group_size != base.group_size)) {
+        same_group = false;
+      }
+    }
+    if (!same_group) {
+      Response bad = Validate(kv.second, p);
+      if (bad.error.empty()) {
+        bad.error_code = HVDLITE_ERR_MISMATCH;
+        bad.error = "Mismatched groups for tensor '" + kv.second + "'";
+        bad.cacheable = false;
+      }
+      for (int r = 0; r < size_; ++r) {
+        if (p.have[r] && !p.requests[r].group.empty()) {
+          failed_groups.emplace(p.requests[r].group, bad.error);
+        }
+      }
+      out.push_back(bad);
+      done.push_back(kv.second);
+      continue;
+    }
     if (!base.group.empty()) {
       auto& members = ready_groups[base.group];
       members.push_back(kv.second);
@@ -284,6 +312,27 @@ std::vector<Response> Controller::BuildResponses(Clock::time_point now) {
     }
     out.push_back(Validate(kv.second, p));
     done.push_back(kv.second);
+  }
+  if (!failed_groups.empty()) {
+    for (auto& kv : order_) {
+      if (std::find(done.begin(), done.end(), kv.second) != done.end()) continue;
+      const PendingTensor& p = table_[kv.second];
+      for (int r = 0; r < size_; ++r) {
+        auto g = p.have[r] ? failed_groups.find(p.requests[r].group) : failed_groups.end();
+        if (g == failed_groups.end()) continue;
+        Response bad;
+        bad.op = p.requests[r].op;
+        bad.name = kv.second;
+        bad.dtype = p.requests[r].dtype;
+        bad.group = g->first;
+        bad.error_code = HVDLITE_ERR_MISMATCH;
+        bad.error = g->second;
+        bad.cacheable = false;
+        out.push_back(bad);
+        done.push_back(kv.second);
+        break;
+      }
+    }
   }
   for (const auto& name : done) {
     order_.erase(table_[name].seq);
