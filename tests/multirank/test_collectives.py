@@ -374,6 +374,9 @@ def group():
 
 
 everywhere("grouped allreduce, one member mismatched", group, "shape")
+everywhere("grouped allreduce, member counts differ",
+           lambda: hvd.grouped_allreduce([np.ones(2, np.float32)] * (3 if rank == other else 2),
+                                         op=hvd.Sum, name="m.group.count"), "group")
 
 # Bad splits and roots are refused at the call, on every rank that makes them.
 I = errors.InvalidArgumentError
