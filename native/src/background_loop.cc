@@ -106,7 +106,19 @@ Status Core::Init(int64_t comm_f2c) {
       SetLogRank(topo.rank);
       if (topo.rank == 0 && !config_.timeline_path.empty()) {
         st = timeline_.Start(config_.timeline_path, config_.timeline_mark_cycles);
-        if (!st.ok()) mpi_.Shutdown(true);
+      }
+      // Every rank learns whether rank 0 could open the timeline, so a bad path fails
+      // init everywhere instead of leaving the others waiting for rank 0. Done
+      // whatever the local config says: HVDLITE_TIMELINE may be set on rank 0 only.
+      std::vector<uint64_t> agreed{st.ok() ? 1ull : 0ull};
+      Status agree = mpi_.AndBits(&agreed);
+      if (st.ok() && !agree.ok()) st = agree;
+      if (st.ok() && agreed[0] == 0) {
+        st = InvalidArgument("rank 0 cannot write the timeline (HVDLITE_TIMELINE); its error says why");
+      }
+      if (!st.ok()) {
+        timeline_.Stop();
+        mpi_.Shutdown(true);
       }
     }
     bool ok = st.ok();
@@ -708,7 +720,12 @@ void Core::ExecuteOne(const Response& r) {
       for (int k = 0; k < size; ++k) counts[k] = (rows / size + (k < rows % size ? 1 : 0)) * row;
       int64_t total = rows * row;
       const void* in = e->input;
-      if (r.prescale != 1.0) {
+      // MPI forbids aliased buffers: an in-place (or overlapping) call reduces a copy.
+      auto in_at = reinterpret_cast<uintptr_t>(e->input);
+      auto out_at = reinterpret_cast<uintptr_t>(e->output);
+      bool overlap = total > 0 && counts[me] > 0 && out_at < in_at + total * elem &&
+                     in_at < out_at + counts[me] * elem;
+      if (r.prescale != 1.0 || overlap) {
         uint8_t* scratch = fusion_.Get(total * elem);
         ScaledCopy(scratch, e->input, total, r.dtype, r.prescale, 1);
         in = scratch;
