@@ -287,6 +287,27 @@ for kind in (ops.ALLGATHER, ops.ALLTOALL, ops.REDUCESCATTER):
                  "at least one dimension")
 still_usable("0-d refusals")
 
+# In place through the raw API (output == input), as c_api.h allows: MPI must never see
+# aliased buffers.
+f32 = ops.dtypes.native_code("float32")
+for label, kind, kw in (("reducescatter", ops.REDUCESCATTER, {"reduce_op": hvd.Sum}),
+                        ("allreduce", ops.ALLREDUCE, {"reduce_op": hvd.Sum}),
+                        ("broadcast", ops.BROADCAST, {"root_rank": size - 1})):
+    x = data(rank, (2 * size + 1, 2), "float32", 11)
+    hvd.synchronize(ops.enqueue(kind, f"inplace.{label}", f32, x.shape, x.ctypes.data,
+                                x.ctypes.data, keepalive=(x,), **kw))
+    inputs = [data(r, (2 * size + 1, 2), "float32", 11) for r in range(size)]
+    if label == "broadcast":
+        check("in-place broadcast", x, inputs[size - 1])
+    elif label == "allreduce":
+        check("in-place allreduce", x, reduce_expected(inputs, "float32", "sum"))
+    else:
+        mine = 2 + (1 if rank < 1 else 0)
+        lo = sum(2 + (1 if r < 1 else 0) for r in range(rank))
+        check("in-place reducescatter", x[:mine],
+              reduce_expected(inputs, "float32", "sum")[lo:lo + mine])
+still_usable("in-place ops")
+
 # Results of core-allocated outputs outlive shutdown (they belong to their arrays).
 survivor = hvd.allgather(data(rank, (2, 2), "int64"), name="survivor")
 hvd.shutdown()
