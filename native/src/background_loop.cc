@@ -106,7 +106,19 @@ Status Core::Init(int64_t comm_f2c) {
       SetLogRank(topo.rank);
       if (topo.rank == 0 && !config_.timeline_path.empty()) {
         st = timeline_.Start(config_.timeline_path, config_.timeline_mark_cycles);
-        if (!st.ok()) mpi_.Shutdown(true);
+      }
+      // Every rank learns whether rank 0 could open the timeline, so a bad path fails
+      // init everywhere instead of leaving the others waiting for rank 0. Done
+      // whatever the local config says: HVDLITE_TIMELINE may be set on rank 0 only.
+      std::vector<uint64_t> agreed{st.ok() ? 1ull : 0ull};
+      Status agree = mpi_.AndBits(&agreed);
+      if (st.ok() && !agree.ok()) st = agree;
+      if (st.ok() && agreed[0] == 0) {
+        st = InvalidArgument("rank 0 cannot write the timeline (HVDLITE_TIMELINE); its error says why");
+      }
+      if (!st.ok()) {
+        timeline_.Stop();
+        mpi_.Shutdown(true);
       }
     }
     bool ok = st.ok();
