@@ -48,10 +48,12 @@ class _DistributedOptimizer:
         self._parameter_names = self._name_parameters(named_parameters, all_params)
         self._requires_update = [p for p in all_params if p.requires_grad]
         self._units = self._make_units(groups, self._requires_update)
-        self._unit_of = {p: unit for unit in self._units for p in unit}
+        # Units are keyed by index: tuples of tensors must never be compared (a hash
+        # collision would call Tensor.__eq__).
+        self._unit_of = {p: i for i, unit in enumerate(self._units) for p in unit}
         self._delay = {p: backward_passes_per_step for p in self._requires_update}
-        self._ready = {}      # unit -> params whose gradient is final for this step
-        self._handles = {}    # unit -> (Handle, [(param, sent tensor, ctx)])
+        self._ready = {}      # unit index -> how many of its gradients are final this step
+        self._handles = {}    # unit index -> (Handle, [(param, sent tensor, ctx)])
         self._accumulating = False
         self._synchronized = False
         self._should_synchronize = True
@@ -126,11 +128,10 @@ class _DistributedOptimizer:
             self._accumulating = True
             self._delay[p] -= 1
             if self._delay[p] == 0:
-                unit = self._unit_of[p]
-                ready = self._ready.setdefault(unit, set())
-                ready.add(p)
-                if len(ready) == len(unit):
-                    self._handles[unit] = self._allreduce_unit_async(unit)
+                index = self._unit_of[p]
+                self._ready[index] = self._ready.get(index, 0) + 1
+                if self._ready[index] == len(self._units[index]):
+                    self._handles[index] = self._allreduce_unit_async(self._units[index])
         return hook
 
     def _allreduce_unit_async(self, unit):
@@ -175,11 +176,11 @@ class _DistributedOptimizer:
         if runtime.size() == 1 and not self._hook_handles:
             self._synchronized = True
             return
-        for unit in self._units:
-            if unit not in self._handles:
-                self._handles[unit] = self._allreduce_unit_async(unit)
+        for index, unit in enumerate(self._units):
+            if index not in self._handles:
+                self._handles[index] = self._allreduce_unit_async(unit)
         try:
-            for unit, (handle, sent) in self._handles.items():
+            for handle, sent in self._handles.values():
                 mpi_ops.synchronize(handle)
                 for p, tensor, ctx in sent:
                     result = self._compression.decompress(tensor, ctx)
