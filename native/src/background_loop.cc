@@ -168,6 +168,10 @@ Status Core::StopTimeline() {
 Status Core::Validate(const hvdlite_tensor_t& t, int64_t index) const {
   std::string who = t.name ? std::string("tensor '") + t.name + "'" : "tensor #" + std::to_string(index);
   if (!t.name || !*t.name) return InvalidArgument(who + ": a name is required");
+  if (std::strlen(t.name) > kMaxNameBytes) {
+    return InvalidArgument("tensor name of " + std::to_string(std::strlen(t.name)) +
+                           " bytes is too long (at most " + std::to_string(kMaxNameBytes) + ")");
+  }
   if (!ValidOp(t.op)) return InvalidArgument(who + ": unknown op " + std::to_string(t.op));
   if (!ValidDtype(t.dtype)) return InvalidArgument(who + ": unsupported dtype code " + std::to_string(t.dtype));
   if (t.ndim < 0 || t.ndim > 64 || (t.ndim > 0 && !t.shape)) {

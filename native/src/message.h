@@ -61,5 +61,8 @@ void SerializeResponses(const std::vector<Response>& responses, std::vector<uint
 Status ParseResponses(const uint8_t* data, size_t len, std::vector<Response>* out);
 
 constexpr uint8_t kWireVersion = 1;
+// Longest tensor name enqueue accepts, in bytes: well under the wire format's string
+// limit, so a name (also inside group names and error messages) always fits a message.
+constexpr size_t kMaxNameBytes = 1 << 16;
 
 }  // namespace hvdlite
