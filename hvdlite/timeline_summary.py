@@ -209,7 +209,7 @@ def summarize(events):
         events: event dicts as read by read_events.
 
     Returns:
-        A dict (JSON-serializable; times in milliseconds): ``duration_ms``, ``steps``,
+        A dict (JSON-serializable; times in milliseconds): ``events``, ``duration_ms``, ``steps``,
         ``activities`` (name, count, total_ms, mean_ms, wall_ms), ``tensors`` (name, ops,
         bytes, negotiations, wait_mean_ms, wait_max_ms, last_ready), ``bytes_total``,
         ``communication`` (wall_ms, overlapped_ms, overlap_share), and the counts
@@ -277,6 +277,7 @@ def summarize(events):
             overlapped += _union_length(intervals, until=backprop_end[step])
     starts = [s.start for s in spans]
     return {
+        "events": len(events),
         "duration_ms": (built["end_ts"] - min(starts)) / 1e3 if starts else 0.0,
         "steps": steps,
         "activities": activities,
