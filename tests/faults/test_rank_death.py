@@ -1,0 +1,60 @@
+"""A rank is SIGKILLed in the middle of a training loop with allreduces in flight.
+
+What happens: the dead rank's wrapper reports its exit status to hvdliterun at once;
+hvdliterun prints which rank died and how, orders every other rank's wrapper to end its
+process group (SIGTERM, SIGKILL after a grace), and exits with 128 + the signal. The
+survivors, blocked in a collective with the dead rank, are ended by the launcher.
+Checked: the whole job ends within 30 s of the kill, the exit status is non-zero, the
+message names the lost rank, and no rank process is left.
+"""
+import json
+import os
+import time
+
+import pytest
+
+from harness import describe, run_job
+from hvdlite.runner.testing import pid_alive
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("native")]
+
+NP = 3
+VICTIM = 1
+BOUND_S = 30.0
+
+SCRIPT = r'''
+import json, os, signal, sys, time
+import numpy as np
+import hvdlite as hvd
+
+hvd.init()
+r = hvd.rank()
+print("HVDLITE_RESULT", json.dumps({"pid": os.getpid()}), flush=True)
+x = np.ones(64 * 1024, np.float32)
+for step in range(1_000_000):
+    handles = [hvd.allreduce_async(x, name=f"grad{i}") for i in range(8)]
+    if step == 30 and r == int(sys.argv[1]):
+        print("HVDLITE_RESULT", json.dumps({"killed_at": time.time()}), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # allreduces in flight everywhere
+    for h in handles:
+        hvd.synchronize(h)
+'''
+
+
+def test_killed_rank_ends_the_job_quickly_and_cleanly():
+    result = run_job(NP, SCRIPT, timeout=120, args=(VICTIM,))
+    ended = time.time()
+    assert result.returncode == 128 + 9, describe(result)
+    killed_at = result.result(VICTIM)["killed_at"]
+    elapsed = ended - killed_at
+    print(f"\nrank {VICTIM} SIGKILLed; job ended {elapsed:.2f} s later, "
+          f"hvdliterun exit status {result.returncode}")
+    assert elapsed < BOUND_S, describe(result)
+    launcher = "\n".join(result.untagged)
+    assert f"rank {VICTIM}" in launcher and "SIGKILL" in launcher, describe(result)
+    pids = [result.result(r, 0)["pid"] for r in range(NP)]
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if pid_alive(p)]
+    assert not left, f"rank processes left behind: {left}\n" + describe(result)
