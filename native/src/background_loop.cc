@@ -558,14 +558,20 @@ void Core::Execute(const std::vector<Response>& ready) {
     // Negotiation ends for the whole list at once; the time a tensor then waits for the
     // collectives ahead of it is its QUEUE activity, ended when its own one starts.
     size_t begin = 0;
+    std::vector<const std::string*> names;
     for (size_t end : ends) {
+      names.clear();
       for (size_t k = begin; k < end; ++k) {
-        const Response& r = ready[k];
-        if (r.op == HVDLITE_OP_JOIN) continue;
-        timeline_.End(r.name);
-        if (!r.error.empty()) continue;
-        timeline_.Begin(r.name, Upper(OpName(r.op)), TimelineArgs(r, end - begin, topo_.rank, topo_.size));
-        timeline_.Begin(r.name, "QUEUE");
+        if (ready[k].op != HVDLITE_OP_JOIN) names.push_back(&ready[k].name);
+      }
+      timeline_.EndAll(names);
+      if (ready[begin].error.empty()) {
+        for (size_t k = begin; k < end; ++k) {
+          const Response& r = ready[k];
+          if (r.op == HVDLITE_OP_JOIN) continue;
+          timeline_.Begin(r.name, Upper(OpName(r.op)), TimelineArgs(r, end - begin, topo_.rank, topo_.size));
+        }
+        timeline_.BeginAll(names, "QUEUE");
       }
       begin = end;
     }
@@ -595,19 +601,19 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
   const int32_t mpi_op = average ? HVDLITE_SUM : first.reduce_op;
   const bool tl = timeline_.active();
   std::vector<TensorEntry*> entries;
+  std::vector<const std::string*> names;  // timeline tracks
   int64_t total = 0;
   for (const Response* r : fused) {
     entries.push_back(queue_.Find(r->name));
     total += NumElements(r->shape);
-    if (tl) timeline_.End(r->name);  // QUEUE
+    if (tl) names.push_back(&r->name);
   }
+  if (tl) timeline_.EndAll(names);  // QUEUE
   auto activity = [&](const char* name) {
-    if (!tl) return;
-    for (const Response* r : fused) timeline_.Begin(r->name, name);
+    if (tl) timeline_.BeginAll(names, name);
   };
   auto activity_end = [&] {
-    if (!tl) return;
-    for (const Response* r : fused) timeline_.End(r->name);
+    if (tl) timeline_.EndAll(names);
   };
   Status s;
   if (fused.size() == 1 && entries[0]) {
@@ -648,9 +654,7 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
     }
     activity_end();
   }
-  if (tl) {
-    for (const Response* r : fused) timeline_.End(r->name);
-  }
+  if (tl) timeline_.EndAll(names);  // ALLREDUCE
   counters_.collectives++;
   if (fused.size() > 1) counters_.fused_collectives++;
   counters_.bytes += total * elem;

@@ -89,8 +89,34 @@ Timeline::Track& Timeline::TrackOf(const std::string& tensor) {
   int tid = static_cast<int>(tracks_.size()) + 1;
   // The track's name travels with its first event, even when the queue is full:
   // a track without a name would be unreadable.
-  queue_.push_back({'M', tid, tensor, "", 0});
+  queue_.push_back({'M', tid, tensor, "", 0, {}});
   return tracks_.emplace(tensor, Track{tid, {}}).first->second;
+}
+
+int Timeline::Admit(const std::string& tensor, char phase, bool only_if_idle) {
+  const bool full = queue_.size() >= kMaxQueued;
+  if (tensor.empty()) {  // a global mark
+    if (full) ++dropped_;
+    return full ? -1 : 0;
+  }
+  if (phase == 'E') {
+    auto it = tracks_.find(tensor);
+    if (it == tracks_.end() || it->second.open.empty()) return -1;  // its B was never recorded
+    bool queued = it->second.open.back();
+    it->second.open.pop_back();
+    // Queued even when the queue is full: its B is in the file.
+    return queued ? it->second.tid : -1;
+  }
+  Track& track = TrackOf(tensor);
+  if (phase == 'B') {
+    if (only_if_idle && !track.open.empty()) return -1;
+    track.open.push_back(!full);
+  }
+  if (full) {
+    ++dropped_;
+    return -1;
+  }
+  return track.tid;
 }
 
 void Timeline::Push(const std::string& tensor, char phase, std::string name, std::string args,
@@ -100,34 +126,40 @@ void Timeline::Push(const std::string& tensor, char phase, std::string name, std
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stop_) return;
-    int tid = 0;
-    bool full = queue_.size() >= kMaxQueued;
-    if (!tensor.empty()) {
-      if (phase == 'E') {
-        auto it = tracks_.find(tensor);
-        if (it == tracks_.end() || it->second.open.empty()) return;  // its B was never recorded
-        bool queued = it->second.open.back();
-        it->second.open.pop_back();
-        if (!queued) return;  // dropped with its B
-        full = false;         // the B is in the file: its E must be too
-        tid = it->second.tid;
-      } else {
-        Track& track = TrackOf(tensor);
-        tid = track.tid;
-        if (phase == 'B') {
-          if (only_if_idle && !track.open.empty()) return;
-          track.open.push_back(!full);
-        }
-      }
-    }
-    if (full) {
-      ++dropped_;
-      return;
-    }
-    queue_.push_back({phase, tid, std::move(name), std::move(args), ts});
+    int tid = Admit(tensor, phase, only_if_idle);
+    if (tid < 0) return;
+    queue_.push_back({phase, tid, std::move(name), std::move(args), ts, {}});
     notify = queue_.size() == kMaxQueued / 2;
   }
   if (notify) cv_.notify_one();
+}
+
+void Timeline::PushAll(const std::vector<const std::string*>& tensors, char phase,
+                       const char* name) {
+  int64_t ts = NowUs();
+  bool notify;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stop_) return;
+    std::vector<int> tids;
+    tids.reserve(tensors.size());
+    for (const std::string* t : tensors) {
+      int tid = Admit(*t, phase, false);
+      if (tid >= 0) tids.push_back(tid);
+    }
+    if (tids.empty()) return;
+    queue_.push_back({phase, 0, name ? name : "", "", ts, std::move(tids)});
+    notify = queue_.size() == kMaxQueued / 2;
+  }
+  if (notify) cv_.notify_one();
+}
+
+void Timeline::BeginAll(const std::vector<const std::string*>& tensors, const char* activity) {
+  if (active()) PushAll(tensors, 'B', activity);
+}
+
+void Timeline::EndAll(const std::vector<const std::string*>& tensors) {
+  if (active()) PushAll(tensors, 'E', nullptr);
 }
 
 void Timeline::Begin(const std::string& tensor, const std::string& activity, const std::string& args) {
@@ -150,6 +182,16 @@ void Timeline::MarkCycle() {
   if (active() && mark_cycles()) Push("", 'i', "CYCLE_START", "");
 }
 
+void Timeline::WriteLine(char phase, int tid, int64_t ts_us, const std::string& tail) {
+  if (phase == 'B') ++depth_[tid];
+  if (phase == 'E') --depth_[tid];
+  char head[96];
+  int n = std::snprintf(head, sizeof(head), ",\n{\"ph\": \"%c\", \"pid\": 0, \"tid\": %d, \"ts\": %lld",
+                        phase, tid, static_cast<long long>(ts_us - start_us_));
+  std::fwrite(head, 1, static_cast<size_t>(n), file_);
+  std::fwrite(tail.data(), 1, tail.size(), file_);
+}
+
 void Timeline::Write(const Event& e) {
   if (e.phase == 'M') {
     if (static_cast<size_t>(e.tid) >= depth_.size()) depth_.resize(e.tid + 1, 0);
@@ -162,14 +204,8 @@ void Timeline::Write(const Event& e) {
                  e.tid, name.c_str(), e.tid, e.tid);
     return;
   }
-  if (e.phase == 'B') ++depth_[e.tid];
-  if (e.phase == 'E') --depth_[e.tid];
-  line_.assign(",\n{\"ph\": \"");
-  line_ += e.phase;
-  line_ += "\", \"pid\": 0, \"tid\": ";
-  line_ += std::to_string(e.tid);
-  line_ += ", \"ts\": ";
-  line_ += std::to_string(e.ts_us - start_us_);
+  // What follows the timestamp; shared by every line of a group event.
+  line_.clear();
   if (!e.name.empty()) {
     line_ += ", \"name\": \"";
     line_ += JsonEscape(e.name);
@@ -182,7 +218,11 @@ void Timeline::Write(const Event& e) {
     line_ += '}';
   }
   line_ += '}';
-  std::fwrite(line_.data(), 1, line_.size(), file_);
+  if (e.tids.empty()) {
+    WriteLine(e.phase, e.tid, e.ts_us, line_);
+  } else {
+    for (int tid : e.tids) WriteLine(e.phase, tid, e.ts_us, line_);
+  }
 }
 
 void Timeline::WriterLoop() {

@@ -49,6 +49,10 @@ class Timeline {
   // opens it.
   void BeginNegotiation(const std::string& tensor, const std::string& activity);
   void End(const std::string& tensor);
+  // The same activity on many tracks at one moment (a fused collective): one queued
+  // event, one line per track in the file.
+  void BeginAll(const std::vector<const std::string*>& tensors, const char* activity);
+  void EndAll(const std::vector<const std::string*>& tensors);
   // An instant mark on the tensor's track.
   void Instant(const std::string& tensor, const std::string& what, const std::string& args = "");
   // A global instant per background cycle, when started with mark_cycles.
@@ -60,6 +64,7 @@ class Timeline {
     int tid;
     std::string name, args;
     int64_t ts_us;
+    std::vector<int> tids;  // a group event: one line per track (tid unused)
   };
   // Producer-side state of one track. Guarded by mutex_.
   struct Track {
@@ -67,10 +72,15 @@ class Timeline {
     std::vector<bool> open;  // one entry per open B: was it queued (true) or dropped
   };
   Track& TrackOf(const std::string& tensor);  // needs mutex_
+  // Needs mutex_: updates the track's stack; returns the tid, or -1 if the event is
+  // not to be written (orphan E, or dropped because the queue is full).
+  int Admit(const std::string& tensor, char phase, bool only_if_idle);
   void Push(const std::string& tensor, char phase, std::string name, std::string args,
             bool only_if_idle = false);
+  void PushAll(const std::vector<const std::string*>& tensors, char phase, const char* name);
   void WriterLoop();
   void Write(const Event& e);  // writer thread only
+  void WriteLine(char phase, int tid, int64_t ts_us, const std::string& tail);
   static int64_t NowUs();
 
   std::atomic<bool> active_{false};

@@ -1,0 +1,103 @@
+"""Step time with the timeline on against off, on the many-small-tensors step.
+
+    .venv/bin/python -m hvdlite.runner -np 2 .venv/bin/python benchmarks/timeline_overhead.py
+
+One step: 200 float32 tensors of 16 KiB, all enqueued with ``allreduce_async`` and then
+waited for (the gradient pattern of a model with many small layers). Blocks of steps
+alternate between timeline on (``start_timeline`` .. ``stop_timeline``, rank 0 writes)
+and off, in ABBA order, so that drift in the machine's load hits both alike; the
+figure is the ratio of the median step times. Rank 0's step times are reported (a step
+ends when every rank's contribution is in, so one rank's clock suffices).
+
+On a small shared machine the figure is noisy: run it a few times and quote the range.
+``--json PATH`` also writes the figures.
+"""
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+import hvdlite as hvd
+
+TARGET_OVERHEAD = 0.05  # issue 6: under 5% of step time
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tensors", type=int, default=200)
+    p.add_argument("--kib", type=int, default=16, help="size of one tensor (KiB)")
+    p.add_argument("--blocks", type=int, default=16, help="blocks per mode (even)")
+    p.add_argument("--steps", type=int, default=10, help="steps per block")
+    p.add_argument("--json", help="also write the figures to this file (rank 0)")
+    return p.parse_args()
+
+
+def main():
+    args = parse_args()
+    hvd.init()
+    rank = hvd.rank()
+    n = args.kib * 1024 // 4
+    tensors = [np.full(n, rank, np.float32) for _ in range(args.tensors)]
+    names = [f"layer{i}.grad" for i in range(args.tensors)]
+
+    def step():
+        start = time.perf_counter()
+        handles = [hvd.allreduce_async(t, name=name, op=hvd.Sum)
+                   for t, name in zip(tensors, names)]
+        for h in handles:
+            hvd.synchronize(h)
+        return time.perf_counter() - start
+
+    tmpdir = tempfile.mkdtemp(prefix="hvdlite-timeline-bench-")
+    path = os.path.join(tmpdir, "timeline.json")
+    for _ in range(5):  # warm up: the response cache, the fusion buffer
+        step()
+    samples = {"off": [], "on": []}
+    block_medians = {"off": [], "on": []}
+    for block in range(2 * args.blocks):
+        mode = "on" if block % 4 in (1, 2) else "off"  # off on on off off on on off ...
+        hvd.barrier()
+        if mode == "on":
+            hvd.start_timeline(path)
+        times = [step() for _ in range(args.steps)]
+        if mode == "on":
+            hvd.stop_timeline()
+        samples[mode].extend(times)
+        block_medians[mode].append(statistics.median(times))
+
+    if rank == 0:
+        with open(path) as f:
+            events = json.load(f)  # the last "on" block's file
+        dropped = sum(e.get("args", {}).get("count", 0) for e in events
+                      if e.get("name") == "EVENTS_DROPPED")
+        off, on = statistics.median(samples["off"]), statistics.median(samples["on"])
+        overhead = on / off - 1
+        by_block = statistics.median(
+            [b / a - 1 for a, b in zip(block_medians["off"], block_medians["on"])])
+        figures = {
+            "ranks": hvd.size(), "tensors": args.tensors, "tensor_kib": args.kib,
+            "steps_per_mode": len(samples["on"]),
+            "median_step_off_ms": off * 1e3, "median_step_on_ms": on * 1e3,
+            "overhead": overhead, "overhead_median_of_block_pairs": by_block,
+            "events_per_step": len(events) / args.steps, "dropped_events": dropped,
+        }
+        print(f"{hvd.size()} ranks, {args.tensors} x {args.kib} KiB float32 per step, "
+              f"{len(samples['on'])} steps per mode in {args.blocks} interleaved blocks")
+        print(f"median step, timeline off: {off * 1e3:8.3f} ms")
+        print(f"median step, timeline on:  {on * 1e3:8.3f} ms")
+        print(f"overhead: {100 * overhead:+.1f}% (median of paired blocks: "
+              f"{100 * by_block:+.1f}%); target < {100 * TARGET_OVERHEAD:.0f}%: "
+              f"{'met' if overhead < TARGET_OVERHEAD else 'NOT met'}")
+        print(f"~{len(events) / args.steps:.0f} events per step written, {dropped} dropped")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(figures, f, indent=1)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
