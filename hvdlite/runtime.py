@@ -171,21 +171,26 @@ def stats():
 
 
 def start_timeline(path, mark_cycles=False):
-    """Starts writing a Chrome-trace timeline (rank 0 writes it).
+    """Starts writing a Chrome-trace timeline (rank 0 writes it; elsewhere a no-op).
+
+    A timeline already running is stopped first. The file is overwritten; it is valid
+    JSON once ``stop_timeline()`` or ``shutdown()`` returns. Summarize it with
+    ``hvdlite timeline summary PATH`` (README, "Timeline").
 
     Args:
-        path: the JSON file to write.
+        path: the JSON file to write (on rank 0's machine).
         mark_cycles: also mark every background-loop cycle.
 
     Raises:
         NotInitializedError: before ``init()`` or after ``shutdown()``.
-        HvdliteError: the core could not open the file.
+        InvalidArgumentError: on rank 0, the file cannot be opened for writing (the
+            message names the path and the reason); no timeline runs then.
     """
     check(lib.hvdlite_start_timeline(os.fsencode(path), 1 if mark_cycles else 0))
 
 
 def stop_timeline():
-    """Stops the timeline and flushes the file.
+    """Stops the timeline: writes what is queued, closes open spans, ends the JSON array.
 
     Raises:
         NotInitializedError: before ``init()`` or after ``shutdown()``.

@@ -345,12 +345,17 @@ def format_summary(summary, top=20, problems=()):
     shown = tensors[:top]
     rows = []
     for t in shown:
-        last = max(t["last_ready"].items(), key=lambda kv: kv[1])[0] if t["last_ready"] else "-"
+        last = "-"
+        if t["last_ready"]:
+            who, times = max(t["last_ready"].items(), key=lambda kv: kv[1])
+            last = f"{who} ({times}/{t['negotiations']})"
         rows.append([t["name"], t["ops"], _human_bytes(t["bytes"]), f"{t['wait_mean_ms']:.3f}",
                      f"{t['wait_max_ms']:.3f}", last])
     title = "tensor" if len(shown) == len(tensors) else f"tensor ({len(shown)} of {len(tensors)})"
     out.append(_table([title, "ops", "bytes", "wait mean ms", "wait max ms", "last ready"],
                       rows))
+    out.append("last ready: the rank whose request reached the coordinator last, most often "
+               "(of the negotiations; cached ones show only 'all ranks ready')")
     out.append("")
     out.append(f"communication (MPI_*/NCCL_* wall time): {comm['wall_ms']:.3f} ms, "
                f"{comm['overlapped_ms']:.3f} ms of it before the step's last gradient was "
