@@ -501,7 +501,6 @@ def barrier():
         ops.barrier()
         return [tf.constant(0, tf.int32)]
 
-    if tf.executing_eagerly():
-        now()
-        return None
-    return _run(now, [], [tf.int32], [tf.TensorShape([])])[0].op
+    # In a tf.function the node runs in program order without being returned
+    # (automatic control dependencies run every stateful op).
+    _run(now, [], [tf.int32], [tf.TensorShape([])])

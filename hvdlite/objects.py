@@ -1,0 +1,56 @@
+"""Python objects across ranks, framework-free: pickled into uint8 arrays.
+
+Eager only (they return Python objects). The adapters re-export them.
+"""
+import pickle
+
+import numpy as np
+
+from hvdlite import ops, runtime
+
+
+def broadcast_object(obj, root_rank=0, name=None):
+    """Returns ``root_rank``'s ``obj`` on every rank (pickled; eager only).
+
+    Args:
+        obj: any picklable object (only the root's is used).
+        root_rank: the rank whose object everyone receives.
+        name: a base name for the two tensors, equal across ranks; None names it
+            automatically.
+
+    Returns:
+        The root's object (the root gets ``obj`` itself back).
+
+    Raises:
+        InvalidArgumentError, HorovodInternalError: as for ``broadcast``.
+    """
+    base = name or ops.auto_name("broadcast_object")
+    is_root = runtime.rank() == root_rank
+    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if is_root else None
+    length = np.array([payload.size if is_root else 0], dtype=np.int64)
+    length = ops.broadcast(length, root_rank, f"{base}.sz")
+    if not is_root:
+        payload = np.zeros(int(length[0]), dtype=np.uint8)
+    payload = ops.broadcast(payload, root_rank, f"{base}.t")
+    return obj if is_root else pickle.loads(payload.tobytes())
+
+
+def allgather_object(obj, name=None):
+    """Returns the list of every rank's ``obj``, in rank order (pickled; eager only).
+
+    Args:
+        obj: any picklable object.
+        name: a base name, equal across ranks; None names it automatically.
+
+    Raises:
+        InvalidArgumentError, HorovodInternalError: as for ``allgather``.
+    """
+    base = name or ops.auto_name("allgather_object")
+    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+    sizes = ops.allgather(np.array([payload.size], dtype=np.int64), f"{base}.sz")
+    raw = ops.allgather(payload, f"{base}.t").tobytes()
+    out, offset = [], 0
+    for size in sizes.tolist():
+        out.append(pickle.loads(raw[offset:offset + size]))
+        offset += size
+    return out
