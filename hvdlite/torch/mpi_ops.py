@@ -414,9 +414,10 @@ class _AllgatherFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor, name, process_set):
+        handle = allgather_async(tensor, name, process_set)  # validates first
         ctx.rows = tensor.shape[0]
         ctx.process_set = process_set
-        return ops.synchronize(allgather_async(tensor, name, process_set))
+        return ops.synchronize(handle)
 
     @staticmethod
     def backward(ctx, grad_output):
