@@ -255,6 +255,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     optimizer's parameter groups, state and hooks (so LR schedulers and checkpoints keep
     working); ``optimizer`` itself should no longer be stepped.
 
+    Parameters that get no gradient on some ranks in a step (a branch not taken, a
+    frozen head) do not hang the job: at ``step()``/``synchronize()`` every parameter
+    whose allreduce no hook enqueued is submitted, with a zero gradient where ``p.grad``
+    is None, as Horovod does. The ranks that did compute it thus find partners, and the
+    result is the sum over ranks divided by the number of ranks (the zeros count). A
+    parameter unused on every rank ends with a zero gradient instead of None, so
+    weight decay or momentum still apply to it.
+
     Args:
         optimizer: any ``torch.optim.Optimizer``.
         named_parameters: ``model.named_parameters()``, to name gradients consistently
