@@ -150,7 +150,7 @@ Response Controller::Validate(const std::string& name, const PendingTensor& p) c
     auto tail = [](const Request& q) {
       if (q.shape.empty()) return std::string("a 0-d tensor");
       std::vector<int64_t> t(q.shape.begin() + 1, q.shape.end());
-      return "shape " + ShapeString(q.shape) + " (trailing dims " + ShapeString(t) + ")";
+      return "trailing dims " + ShapeString(t);
     };
     if (!Agree(rq, p.have, tail, &diff)) return fail("trailing dimensions", diff);
     if (base.shape.empty()) {
