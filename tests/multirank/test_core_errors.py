@@ -118,12 +118,27 @@ for i in range(12):
                      np.full(8, rank_sum + size * i, np.float32))
 
 # -- a name already in flight -------------------------------------------------------
-first = hvd.allreduce_async(np.full(2, rank, np.int32), name="dup", op=hvd.Sum)
-record("duplicate", lambda: hvd.allreduce_async(np.ones(2, np.int32), name="dup"))
-expect_value("duplicate_first", hvd.synchronize(first), np.full(2, rank_sum, np.int32))
-# Once ended, the name can be used again.
-expect_value("duplicate_reuse", hvd.allreduce(np.full(2, rank, np.int32), name="dup",
-                                              op=hvd.Sum), np.full(2, rank_sum, np.int32))
+# The duplicate is tried while the first op surely waits for a rank that sleeps: on
+# tensor "dup.a" the last rank comes 0.3 s late, on "dup.b" the others come 0.6 s late.
+probe = "dup.b" if odd else "dup.a"
+if odd:
+    time.sleep(0.3)
+first = {"dup.a": hvd.allreduce_async(np.full(2, rank, np.int32), name="dup.a", op=hvd.Sum)}
+if odd:
+    first["dup.b"] = hvd.allreduce_async(np.full(2, rank, np.int32), name="dup.b", op=hvd.Sum)
+record("duplicate", lambda: hvd.allreduce_async(np.ones(2, np.int32), name=probe))
+out["duplicate"]["probe"] = probe
+if not odd:
+    time.sleep(0.6)
+    first["dup.b"] = hvd.allreduce_async(np.full(2, rank, np.int32), name="dup.b", op=hvd.Sum)
+for name in ("dup.a", "dup.b"):
+    expect_value(f"duplicate_first.{name}", hvd.synchronize(first[name]),
+                 np.full(2, rank_sum, np.int32))
+# Once ended, the names can be used again.
+for name in ("dup.a", "dup.b"):
+    expect_value(f"duplicate_reuse.{name}",
+                 hvd.allreduce(np.full(2, rank, np.int32), name=name, op=hvd.Sum),
+                 np.full(2, rank_sum, np.int32))
 
 # -- refused at the call ------------------------------------------------------------
 BAD = {
@@ -245,8 +260,9 @@ def test_name_in_flight_is_refused_and_first_op_completes(errors_job):
     size, outs = errors_job
     for rank, got in _every_rank(outs, "duplicate"):
         assert got["type"] == "DuplicateNameError", f"rank {rank}: {got}"
-        assert "'dup'" in got["message"] and "in flight" in got["message"], got
-    for case in ("duplicate_first", "duplicate_reuse"):
+        assert f"'{got['probe']}'" in got["message"] and "in flight" in got["message"], got
+    for case in ("duplicate_first.dup.a", "duplicate_first.dup.b", "duplicate_reuse.dup.a",
+                 "duplicate_reuse.dup.b"):
         for rank, got in _every_rank(outs, case):
             assert got["ok"], f"rank {rank} {case}: {got}"
 
