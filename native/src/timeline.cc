@@ -1,6 +1,7 @@
 #include "timeline.h"
 
 #include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cstring>
 
@@ -185,23 +186,25 @@ void Timeline::MarkCycle() {
 void Timeline::WriteLine(char phase, int tid, int64_t ts_us, const std::string& tail) {
   if (phase == 'B') ++depth_[tid];
   if (phase == 'E') --depth_[tid];
-  char head[96];
-  int n = std::snprintf(head, sizeof(head), ",\n{\"ph\": \"%c\", \"pid\": 0, \"tid\": %d, \"ts\": %lld",
-                        phase, tid, static_cast<long long>(ts_us - start_us_));
-  std::fwrite(head, 1, static_cast<size_t>(n), file_);
-  std::fwrite(tail.data(), 1, tail.size(), file_);
+  // Hand-formatted into the batch buffer: the writer shares the CPU with the ranks.
+  char num[24];
+  out_ += ",\n{\"ph\": \"";
+  out_ += phase;
+  out_ += "\", \"pid\": 0, \"tid\": ";
+  out_.append(num, std::to_chars(num, num + sizeof(num), tid).ptr);
+  out_ += ", \"ts\": ";
+  out_.append(num, std::to_chars(num, num + sizeof(num), ts_us - start_us_).ptr);
+  out_ += tail;
 }
 
 void Timeline::Write(const Event& e) {
   if (e.phase == 'M') {
     if (static_cast<size_t>(e.tid) >= depth_.size()) depth_.resize(e.tid + 1, 0);
-    std::string name = JsonEscape(e.name);
-    std::fprintf(file_,
-                 ",\n{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": 0, \"tid\": %d, "
-                 "\"args\": {\"name\": \"%s\"}}"
-                 ",\n{\"name\": \"thread_sort_index\", \"ph\": \"M\", \"pid\": 0, \"tid\": %d, "
-                 "\"args\": {\"sort_index\": %d}}",
-                 e.tid, name.c_str(), e.tid, e.tid);
+    std::string tid = std::to_string(e.tid);
+    out_ += ",\n{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": 0, \"tid\": " + tid +
+            ", \"args\": {\"name\": \"" + JsonEscape(e.name) + "\"}}";
+    out_ += ",\n{\"name\": \"thread_sort_index\", \"ph\": \"M\", \"pid\": 0, \"tid\": " + tid +
+            ", \"args\": {\"sort_index\": " + tid + "}}";
     return;
   }
   // What follows the timestamp; shared by every line of a group event.
@@ -240,6 +243,8 @@ void Timeline::WriterLoop() {
     }
     for (const Event& e : batch) Write(e);
     batch.clear();
+    std::fwrite(out_.data(), 1, out_.size(), file_);
+    out_.clear();
     if (stopping) {
       // Spans still open now (the timeline stops in the middle of an operation) end
       // here, so every B in the file has its E.

@@ -94,7 +94,8 @@ class Timeline {
   std::thread writer_;
   std::FILE* file_ = nullptr;  // Writer thread only while it runs; Start/Stop otherwise.
   std::vector<int> depth_;     // Writer thread only: open spans per tid, to close at Stop.
-  std::string line_;           // Writer thread only: formatting buffer.
+  std::string line_;           // Writer thread only: the part of a line after "ts".
+  std::string out_;            // Writer thread only: the batch being formatted.
   int64_t start_us_ = 0;       // Set by Start before the writer and producers see it.
 };
 
