@@ -688,8 +688,7 @@ void Core::ExecuteOne(const Response& r) {
         total += bytes[k];
         out.first_dim += r.first_dims[k];
       }
-      out.data.reset(new uint8_t[std::max<int64_t>(total, 1)]);
-      out.nbytes = total;
+      out.Allocate(total);
       s = mpi_.Allgatherv(e ? e->input : nullptr, bytes[me], out.data.get(), bytes);
       moved = total;
       break;
@@ -716,8 +715,7 @@ void Core::ExecuteOne(const Response& r) {
         out.first_dim += out.recv_splits[k];
         total += recv[k];
       }
-      out.data.reset(new uint8_t[std::max<int64_t>(total, 1)]);
-      out.nbytes = total;
+      out.Allocate(total);
       s = mpi_.Alltoallv(e ? e->input : nullptr, send, out.data.get(), recv);
       moved = total;
       break;

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <condition_variable>
+#include <cstdlib>
+#include <new>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -13,9 +15,20 @@
 
 namespace hvdlite {
 
-// A core-allocated result (allgather, alltoall), owned by its handle.
+struct AlignedFree {
+  void operator()(uint8_t* p) const { std::free(p); }
+};
+
+// A core-allocated result (allgather, alltoall), owned by its handle. 64-byte aligned:
+// frameworks that adopt external memory (TensorFlow through DLPack) require it.
 struct OpOutput {
-  std::unique_ptr<uint8_t[]> data;
+  void Allocate(int64_t n) {
+    size_t bytes = (static_cast<size_t>(n > 0 ? n : 1) + 63) / 64 * 64;
+    data.reset(static_cast<uint8_t*>(std::aligned_alloc(64, bytes)));
+    if (!data) throw std::bad_alloc();
+    nbytes = n;
+  }
+  std::unique_ptr<uint8_t, AlignedFree> data;
   int64_t nbytes = 0;
   int64_t first_dim = 0;
   std::vector<int64_t> recv_splits;
