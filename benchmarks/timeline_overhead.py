@@ -30,8 +30,10 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tensors", type=int, default=200)
     p.add_argument("--kib", type=int, default=16, help="size of one tensor (KiB)")
-    p.add_argument("--blocks", type=int, default=16, help="blocks per mode (even)")
-    p.add_argument("--steps", type=int, default=10, help="steps per block")
+    p.add_argument("--blocks", type=int, default=30, help="blocks per mode")
+    p.add_argument("--steps", type=int, default=4, help="steps per block")
+    p.add_argument("--path", help="the timeline file (default: a temporary one); "
+                   "/dev/null separates the cost of recording from that of the disk")
     p.add_argument("--json", help="also write the figures to this file (rank 0)")
     return p.parse_args()
 
@@ -53,7 +55,7 @@ def main():
         return time.perf_counter() - start
 
     tmpdir = tempfile.mkdtemp(prefix="hvdlite-timeline-bench-")
-    path = os.path.join(tmpdir, "timeline.json")
+    path = args.path or os.path.join(tmpdir, "timeline.json")
     for _ in range(5):  # warm up: the response cache, the fusion buffer
         step()
     samples = {"off": [], "on": []}
@@ -70,8 +72,10 @@ def main():
         block_medians[mode].append(statistics.median(times))
 
     if rank == 0:
-        with open(path) as f:
-            events = json.load(f)  # the last "on" block's file
+        events = []
+        if os.path.isfile(path):
+            with open(path) as f:
+                events = json.load(f)  # the last "on" block's file
         dropped = sum(e.get("args", {}).get("count", 0) for e in events
                       if e.get("name") == "EVENTS_DROPPED")
         off, on = statistics.median(samples["off"]), statistics.median(samples["on"])

@@ -5,6 +5,12 @@
 #include <chrono>
 #include <cstring>
 
+#ifdef __linux__
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace hvdlite {
 namespace {
 
@@ -229,6 +235,11 @@ void Timeline::Write(const Event& e) {
 }
 
 void Timeline::WriterLoop() {
+#ifdef __linux__
+  // Lower this thread's priority (Linux nice values are per thread): the trace can wait
+  // a few ms, the ranks' threads on a busy machine should not.
+  setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 10);
+#endif
   std::deque<Event> batch;
   while (true) {
     bool stopping;
