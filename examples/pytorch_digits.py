@@ -23,9 +23,9 @@ import hvdlite.torch as hvd
 
 def parse_args():
     parser = argparse.ArgumentParser(description="hvdlite PyTorch digits example")
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.02, help="for one rank; scaled by size")
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=64, help="per rank")
+    parser.add_argument("--lr", type=float, default=0.05, help="for one rank; scaled by size")
     parser.add_argument("--fp16-allreduce", action="store_true",
                         help="compress gradients to float16 for the allreduce")
     parser.add_argument("--seed", type=int, default=42)

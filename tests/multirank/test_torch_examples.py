@@ -17,7 +17,7 @@ def test_digits_example_learns(native):
     lines = result.rank_stdout.get(0, [])
     accuracies = [float(m.group(1)) for line in lines
                   for m in [re.search(r"test accuracy ([\d.]+)%", line)] if m]
-    assert len(accuracies) == 8, describe(result)
+    assert len(accuracies) == 10, describe(result)
     assert accuracies[-1] >= 90.0, lines
     assert not any("test accuracy" in line for line in result.rank_stdout.get(1, []))
 
