@@ -22,7 +22,8 @@ from hvdlite.keras.optimizer import DistributedOptimizer, load_model
 from hvdlite.objects import allgather_object, broadcast_object
 from hvdlite.ops import Average, Max, Min, Product, Sum, barrier, join
 from hvdlite.runtime import (cross_rank, cross_size, init, is_initialized, local_rank,
-                             local_size, rank, shutdown, size)
+                             local_size, rank, shutdown, size, start_timeline,
+                             stop_timeline)
 
 
 def _to_numpy(value):
@@ -57,7 +58,8 @@ def broadcast(value, root_rank, name=None):
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
-    "cross_size", "cross_rank", "Average", "Sum", "Min", "Max", "Product",
+    "cross_size", "cross_rank", "start_timeline", "stop_timeline",
+    "Average", "Sum", "Min", "Max", "Product",
     "DistributedOptimizer", "Compression", "callbacks", "load_model",
     "allreduce", "allgather", "broadcast", "barrier", "join",
     "broadcast_object", "allgather_object",
