@@ -27,6 +27,8 @@ namespace hvdlite {
 namespace {
 
 constexpr const char* kJoinName = "__join__";
+// How often a rank with nothing in flight still joins the coordination.
+constexpr std::chrono::milliseconds kIdleCycle(20);
 
 Status NotInitialized() {
   return Status(HVDLITE_ERR_NOT_INITIALIZED,
@@ -327,8 +329,15 @@ void Core::Loop(int64_t comm_f2c) {
       std::chrono::duration<double, std::milli>(config_.cycle_time_ms));
   auto last_start = Clock::now();
   Status end = Status(HVDLITE_ERR_SHUTDOWN, "hvdlite was shut down");
+  // With nothing in flight on this rank there is nothing to negotiate, so the loop
+  // waits for this rank's next request (which wakes it at once) and joins the
+  // coordination only every kIdleCycle, to hear of a peer's shutdown. Idle cycles at
+  // the cycle time would cost CPU and, worse, a peer whose first request meets our
+  // idle coordination round (its bit set, ours not yet) would wait a whole cycle.
+  const auto idle_cycle = std::max<Clock::duration>(cycle, kIdleCycle);
   while (true) {
-    queue_.WaitForWork(last_start + cycle);
+    bool idle = queue_.Size() == 0 && !local_joined_ && !join_active_;
+    queue_.WaitForWork(last_start + (idle ? idle_cycle : cycle));
     last_start = Clock::now();
     Status s;
     bool go_on = true;
