@@ -137,14 +137,15 @@ void MpiBackend::Shutdown(bool finalize) {
 
 Status MpiBackend::WaitBackoff(void* request, const char* what) {
   MPI_Request* req = static_cast<MPI_Request*>(request);
-  // Spin briefly (the peer is usually there already), then sleep 20 us doubling to
-  // 1 ms: a peer that is still computing costs us almost no CPU.
+  // Spin for up to 50 us (a peer in step with us is usually there by then), then sleep
+  // 20 us doubling to 1 ms: a peer that is still computing costs us almost no CPU.
   int flag = 0;
-  for (int i = 0; i < 64; ++i) {
+  auto spin_end = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
+  do {
     int rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE);
     if (rc != MPI_SUCCESS) return Check(rc, what);
     if (flag) return Status::OK();
-  }
+  } while (std::chrono::steady_clock::now() < spin_end);
   auto sleep = std::chrono::microseconds(20);
   while (true) {
     std::this_thread::sleep_for(sleep);
