@@ -13,7 +13,6 @@ released exactly once, when the last array viewing that memory is gone.
 """
 import threading
 import time
-import weakref
 
 import numpy as np
 
@@ -25,33 +24,34 @@ from hvdlite._native import check, error_for, ffi, last_error, lib
 _MAIN_THREAD_WAIT_SLICE_S = 1.0
 
 
-def _release_native(handle_id, lib=lib):
-    # Called exactly once per native handle (weakref.finalize), possibly from the
-    # garbage collector at any point: never raise from here.
-    try:
-        lib.hvdlite_release(handle_id)
-    except Exception:  # pragma: no cover - interpreter teardown
-        pass
-
-
 class NativeHandle:
-    """Owns one native handle id and releases it exactly once when dropped or released."""
+    """Owns one native handle id and releases it exactly once when dropped or released.
 
-    __slots__ = ("id", "_finalizer", "__weakref__")
+    Release happens when the last reference goes (``__del__``), which is right after the
+    wait for plain ops, or with the last array viewing a core-owned result.
+    """
+
+    __slots__ = ("id", "__weakref__")
 
     def __init__(self, handle_id):
         self.id = int(handle_id)
-        self._finalizer = weakref.finalize(self, _release_native, self.id)
-        # At exit the core is already shut down; the process frees everything anyway.
-        self._finalizer.atexit = False
 
     def release(self):
         """Releases the native handle now; later calls do nothing."""
-        self._finalizer()
+        handle_id, self.id = self.id, 0
+        if handle_id:
+            lib.hvdlite_release(handle_id)
 
     @property
     def released(self):
-        return not self._finalizer.alive
+        return self.id == 0
+
+    def __del__(self):
+        # Possibly run by the garbage collector at any point: never raise from here.
+        try:
+            self.release()
+        except Exception:  # pragma: no cover - interpreter teardown
+            pass
 
 
 class _NativeBuffer:

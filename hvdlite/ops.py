@@ -113,13 +113,48 @@ class TensorSpec:
 def _pointer(p):
     if p is None:
         return ffi.NULL
+    if isinstance(p, ffi.CData):
+        return p
     return ffi.cast("void *", p)
+
+
+def _address(arr):
+    """Returns the array's memory as a cffi pointer (several times cheaper than
+    ``arr.ctypes.data``; the pointer references the array)."""
+    return ffi.from_buffer(arr)
+
+
+# Names and shapes repeat every training step; their C copies are reused (the core
+# copies both at enqueue, so sharing them between calls is safe). Bounded, so that
+# automatically named tensors cannot grow it without end.
+_C_CACHE_LIMIT = 1 << 14
+_c_names = {}
+_c_shapes = {}
+
+
+def _c_name(name):
+    c = _c_names.get(name)
+    if c is None:
+        c = ffi.new("char[]", name.encode("utf-8"))
+        if len(_c_names) < _C_CACHE_LIMIT:
+            _c_names[name] = c
+    return c
+
+
+def _c_shape(shape):
+    key = tuple(shape)
+    c = _c_shapes.get(key)
+    if c is None:
+        c = ffi.new("int64_t[]", [int(d) for d in key] or [0])
+        if len(_c_shapes) < _C_CACHE_LIMIT:
+            _c_shapes[key] = c
+    return c
 
 
 def _fill(struct, spec, keep):
     """Fills one hvdlite_tensor_t; appends the cffi buffers it points to to ``keep``."""
-    name = ffi.new("char[]", spec.name.encode("utf-8"))
-    shape = ffi.new("int64_t[]", [int(d) for d in spec.shape] or [0])
+    name = _c_name(spec.name)
+    shape = _c_shape(spec.shape)
     keep += [name, shape]
     struct.name = name
     struct.op = spec.op
@@ -173,14 +208,30 @@ def enqueue(op, name, dtype_code, shape, input_ptr, output_ptr=None, *, reduce_o
         NotInitializedError, InvalidArgumentError, DuplicateNameError: refused by the
             core; nothing was enqueued.
     """
-    spec = TensorSpec(op, name, dtype_code, shape, input_ptr, output_ptr, reduce_op,
-                      prescale, postscale, root_rank, splits, process_set_id, device)
-    keep = []
-    struct = ffi.new("hvdlite_tensor_t *")
-    _fill(struct, spec, keep)
+    # The per-gradient hot path: no TensorSpec, one struct built in one call.
+    c_name = _c_name(name)
+    c_shape = _c_shape(shape)
+    c_splits = ffi.NULL
+    if splits is not None:
+        c_splits = ffi.new("int64_t[]", [int(s) for s in splits] or [0])
+    struct = ffi.new("hvdlite_tensor_t *")  # zeroed: process set 0
+    struct.name = c_name
+    struct.op = op
+    struct.dtype = dtype_code
+    struct.ndim = len(shape)
+    struct.shape = c_shape
+    struct.input = _pointer(input_ptr)
+    struct.output = _pointer(output_ptr)
+    struct.reduce_op = reduce_op
+    struct.prescale_factor = prescale
+    struct.postscale_factor = postscale
+    struct.root_rank = root_rank
+    struct.splits = c_splits
+    struct.process_set_id = process_set_id
+    struct.device = device
     out = ffi.new("hvdlite_handle_t *")
     check(lib.hvdlite_enqueue(struct, out))
-    return Handle([out[0]], finisher=finisher, keepalive=(keepalive, keep), name=name)
+    return Handle((out[0],), finisher=finisher, keepalive=(keepalive, c_splits), name=name)
 
 
 def enqueue_group(specs, *, name=None, keepalive=(), finisher=None):
@@ -266,7 +317,19 @@ def _returns(value):
     return lambda handle: value
 
 
-def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0):
+def _output_array(out, arr, name):
+    """Checks a caller-given result buffer: same shape and dtype, C-contiguous, writable."""
+    if not isinstance(out, np.ndarray) or out.shape != arr.shape or out.dtype != arr.dtype:
+        raise InvalidArgumentError(
+            f"tensor '{name}': out must be a numpy array of shape {arr.shape} and dtype "
+            f"{arr.dtype}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise InvalidArgumentError(f"tensor '{name}': out must be C-contiguous and writable")
+    return out
+
+
+def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+                    out=None):
     """Starts an allreduce of ``array`` across ranks; returns a Handle at once.
 
     Args:
@@ -275,9 +338,11 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
         op: Average, Sum, Min, Max or Product (bool arrays: Min or Max only).
         prescale_factor: multiplies the input before the reduction.
         postscale_factor: multiplies the result.
+        out: an array of the same shape and dtype to write the result into (it may be
+            ``array`` itself, for an in-place reduction); None allocates a new one.
 
     Returns:
-        A Handle whose result is a new array of the same shape and dtype.
+        A Handle whose result is ``out`` or a new array of the same shape and dtype.
 
     Raises:
         InvalidArgumentError: bad dtype, layout, op or scaling.
@@ -288,14 +353,18 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
     arr, code = _input_array(array, name)
     _check_reduce_op(op, arr, name)
     _check_scale(prescale_factor, postscale_factor, arr, name)
-    out = np.empty(arr.shape, dtype=arr.dtype)
-    return enqueue(ALLREDUCE, name, code, arr.shape, arr.ctypes.data, out.ctypes.data,
+    if out is None:
+        out = np.empty(arr.shape, dtype=arr.dtype)
+    else:
+        out = _output_array(out, arr, name)
+    return enqueue(ALLREDUCE, name, code, arr.shape, _address(arr), _address(out),
                    reduce_op=op, prescale=prescale_factor, postscale=postscale_factor,
                    keepalive=(arr, out), finisher=_returns(out))
 
 
-def allreduce(array, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0):
-    """Reduces ``array`` across ranks and returns the result as a new array.
+def allreduce(array, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+              out=None):
+    """Reduces ``array`` across ranks and returns the result as a new array (or ``out``).
 
     See ``allreduce_async`` for the arguments.
 
@@ -307,7 +376,7 @@ def allreduce(array, name=None, op=Average, prescale_factor=1.0, postscale_facto
             ``allreduce_async``.
         HorovodInternalError: the collective failed (e.g. MismatchError across ranks).
     """
-    return synchronize(allreduce_async(array, name, op, prescale_factor, postscale_factor))
+    return synchronize(allreduce_async(array, name, op, prescale_factor, postscale_factor, out))
 
 
 def grouped_allreduce_async(arrays, name=None, op=Average, prescale_factor=1.0,
@@ -335,8 +404,8 @@ def grouped_allreduce_async(arrays, name=None, op=Average, prescale_factor=1.0,
         _check_reduce_op(op, arr, tensor_name)
         _check_scale(prescale_factor, postscale_factor, arr, tensor_name)
         out = np.empty(arr.shape, dtype=arr.dtype)
-        specs.append(TensorSpec(ALLREDUCE, tensor_name, code, arr.shape, arr.ctypes.data,
-                                out.ctypes.data, op, prescale_factor, postscale_factor))
+        specs.append(TensorSpec(ALLREDUCE, tensor_name, code, arr.shape, _address(arr),
+                                _address(out), op, prescale_factor, postscale_factor))
         keep += [arr, out]
         outs.append(out)
     return enqueue_group(specs, name=group, keepalive=keep, finisher=_returns(outs))
@@ -374,7 +443,7 @@ def allgather_async(array, name=None):
     def finish(handle):
         return handle.output_array(0, arr.dtype, trailing)
 
-    return enqueue(ALLGATHER, name, code, arr.shape, arr.ctypes.data, None,
+    return enqueue(ALLGATHER, name, code, arr.shape, _address(arr), None,
                    keepalive=(arr,), finisher=finish)
 
 
@@ -405,7 +474,7 @@ def broadcast_async(array, root_rank, name=None):
     arr, code = _input_array(array, name)
     root = _check_rank(root_rank, "root_rank", name)
     out = np.empty(arr.shape, dtype=arr.dtype)
-    return enqueue(BROADCAST, name, code, arr.shape, arr.ctypes.data, out.ctypes.data,
+    return enqueue(BROADCAST, name, code, arr.shape, _address(arr), _address(out),
                    root_rank=root, keepalive=(arr, out), finisher=_returns(out))
 
 
@@ -470,7 +539,7 @@ def alltoall_async(array, splits=None, name=None):
     def finish(handle):
         return handle.output_array(0, arr.dtype, trailing), handle.recv_splits(0, size)
 
-    return enqueue(ALLTOALL, name, code, arr.shape, arr.ctypes.data, None, splits=checked,
+    return enqueue(ALLTOALL, name, code, arr.shape, _address(arr), None, splits=checked,
                    keepalive=(arr,), finisher=finish)
 
 
@@ -512,7 +581,7 @@ def reducescatter_async(array, name=None, op=Average, prescale_factor=1.0,
     _check_scale(prescale_factor, postscale_factor, arr, name)
     rows = reducescatter_rows(arr.shape[0], runtime.size(), runtime.rank())
     out = np.empty((rows,) + arr.shape[1:], dtype=arr.dtype)
-    return enqueue(REDUCESCATTER, name, code, arr.shape, arr.ctypes.data, out.ctypes.data,
+    return enqueue(REDUCESCATTER, name, code, arr.shape, _address(arr), _address(out),
                    reduce_op=op, prescale=prescale_factor, postscale=postscale_factor,
                    keepalive=(arr, out), finisher=_returns(out))
 
@@ -529,7 +598,7 @@ def reducescatter(array, name=None, op=Average, prescale_factor=1.0, postscale_f
 def _no_tensor_op(op, kind, finisher=None):
     # BARRIER and JOIN carry no data; a one-byte scalar gives the core a valid pointer.
     dummy = np.zeros((), dtype=np.uint8)
-    return enqueue(op, auto_name(kind), dtypes.native_code("uint8"), (), dummy.ctypes.data,
+    return enqueue(op, auto_name(kind), dtypes.native_code("uint8"), (), _address(dummy),
                    None, keepalive=(dummy,), finisher=finisher)
 
 

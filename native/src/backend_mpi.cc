@@ -73,12 +73,14 @@ Status MpiBackend::Check(int rc, const char* what) {
   return Status(HVDLITE_ERR_MPI, std::string(what) + " failed: " + std::string(text, len));
 }
 
-Status MpiBackend::Init(int64_t comm_f2c, MpiTopology* topo) {
+Status MpiBackend::Init(int64_t comm_f2c, bool thread_multiple, MpiTopology* topo) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   int provided = 0;
   if (!initialized) {
-    int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+    // This thread initializes MPI and makes every MPI call, so FUNNELED is enough.
+    int required = thread_multiple ? MPI_THREAD_MULTIPLE : MPI_THREAD_FUNNELED;
+    int rc = MPI_Init_thread(nullptr, nullptr, required, &provided);
     if (rc != MPI_SUCCESS) return Check(rc, "MPI_Init_thread");
     initialized_mpi_ = true;
   } else {
@@ -90,7 +92,7 @@ Status MpiBackend::Init(int64_t comm_f2c, MpiTopology* topo) {
     }
     MPI_Query_thread(&provided);
   }
-  if (provided < MPI_THREAD_SERIALIZED) {
+  if (initialized && provided < MPI_THREAD_SERIALIZED) {
     HVDLITE_LOG(WARNING) << "MPI provides thread level " << provided
                          << "; hvdlite calls MPI from its background thread, so another "
                             "thread must not call MPI concurrently";
@@ -212,18 +214,20 @@ Status MpiBackend::BroadcastBlob(std::vector<uint8_t>* blob) {
   return WaitBackoff(&req, "MPI_Ibcast (responses)");
 }
 
-Status MpiBackend::Allreduce(void* buf, int64_t count, int32_t dtype, int32_t reduce_op) {
+Status MpiBackend::Allreduce(const void* in, void* out, int64_t count, int32_t dtype,
+                             int32_t reduce_op) {
   MPI_Datatype type = MpiType(dtype);
   MPI_Op op = StandardOp(reduce_op);
   if (dtype == HVDLITE_FLOAT16 || dtype == HVDLITE_BFLOAT16) {
     op = *static_cast<MPI_Op*>(ops_[(dtype == HVDLITE_BFLOAT16 ? 5 : 0) + reduce_op]);
   }
-  char* p = static_cast<char*>(buf);
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
   int elem = ElementSize(dtype);
   for (int64_t done = 0; done < count;) {
     int64_t n = std::min(kMaxChunk, count - done);
-    Status s = Check(MPI_Allreduce(MPI_IN_PLACE, p + done * elem, static_cast<int>(n), type, op,
-                                   Comm(comm_)),
+    const void* send = in == out ? MPI_IN_PLACE : src + done * elem;
+    Status s = Check(MPI_Allreduce(send, dst + done * elem, static_cast<int>(n), type, op, Comm(comm_)),
                      "MPI_Allreduce");
     if (!s.ok()) return s;
     done += n;

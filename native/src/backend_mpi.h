@@ -21,8 +21,9 @@ struct MpiTopology {
 
 class MpiBackend {
  public:
-  // comm_f2c < 0: MPI_COMM_WORLD. Initializes MPI when nobody has.
-  Status Init(int64_t comm_f2c, MpiTopology* topo);
+  // comm_f2c < 0: MPI_COMM_WORLD. Initializes MPI when nobody has, from the calling
+  // (background) thread, at MPI_THREAD_MULTIPLE if thread_multiple, else FUNNELED.
+  Status Init(int64_t comm_f2c, bool thread_multiple, MpiTopology* topo);
   // Frees the core's communicators; finalizes MPI if Init initialized it and
   // `finalize` is set (not after a transport failure, where it could hang).
   void Shutdown(bool finalize);
@@ -34,7 +35,8 @@ class MpiBackend {
   Status BroadcastBlob(std::vector<uint8_t>* blob);  // from rank 0
 
   // Data (blocking).
-  Status Allreduce(void* buf, int64_t count, int32_t dtype, int32_t reduce_op);
+  // in == out reduces in place.
+  Status Allreduce(const void* in, void* out, int64_t count, int32_t dtype, int32_t reduce_op);
   Status Allgatherv(const void* in, int64_t in_bytes, void* out,
                     const std::vector<int64_t>& bytes_per_rank);
   Status Bcast(void* buf, int64_t nbytes, int root);

@@ -29,6 +29,9 @@ namespace hvdlite {
 namespace {
 
 constexpr const char* kJoinName = "__join__";
+// Tensors this large are reduced alone, in place: copying them into and out of the
+// fusion buffer costs more than the collective's fixed latency that fusion saves.
+constexpr int64_t kFuseAloneBytes = 1 << 20;
 // How often a rank with nothing in flight still joins the coordination.
 constexpr std::chrono::milliseconds kIdleCycle(20);
 
@@ -107,7 +110,7 @@ Status Core::Init(int64_t comm_f2c) {
     // ask for, not the default 50 us timer slack on top.
     prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
     MpiTopology topo;
-    Status st = mpi_.Init(comm_f2c, &topo);
+    Status st = mpi_.Init(comm_f2c, config_.mpi_thread_multiple, &topo);
     if (st.ok()) {
       topo_ = topo;
       SetLogRank(topo.rank);
@@ -551,12 +554,12 @@ void Core::Execute(const std::vector<Response>& ready) {
   for (size_t i = 0; i < ready.size();) {
     const Response& r = ready[i];
     size_t j = i + 1;
-    if (r.op == HVDLITE_OP_ALLREDUCE && r.error.empty()) {
-      int64_t bytes = NumElements(r.shape) * ElementSize(r.dtype);
+    int64_t bytes = NumElements(r.shape) * ElementSize(r.dtype);
+    if (r.op == HVDLITE_OP_ALLREDUCE && r.error.empty() && bytes < kFuseAloneBytes) {
       while (config_.fusion_threshold > 0 && j < ready.size()) {
         const Response& c = ready[j];
         int64_t b = NumElements(c.shape) * ElementSize(c.dtype);
-        if (c.op != HVDLITE_OP_ALLREDUCE || !c.error.empty() || c.dtype != r.dtype ||
+        if (c.op != HVDLITE_OP_ALLREDUCE || !c.error.empty() || b >= kFuseAloneBytes || c.dtype != r.dtype ||
             c.reduce_op != r.reduce_op || c.prescale != r.prescale || c.postscale != r.postscale ||
             c.contributors != r.contributors || bytes + b > config_.fusion_threshold) {
           break;
@@ -633,11 +636,16 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
   if (fused.size() == 1 && entries[0]) {
     // One tensor: reduce in its output buffer, no fusion-buffer round trip.
     TensorEntry* e = entries[0];
+    // Unscaled input goes to MPI as the send buffer: no copy at all.
+    const void* send = e->input;
     activity("MEMCPY_IN_FUSION_BUFFER");
-    ScaledCopy(e->output, e->input, total, dtype, first.prescale, 1);
+    if (first.prescale != 1.0) {
+      ScaledCopy(e->output, e->input, total, dtype, first.prescale, 1);
+      send = e->output;
+    }
     activity_end();
     activity("MPI_ALLREDUCE");
-    s = mpi_.Allreduce(e->output, total, dtype, mpi_op);
+    s = mpi_.Allreduce(send, e->output, total, dtype, mpi_op);
     activity_end();
     activity("MEMCPY_OUT_FUSION_BUFFER");
     if (s.ok()) ScaledCopy(e->output, e->output, total, dtype, first.postscale, divisor);
@@ -657,7 +665,7 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
     }
     activity_end();
     activity("MPI_ALLREDUCE");
-    s = mpi_.Allreduce(buf, total, dtype, mpi_op);
+    s = mpi_.Allreduce(buf, buf, total, dtype, mpi_op);
     activity_end();
     activity("MEMCPY_OUT_FUSION_BUFFER");
     off = 0;
