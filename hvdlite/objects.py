@@ -2,11 +2,14 @@
 
 Eager only (they return Python objects). The adapters re-export them.
 """
-import pickle
-
 import numpy as np
 
 from hvdlite import ops, runtime
+
+try:  # Horovod pickles with cloudpickle (lambdas, local classes); plain pickle otherwise.
+    import cloudpickle as pickle
+except ImportError:  # pragma: no cover - cloudpickle is optional
+    import pickle
 
 
 def broadcast_object(obj, root_rank=0, name=None):

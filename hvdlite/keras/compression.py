@@ -1,37 +1,21 @@
-"""Gradient compression for Keras 3, on any backend (``keras.ops.cast``).
+"""``hvd.Compression`` for Keras 3 on any backend, through ``keras.ops.cast``.
 
-Same interface as ``hvdlite.tensorflow.Compression`` (whose compressors also work
-here on the TensorFlow backend): ``compress(tensor) -> (tensor, ctx)`` and
-``decompress(tensor, ctx)``.
+Same interface as ``hvdlite.tensorflow.Compression`` (see ``hvdlite.compression``).
 """
 import keras
 
+from hvdlite.compression import CastCompressor, Compressor, NoneCompressor
 
-class NoneCompressor:
-    """Sends tensors as they are."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
+__all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor"]
 
 
-class FP16Compressor:
+class FP16Compressor(CastCompressor):
     """Sends floating-point tensors as float16; other tensors pass unchanged."""
 
-    @staticmethod
-    def compress(tensor):
-        dtype = keras.backend.standardize_dtype(tensor.dtype)
-        if "float" in dtype and dtype != "float16":
-            return keras.ops.cast(tensor, "float16"), dtype
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor if ctx is None else keras.ops.cast(tensor, ctx)
+    wire_dtype = "float16"
+    dtype_of = staticmethod(lambda tensor: keras.backend.standardize_dtype(tensor.dtype))
+    is_float = staticmethod(lambda dtype: "float" in dtype)
+    cast = staticmethod(keras.ops.cast)
 
 
 class Compression:

@@ -1,48 +1,18 @@
-"""Gradient compression for the wire: what Horovod calls ``hvd.Compression``.
-
-``compress(tensor) -> (tensor, ctx)`` gives the tensor that is sent, ``decompress`` turns
-the reduced result back. The core reduces float16 in float32 per element pair, so
-compression costs precision only at the two casts.
-"""
+"""``hvd.Compression`` for TensorFlow: none and fp16 (see ``hvdlite.compression``)."""
 import tensorflow as tf
 
+from hvdlite.compression import CastCompressor, Compressor, NoneCompressor
 
-class Compressor:
-    """Interface: ``compress(tensor) -> (tensor, ctx)``, ``decompress(tensor, ctx)``."""
-
-    @staticmethod
-    def compress(tensor):
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        raise NotImplementedError
+__all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor"]
 
 
-class NoneCompressor(Compressor):
-    """Sends tensors as they are."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
-
-
-class FP16Compressor(Compressor):
+class FP16Compressor(CastCompressor):
     """Sends floating-point tensors as float16; other tensors pass unchanged."""
 
-    @staticmethod
-    def compress(tensor):
-        if tensor.dtype.is_floating and tensor.dtype != tf.float16:
-            return tf.cast(tensor, tf.float16), tensor.dtype
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor if ctx is None else tf.cast(tensor, ctx)
+    wire_dtype = tf.float16
+    dtype_of = staticmethod(lambda tensor: tensor.dtype)
+    is_float = staticmethod(lambda dtype: dtype.is_floating)
+    cast = staticmethod(tf.cast)
 
 
 class Compression:

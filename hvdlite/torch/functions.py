@@ -5,17 +5,10 @@ Horovod's helpers for the start of training (``broadcast_parameters``,
 ``allgather_object``: pickled into uint8 tensors). Every rank must make the same calls
 in the same order.
 """
-import io
-
 import torch
 
-from hvdlite import ops, runtime
+from hvdlite import objects, ops, runtime
 from hvdlite.torch import mpi_ops
-
-try:  # Horovod pickles with cloudpickle (lambdas, local classes); plain pickle otherwise.
-    import cloudpickle as _pickle
-except ImportError:  # pragma: no cover - cloudpickle is optional
-    import pickle as _pickle
 
 
 def broadcast_parameters(params, root_rank, process_set=mpi_ops.global_process_set):
@@ -157,21 +150,8 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=mpi_ops.global_pro
     Raises:
         InvalidArgumentError, HorovodInternalError: as for ``broadcast_``.
     """
-    base = name or ops.auto_name("broadcast_object")
-    if runtime.rank() == root_rank:
-        buf = io.BytesIO()
-        _pickle.dump(obj, buf)
-        payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-        length = torch.tensor([payload.numel()], dtype=torch.int64)
-        mpi_ops.broadcast_(length, root_rank, f"{base}.sz", process_set)
-    else:
-        length = torch.zeros(1, dtype=torch.int64)
-        mpi_ops.broadcast_(length, root_rank, f"{base}.sz", process_set)
-        payload = torch.empty(int(length[0]), dtype=torch.uint8)
-    mpi_ops.broadcast_(payload, root_rank, f"{base}.t", process_set)
-    if runtime.rank() == root_rank:
-        return obj
-    return _pickle.loads(payload.numpy().tobytes())
+    mpi_ops._process_set_id(process_set)
+    return objects.broadcast_object(obj, root_rank, name)
 
 
 def allgather_object(obj, name=None, process_set=mpi_ops.global_process_set):
@@ -185,14 +165,5 @@ def allgather_object(obj, name=None, process_set=mpi_ops.global_process_set):
     Raises:
         InvalidArgumentError, HorovodInternalError: as for ``allgather``.
     """
-    base = name or ops.auto_name("allgather_object")
-    payload = torch.frombuffer(bytearray(_pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = ops.synchronize(mpi_ops.allgather_async(
-        torch.tensor([payload.numel()], dtype=torch.int64), f"{base}.sz", process_set))
-    data = ops.synchronize(mpi_ops.allgather_async(payload, f"{base}.t", process_set))
-    raw = data.numpy().tobytes()
-    out, offset = [], 0
-    for size in sizes.tolist():
-        out.append(_pickle.loads(raw[offset:offset + size]))
-        offset += size
-    return out
+    mpi_ops._process_set_id(process_set)
+    return objects.allgather_object(obj, name)

@@ -1,0 +1,53 @@
+"""Gradient compression for the wire, framework-free: what Horovod calls ``hvd.Compression``.
+
+A compressor turns a tensor into the tensor that is sent (``compress`` returns it and a
+context) and turns the reduced result back (``decompress``). The reduction happens on
+the compressed type: float16 and bfloat16 are summed in float32 per element pair by the
+core, so compression costs precision only at the two casts. Each adapter supplies the
+three framework operations a cast compressor needs.
+"""
+
+
+class Compressor:
+    """Interface: ``compress(tensor) -> (tensor, ctx)``, ``decompress(tensor, ctx)``."""
+
+    @staticmethod
+    def compress(tensor):
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        raise NotImplementedError
+
+
+class NoneCompressor(Compressor):
+    """Sends tensors as they are."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class CastCompressor(Compressor):
+    """Sends floating-point tensors as ``wire_dtype``; other tensors pass unchanged.
+
+    Subclasses set ``wire_dtype`` and define ``dtype_of(tensor)``, ``is_float(dtype)``
+    and ``cast(tensor, dtype)`` for their framework.
+    """
+
+    wire_dtype = None
+
+    @classmethod
+    def compress(cls, tensor):
+        dtype = cls.dtype_of(tensor)
+        if cls.is_float(dtype) and dtype != cls.wire_dtype:
+            return cls.cast(tensor, cls.wire_dtype), dtype
+        return tensor, None
+
+    @classmethod
+    def decompress(cls, tensor, ctx):
+        return tensor if ctx is None else cls.cast(tensor, ctx)
