@@ -18,6 +18,7 @@ Unnamed tensors are named ``"<op>.noname.<n>"`` with one counter per op kind, re
 calls in the same order. Names must be unique among the ops in flight on a rank.
 """
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -311,6 +312,23 @@ def _check_rank(value, label, name):
         raise InvalidArgumentError(
             f"tensor '{name}': {label} {value} is out of range for {size} rank(s)")
     return int(value)
+
+
+def resolve_op(op, average):
+    """Horovod's ``average=`` (deprecated) and ``op=`` arguments -> one reduce op.
+
+    The adapters share it so that Horovod scripts passing either keep working.
+
+    Raises:
+        ValueError: both were given.
+    """
+    if op is not None and average is not None:
+        raise ValueError("the op parameter supersedes average; pass only op")
+    if average is not None:
+        warnings.warn("the average parameter is deprecated; use op=Average or op=Sum",
+                      DeprecationWarning, stacklevel=3)
+        return Average if average else Sum
+    return Average if op is None else op
 
 
 def _returns(value):

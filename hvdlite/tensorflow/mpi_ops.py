@@ -26,7 +26,6 @@ Nothing here is compiled against TensorFlow.
   hvdlite exception itself is raised.
 """
 import threading
-import warnings
 import weakref
 
 import numpy as np
@@ -44,15 +43,7 @@ Max = ops.Max
 Product = ops.Product
 
 
-def _resolve_op(op, average):
-    """Horovod's ``average=`` (deprecated) and ``op=`` arguments -> one reduce op."""
-    if op is not None and average is not None:
-        raise ValueError("the op parameter supersedes average; pass only op")
-    if average is not None:
-        warnings.warn("the average parameter is deprecated; use op=Average or op=Sum",
-                      DeprecationWarning, stacklevel=3)
-        return Average if average else Sum
-    return Average if op is None else op
+_resolve_op = ops.resolve_op
 
 
 # -- names -------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ result tensor, ``poll(handle)`` says whether it is ready. Unnamed tensors are na
 in ``hvdlite.ops`` (``"allreduce.noname.<n>"``...), so names agree across ranks when
 every rank makes the same unnamed calls in the same order.
 """
-import warnings
 
 import numpy as np
 import torch
@@ -154,15 +153,7 @@ def _from_core(handle, index, dtype, trailing_shape):
     return torch.from_numpy(arr)
 
 
-def _resolve_op(op, average, name=None):
-    """Horovod's ``average=`` (deprecated) and ``op=`` arguments -> one reduce op."""
-    if op is not None and average is not None:
-        raise ValueError("the op parameter supersedes average; pass only op")
-    if average is not None:
-        warnings.warn("the average parameter is deprecated; use op=Average or op=Sum",
-                      DeprecationWarning, stacklevel=3)
-        return Average if average else Sum
-    return Average if op is None else op
+_resolve_op = ops.resolve_op
 
 
 def _returns(value):

@@ -5,7 +5,6 @@ the protocol cases call the test-only native entry points of testing.h in this
 process. Every case has a timeout (pytest-timeout) on top of the job's own.
 """
 import os
-import subprocess
 import sys
 
 import pytest
@@ -24,9 +23,5 @@ import harness  # noqa: E402
 
 @pytest.fixture(scope="session")
 def native():
-    """Skips the test unless the native library loads (checked in a child process)."""
-    probe = subprocess.run([sys.executable, "-c", "import hvdlite._native"],
-                           capture_output=True, text=True, env=harness.job_env(), timeout=60)
-    if probe.returncode != 0:
-        lines = probe.stderr.strip().splitlines()
-        pytest.skip("native library unavailable: " + (lines[-1] if lines else "?"))
+    """Skips the test unless the native library loads."""
+    harness.require_native()

@@ -16,14 +16,8 @@ import harness  # noqa: E402
 
 @pytest.fixture(scope="session")
 def native():
-    """Skips the test unless the native library loads (checked in a child process)."""
-    import subprocess
-
-    probe = subprocess.run([sys.executable, "-c", "import hvdlite._native"],
-                           capture_output=True, text=True, env=harness.job_env(), timeout=60)
-    if probe.returncode != 0:
-        pytest.skip("native library unavailable: " + probe.stderr.strip().splitlines()[-1]
-                    if probe.stderr.strip() else "native library unavailable")
+    """Skips the test unless the native library loads."""
+    harness.require_native()
 
 
 @pytest.fixture(scope="session")

@@ -219,3 +219,14 @@ def assert_ok(result):
     if result.returncode != 0:
         raise AssertionError("job failed\n" + describe(result))
     return result
+
+
+def require_native():
+    """Skips the calling test unless the native library loads (checked in a child)."""
+    import pytest
+
+    probe = subprocess.run([sys.executable, "-c", "import hvdlite._native"],
+                           capture_output=True, text=True, env=job_env(), timeout=60)
+    if probe.returncode != 0:
+        lines = probe.stderr.strip().splitlines()
+        pytest.skip("native library unavailable: " + (lines[-1] if lines else "?"))
