@@ -128,7 +128,7 @@ def _address(arr):
 # Names and shapes repeat every training step; their C copies are reused (the core
 # copies both at enqueue, so sharing them between calls is safe). Bounded, so that
 # automatically named tensors cannot grow it without end.
-_C_CACHE_LIMIT = 1 << 14
+_C_CACHE_LIMIT = 1 << 12
 _c_names = {}
 _c_shapes = {}
 
