@@ -50,8 +50,8 @@ Status LoadConfig(Config* c) {
   if (const char* m = std::getenv("HVDLITE_TIMELINE_MARK_CYCLES")) {
     c->timeline_mark_cycles = std::string(m) == "1" || std::string(m) == "true";
   }
-  if (const char* m = std::getenv("HVDLITE_MPI_THREAD_MULTIPLE")) {
-    c->mpi_thread_multiple = std::string(m) == "1" || std::string(m) == "true";
+  if (const char* m = std::getenv("HVDLITE_MPI_THREAD_FUNNELED")) {
+    c->mpi_thread_multiple = !(std::string(m) == "1" || std::string(m) == "true");
   }
   return Status::OK();
 }

@@ -16,11 +16,13 @@ struct Config {
   double stall_shutdown_s = 0.0;                   // HVDLITE_STALL_SHUTDOWN_TIME; 0: off
   std::string timeline_path;                       // HVDLITE_TIMELINE
   bool timeline_mark_cycles = false;               // HVDLITE_TIMELINE_MARK_CYCLES
-  // HVDLITE_MPI_THREAD_MULTIPLE=1: when the core initializes MPI, ask for
-  // MPI_THREAD_MULTIPLE so other threads may call MPI too (mpi4py after init). Off by
-  // default: only the background thread calls MPI, and MPICH's small-message latency
-  // is several times lower at MPI_THREAD_FUNNELED.
-  bool mpi_thread_multiple = false;
+  // HVDLITE_MPI_THREAD_FUNNELED=1: when the core initializes MPI, ask only for
+  // MPI_THREAD_FUNNELED (the background thread makes every MPI call). MPICH's
+  // small-message latency is several times lower then, but its blocking calls spin
+  // without yielding: with more busy threads than cores (oversubscribed ranks), a 3-rank
+  // job on 2 cores ran 7x slower. Default MPI_THREAD_MULTIPLE, which also lets other
+  // threads (mpi4py) use MPI after init.
+  bool mpi_thread_multiple = true;
 };
 
 // Reads the environment; a malformed value is an error naming the variable.
