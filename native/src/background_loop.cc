@@ -555,7 +555,18 @@ void Core::Execute(const std::vector<Response>& ready) {
     const Response& r = ready[i];
     size_t j = i + 1;
     int64_t bytes = NumElements(r.shape) * ElementSize(r.dtype);
-    if (r.op == HVDLITE_OP_ALLREDUCE && r.error.empty() && bytes < kFuseAloneBytes) {
+    if (r.op == HVDLITE_OP_ALLGATHER && r.error.empty()) {
+      // Allgathers fuse by bytes alone: every rank's pieces travel in one Allgatherv.
+      int64_t gathered = AllgatherBytes(r);
+      while (config_.fusion_threshold > 0 && gathered < kFuseAloneBytes && j < ready.size()) {
+        const Response& c = ready[j];
+        if (c.op != HVDLITE_OP_ALLGATHER || !c.error.empty()) break;
+        int64_t b = AllgatherBytes(c);
+        if (b >= kFuseAloneBytes || gathered + b > config_.fusion_threshold) break;
+        gathered += b;
+        ++j;
+      }
+    } else if (r.op == HVDLITE_OP_ALLREDUCE && r.error.empty() && bytes < kFuseAloneBytes) {
       while (config_.fusion_threshold > 0 && j < ready.size()) {
         const Response& c = ready[j];
         int64_t b = NumElements(c.shape) * ElementSize(c.dtype);
@@ -598,6 +609,10 @@ void Core::Execute(const std::vector<Response>& ready) {
     const Response& r = ready[i];
     if (!r.error.empty()) {
       Finish(queue_.Find(r.name), Status(r.error_code, r.error));
+    } else if (r.op == HVDLITE_OP_ALLGATHER && end - i > 1) {
+      std::vector<const Response*> fused;
+      for (size_t k = i; k < end; ++k) fused.push_back(&ready[k]);
+      ExecuteAllgather(fused);
     } else if (r.op != HVDLITE_OP_ALLREDUCE) {
       ExecuteOne(r);
     } else {
@@ -681,6 +696,79 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
   if (fused.size() > 1) counters_.fused_collectives++;
   counters_.bytes += total * elem;
   for (TensorEntry* e : entries) Finish(e, s);
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> lock(end_mutex_);
+    end_status_ = s;
+  }
+}
+
+// Bytes of one allgather's result (all ranks' rows).
+int64_t Core::AllgatherBytes(const Response& r) {
+  int64_t rows = 0;
+  for (int64_t d : r.first_dims) rows += d;
+  return rows * RowElements(r.shape) * ElementSize(r.dtype);
+}
+
+// Several allgathers in one Allgatherv: each rank sends its tensors' rows back to back,
+// so rank k's block holds, per tensor in order, first_dims[k] rows of it.
+void Core::ExecuteAllgather(const std::vector<const Response*>& fused) {
+  const int size = topo_.size, me = topo_.rank;
+  const bool tl = timeline_.active();
+  std::vector<const std::string*> names;
+  std::vector<TensorEntry*> entries;
+  std::vector<int64_t> row_bytes;
+  std::vector<int64_t> block(size, 0);  // bytes each rank contributes
+  for (const Response* r : fused) {
+    entries.push_back(queue_.Find(r->name));
+    row_bytes.push_back(RowElements(r->shape) * ElementSize(r->dtype));
+    for (int k = 0; k < size; ++k) block[k] += r->first_dims[k] * row_bytes.back();
+    if (tl) names.push_back(&r->name);
+  }
+  int64_t total = 0;
+  for (int64_t b : block) total += b;
+  if (tl) {
+    timeline_.EndAll(names);  // QUEUE
+    timeline_.BeginAll(names, "MEMCPY_IN_FUSION_BUFFER");
+  }
+  uint8_t* buf = fusion_.Get(block[me] + total);
+  uint8_t* send = buf;
+  uint8_t* recv = buf + block[me];
+  int64_t off = 0;
+  for (size_t t = 0; t < fused.size(); ++t) {
+    int64_t n = fused[t]->first_dims[me] * row_bytes[t];
+    if (entries[t] && n > 0) std::memcpy(send + off, entries[t]->input, n);
+    off += n;
+  }
+  if (tl) {
+    timeline_.EndAll(names);
+    timeline_.BeginAll(names, "MPI_ALLGATHER");
+  }
+  Status s = mpi_.Allgatherv(send, block[me], recv, block);
+  if (tl) {
+    timeline_.EndAll(names);
+    timeline_.BeginAll(names, "MEMCPY_OUT_FUSION_BUFFER");
+  }
+  std::vector<OpOutput> outs(fused.size());
+  if (s.ok()) {
+    for (size_t t = 0; t < fused.size(); ++t) outs[t].Allocate(AllgatherBytes(*fused[t]));
+    int64_t at = 0;  // walks the received blocks in rank order
+    for (int k = 0; k < size; ++k) {
+      for (size_t t = 0; t < fused.size(); ++t) {
+        int64_t n = fused[t]->first_dims[k] * row_bytes[t];
+        if (n > 0) std::memcpy(outs[t].data.get() + outs[t].first_dim * row_bytes[t], recv + at, n);
+        outs[t].first_dim += fused[t]->first_dims[k];
+        at += n;
+      }
+    }
+  }
+  if (tl) {
+    timeline_.EndAll(names);
+    timeline_.EndAll(names);  // ALLGATHER
+  }
+  counters_.collectives++;
+  counters_.fused_collectives++;
+  counters_.bytes += total;
+  for (size_t t = 0; t < fused.size(); ++t) Finish(entries[t], s, std::move(outs[t]));
   if (!s.ok()) {
     std::lock_guard<std::mutex> lock(end_mutex_);
     end_status_ = s;

@@ -50,6 +50,8 @@ class Core {
   bool RunCycle();  // false when the loop must end
   void Execute(const std::vector<Response>& ready);
   void ExecuteAllreduce(const std::vector<const Response*>& fused);
+  void ExecuteAllgather(const std::vector<const Response*>& fused);
+  static int64_t AllgatherBytes(const Response& r);
   void ExecuteOne(const Response& r);
   void Finish(TensorEntry* e, const Status& s, OpOutput out = OpOutput());
   void FailEverything(const Status& s);

@@ -609,3 +609,35 @@ def test_mixed_random_order_loop(np_):
         stats = result.result(r)["stats"]
         assert stats["errors"] == 0, stats
         assert stats["tensors"] >= 40 * 4, stats
+
+
+# ---------------------------------------------------------------- allgather fusion
+
+FUSED_ALLGATHERS = r'''
+# Every step: one async allgather per dtype, rows differing per rank and step, all
+# submitted before any wait, so the core sees them in one cycle and fuses them.
+for step in range(4):
+    handles = []
+    for i, dt in enumerate(DTYPES):
+        rows = (rank + i + step) % 3
+        x = ((np.arange(rows * 5).reshape(rows, 5) + 10 * rank + i) % 7).astype(npdtype(dt))
+        handles.append((i, dt, hvd.allgather_async(x, name=f"fag.{i}")))
+    for i, dt, h in handles:
+        want = np.concatenate([((np.arange(((k + i + step) % 3) * 5).reshape(-1, 5) + 10 * k + i) % 7)
+                               .astype(npdtype(dt)) for k in range(size)])
+        check(f"step {step} allgather {dt}", hvd.synchronize(h), want)
+report(stats=hvd.stats())
+'''
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("fusion", ["on", "off"])
+def test_allgathers_fuse_into_one_collective(np_, fusion):
+    env = {} if fusion == "on" else {"HVDLITE_FUSION_THRESHOLD": "0"}
+    result = run_ranks(np_, FUSED_ALLGATHERS, env=env)
+    for r in range(np_):
+        stats = result.result(r)["stats"]
+        if fusion == "on":
+            assert stats["fused_collectives"] >= 1, stats
+        else:
+            assert stats["fused_collectives"] == 0, stats
