@@ -58,7 +58,13 @@ def _mpi_prefix():
              "(pip install mpich) or set HVDLITE_MPI_DIR to an MPI installation")
 
 
+_built = set()  # out_dirs compiled by this process: editable installs run two hooks
+
+
 def build_native(out_dir):
+    if out_dir in _built:
+        return
+    _built.add(out_dir)
     prefix, source = _mpi_prefix()
     include = os.path.join(prefix, "include")
     libdir = os.path.join(prefix, "lib")

@@ -152,30 +152,34 @@ def _c_shape(shape):
     return c
 
 
-def _fill(struct, spec, keep):
-    """Fills one hvdlite_tensor_t; appends the cffi buffers it points to to ``keep``."""
-    name = _c_name(spec.name)
-    shape = _c_shape(spec.shape)
-    keep += [name, shape]
-    struct.name = name
-    struct.op = spec.op
-    struct.dtype = spec.dtype
-    struct.ndim = len(spec.shape)
-    struct.shape = shape
-    struct.input = _pointer(spec.input)
-    struct.output = _pointer(spec.output)
-    struct.reduce_op = spec.reduce_op
-    struct.prescale_factor = float(spec.prescale)
-    struct.postscale_factor = float(spec.postscale)
-    struct.root_rank = int(spec.root_rank)
-    if spec.splits is None:
-        struct.splits = ffi.NULL
-    else:
-        splits = ffi.new("int64_t[]", [int(s) for s in spec.splits] or [0])
-        keep.append(splits)
-        struct.splits = splits
-    struct.process_set_id = spec.process_set_id
-    struct.device = spec.device
+def _fill(struct, op, name, dtype, shape, input, output, reduce_op, prescale, postscale,
+          root_rank, splits, process_set_id, device):
+    """Fills one hvdlite_tensor_t (the per-gradient hot path: no allocations beyond the
+    splits array).
+
+    Returns the cffi objects the struct points to, which must stay referenced until the
+    enqueue call returns (the core copies name, shape and splits at enqueue).
+    """
+    c_name = _c_name(name)
+    c_shape = _c_shape(shape)
+    c_splits = ffi.NULL
+    if splits is not None:
+        c_splits = ffi.new("int64_t[]", [int(s) for s in splits] or [0])
+    struct.name = c_name
+    struct.op = op
+    struct.dtype = dtype
+    struct.ndim = len(shape)
+    struct.shape = c_shape
+    struct.input = _pointer(input)
+    struct.output = _pointer(output)
+    struct.reduce_op = reduce_op
+    struct.prescale_factor = prescale
+    struct.postscale_factor = postscale
+    struct.root_rank = root_rank
+    struct.splits = c_splits
+    struct.process_set_id = process_set_id
+    struct.device = device
+    return c_name, c_shape, c_splits
 
 
 def enqueue(op, name, dtype_code, shape, input_ptr, output_ptr=None, *, reduce_op=Average,
@@ -209,30 +213,12 @@ def enqueue(op, name, dtype_code, shape, input_ptr, output_ptr=None, *, reduce_o
         NotInitializedError, InvalidArgumentError, DuplicateNameError: refused by the
             core; nothing was enqueued.
     """
-    # The per-gradient hot path: no TensorSpec, one struct built in one call.
-    c_name = _c_name(name)
-    c_shape = _c_shape(shape)
-    c_splits = ffi.NULL
-    if splits is not None:
-        c_splits = ffi.new("int64_t[]", [int(s) for s in splits] or [0])
-    struct = ffi.new("hvdlite_tensor_t *")  # zeroed: process set 0
-    struct.name = c_name
-    struct.op = op
-    struct.dtype = dtype_code
-    struct.ndim = len(shape)
-    struct.shape = c_shape
-    struct.input = _pointer(input_ptr)
-    struct.output = _pointer(output_ptr)
-    struct.reduce_op = reduce_op
-    struct.prescale_factor = prescale
-    struct.postscale_factor = postscale
-    struct.root_rank = root_rank
-    struct.splits = c_splits
-    struct.process_set_id = process_set_id
-    struct.device = device
+    struct = ffi.new("hvdlite_tensor_t *")
+    keep = _fill(struct, op, name, dtype_code, shape, input_ptr, output_ptr, reduce_op,
+                 prescale, postscale, root_rank, splits, process_set_id, device)
     out = ffi.new("hvdlite_handle_t *")
     check(lib.hvdlite_enqueue(struct, out))
-    return Handle((out[0],), finisher=finisher, keepalive=(keepalive, c_splits), name=name)
+    return Handle((out[0],), finisher=finisher, keepalive=(keepalive, keep), name=name)
 
 
 def enqueue_group(specs, *, name=None, keepalive=(), finisher=None):
@@ -257,8 +243,10 @@ def enqueue_group(specs, *, name=None, keepalive=(), finisher=None):
         return Handle([], finisher=finisher, keepalive=keepalive, name=name)
     keep = []
     structs = ffi.new("hvdlite_tensor_t[]", len(specs))
-    for i, spec in enumerate(specs):
-        _fill(structs[i], spec, keep)
+    for i, q in enumerate(specs):
+        keep.append(_fill(structs[i], q.op, q.name, q.dtype, q.shape, q.input, q.output,
+                          q.reduce_op, q.prescale, q.postscale, q.root_rank, q.splits,
+                          q.process_set_id, q.device))
     handles = ffi.new("hvdlite_handle_t[]", len(specs))
     check(lib.hvdlite_enqueue_group(structs, len(specs), handles))
     return Handle(list(handles), finisher=finisher, keepalive=(keepalive, keep), name=name)

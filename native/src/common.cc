@@ -26,11 +26,6 @@ const char* DtypeName(int32_t dtype) {
   return ValidDtype(dtype) ? kNames[dtype] : "unknown dtype";
 }
 
-bool IsFloat(int32_t dtype) {
-  return dtype == HVDLITE_FLOAT16 || dtype == HVDLITE_BFLOAT16 || dtype == HVDLITE_FLOAT32 ||
-         dtype == HVDLITE_FLOAT64;
-}
-
 bool ValidOp(int32_t op) { return op >= HVDLITE_OP_ALLREDUCE && op <= HVDLITE_OP_JOIN; }
 
 const char* OpName(int32_t op) {

@@ -30,7 +30,6 @@ inline Status InvalidArgument(std::string m) { return Status(HVDLITE_ERR_INVALID
 bool ValidDtype(int32_t dtype);
 int ElementSize(int32_t dtype);
 const char* DtypeName(int32_t dtype);
-bool IsFloat(int32_t dtype);
 bool ValidOp(int32_t op);
 const char* OpName(int32_t op);
 bool ValidReduceOp(int32_t reduce_op);

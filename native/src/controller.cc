@@ -256,7 +256,9 @@ void Controller::CheckStalls(Clock::time_point now, std::vector<Response>* out) 
 }
 
 bool Controller::WantsRound(Clock::time_point now) const {
-  if (table_.empty()) return false;
+  if (table_.empty() || (config_.stall_check_s <= 0 && config_.stall_shutdown_s <= 0)) {
+    return false;  // nothing pending, or stall checks are off
+  }
   double check = config_.stall_check_s > 0 ? config_.stall_check_s : 1e300;
   if (config_.stall_shutdown_s > 0) check = std::min(check, config_.stall_shutdown_s);
   double interval = std::min(1.0, check / 4);
@@ -359,9 +361,7 @@ std::vector<Response> Controller::BuildResponses(Clock::time_point now) {
     std::fill(joined_.begin(), joined_.end(), 0);
     joined_count_ = 0;
   }
-  if (WantsRound(now) || config_.stall_shutdown_s > 0 || config_.stall_check_s > 0) {
-    if (std::chrono::duration<double>(now - last_stall_check_).count() >= 0.25) CheckStalls(now, &out);
-  }
+  if (WantsRound(now)) CheckStalls(now, &out);
   return out;
 }
 

@@ -87,9 +87,4 @@ Status HandleTable::Release(hvdlite_handle_t h) {
   return Status::OK();
 }
 
-size_t HandleTable::Live() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return states_.size();
-}
-
 }  // namespace hvdlite

@@ -45,7 +45,6 @@ class HandleTable {
   Status Output(hvdlite_handle_t h, void** data, int64_t* nbytes, int64_t* first_dim);
   Status RecvSplits(hvdlite_handle_t h, std::vector<int64_t>* splits);
   Status Release(hvdlite_handle_t h);
-  size_t Live();
 
  private:
   struct State {

@@ -4,18 +4,25 @@
 
 namespace hvdlite {
 
+static Status InFlight(const Request& q) {
+  return Status(HVDLITE_ERR_DUPLICATE_NAME,
+                std::string("a tensor named '") + q.name + "' is already in flight (" +
+                    OpName(q.op) + "); wait for it before submitting another with the same name");
+}
+
 Status TensorQueue::Add(std::vector<TensorEntry> entries) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
+  // Names repeated inside a group are checked before taking the lock; a single tensor
+  // (the per-gradient path) needs no set at all.
+  if (entries.size() > 1) {
     std::unordered_set<std::string> batch;
     for (const TensorEntry& e : entries) {
-      const std::string& name = e.request.name;
-      if (entries_.count(name) || !batch.insert(name).second) {
-        return Status(HVDLITE_ERR_DUPLICATE_NAME,
-                      std::string("a tensor named '") + name + "' is already in flight (" +
-                          OpName(e.request.op) +
-                          "); wait for it before submitting another with the same name");
-      }
+      if (!batch.insert(e.request.name).second) return InFlight(e.request);
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const TensorEntry& e : entries) {
+      if (entries_.count(e.request.name)) return InFlight(e.request);
     }
     for (TensorEntry& e : entries) {
       pending_.push_back(e.request);
