@@ -4,6 +4,7 @@ Every section compares with plain torch computed in this process on the concaten
 batch of all ranks (the single-process reference, no hvdlite involved). Results go out
 as one ``HVDLITE_RESULT`` line: {"failures": [...], "info": {...}}.
 """
+import copy
 import json
 import sys
 import time
@@ -184,12 +185,18 @@ if wanted("unused"):
     t0 = time.monotonic()
     for step in range(3):
         opt.zero_grad()
+        if R == 0:
+            # branch's gradient on rank 0 before the average, from copies without hooks:
+            # the real gradient is averaged in place, possibly before backward() returns.
+            trunk_copy, branch_copy = copy.deepcopy(trunk), copy.deepcopy(branch)
+            branch_copy(trunk_copy(x)).sum().backward()
+            local = branch_copy.weight.grad
+        else:
+            local = None
         out = trunk(x)
         if R == 0:
             out = branch(out)
         out.sum().backward()
-        # branch's gradient on rank 0, before the average: what the others wait for.
-        local = branch.weight.grad.clone() if R == 0 else None
         opt.step()
     info["unused_seconds"] = time.monotonic() - t0
     ref_local = hvd.broadcast_object(local, root_rank=0)
