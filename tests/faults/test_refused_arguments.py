@@ -56,10 +56,18 @@ refuse("huge_name", lambda: hvd.allreduce(x, name=too_long), E.InvalidArgumentEr
 ro = np.arange(4, dtype=np.float32)
 ro.setflags(write=False)
 ro_ok = (hvd.allreduce(ro, name="readonly", op=hvd.Sum) == ro * n).all() and not ro.flags.writeable
-# A name in flight: the second submission is refused, the first completes.
-h = hvd.allreduce_async(np.ones(3, np.float32), name="dup", op=hvd.Sum)
-refuse("duplicate", lambda: hvd.allreduce_async(np.ones(3, np.float32), name="dup"), E.DuplicateNameError, "dup")
-dup_ok = (hvd.synchronize(h) == n).all()
+# A name in flight: the second submission is refused, the first completes. Each rank in
+# turn repeats the name before the barrier, ahead of its peers (so it is surely in flight).
+dup_ok = True
+for first in range(n):
+    if r == first:
+        h = hvd.allreduce_async(np.ones(3, np.float32), name=f"dup{first}", op=hvd.Sum)
+        refuse("duplicate", lambda: hvd.allreduce_async(np.ones(3, np.float32), name=f"dup{first}"), E.DuplicateNameError, f"dup{first}")
+        hvd.barrier()
+    else:
+        hvd.barrier()
+        h = hvd.allreduce_async(np.ones(3, np.float32), name=f"dup{first}", op=hvd.Sum)
+    dup_ok = dup_ok and (hvd.synchronize(h) == n).all()
 # init() twice: a warning, no effect.
 hvd.init()
 twice_ok = hvd.rank() == r and hvd.size() == n and hvd.is_initialized()

@@ -431,11 +431,19 @@ for kind, call in (
     for i in range(2):
         call(0)
 
-# A name already in flight on this rank is refused at the call.
-h = hvd.allgather_async(np.ones((1, 2), np.float32), name="dup")
-expect_error("duplicate name", errors.DuplicateNameError,
-             lambda: hvd.allgather_async(np.ones((1, 2), np.float32), name="dup"), "dup")
-check("first of duplicate", hvd.synchronize(h), np.ones((size, 2), np.float32))
+# A name already in flight on this rank is refused at the call. The peers submit it only
+# after the barrier, so it is surely still in flight when the checking rank repeats it.
+for first in (0, other):
+    dup = f"dup.{first}"
+    if rank == first:
+        h = hvd.allgather_async(np.ones((1, 2), np.float32), name=dup)
+        expect_error("duplicate name", errors.DuplicateNameError,
+                     lambda: hvd.allgather_async(np.ones((1, 2), np.float32), name=dup), dup)
+        hvd.barrier()
+    else:
+        hvd.barrier()
+        h = hvd.allgather_async(np.ones((1, 2), np.float32), name=dup)
+    check("first of duplicate", hvd.synchronize(h), np.ones((size, 2), np.float32))
 
 # The same names work once the ranks agree, and run through the cache on repeats.
 for i in range(3):
