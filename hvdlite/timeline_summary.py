@@ -91,7 +91,7 @@ def read_events(path):
 
 
 class Span:
-    """One B..E span on a track."""
+    """One span on a track: a B..E pair or a complete (X) event."""
 
     __slots__ = ("tid", "name", "start", "end", "depth", "args", "parent", "step", "finished",
                  "marks")
@@ -107,7 +107,7 @@ class Span:
 
 
 def build_spans(events):
-    """Matches B/E events per track.
+    """Matches B/E events per track; complete (X) events nest in the span open there.
 
     Args:
         events: event dicts as read by read_events.
@@ -146,6 +146,14 @@ def build_spans(events):
             span.end, span.finished = ts, True
             if isinstance(e.get("args"), dict):
                 span.args.update(e["args"])
+        elif ph == "X":
+            # A complete activity, written once it ended: nested in the track's open span.
+            stack = stacks[tid]
+            span = Span(tid, e.get("name", ""), ts, len(stack), e.get("args"),
+                        stack[-1] if stack else None)
+            span.end, span.finished = ts + e.get("dur", 0), True
+            end_ts = max(end_ts, span.end)
+            spans.append(span)
         elif ph in ("i", "I"):
             if e.get("name") == "EVENTS_DROPPED":
                 dropped += int(e.get("args", {}).get("count", 0))
@@ -157,6 +165,9 @@ def build_spans(events):
     unfinished = [s for s in spans if not s.finished]
     for s in unfinished:
         s.end = end_ts
+    # Complete events follow their parents in the file but may follow later starts on
+    # other tracks: back to start order (parents before children).
+    spans.sort(key=lambda s: (s.start, s.depth))
     return {"tracks": tracks, "spans": spans, "instants": instants, "end_ts": end_ts,
             "unfinished": len(unfinished), "unmatched_ends": unmatched, "dropped": dropped}
 

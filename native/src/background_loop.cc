@@ -46,11 +46,13 @@ int64_t RowElements(const std::vector<int64_t>& shape) {
   return n;
 }
 
-std::string Upper(const char* s) {
-  std::string u(s);
-  for (auto& c : u) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  return u;
-}
+// Timeline names by HVDLITE_OP_*: the negotiation and the operation span.
+const char* const kNegotiateActivity[] = {"NEGOTIATE_ALLREDUCE", "NEGOTIATE_ALLGATHER",
+                                          "NEGOTIATE_BROADCAST", "NEGOTIATE_ALLTOALL",
+                                          "NEGOTIATE_REDUCESCATTER", "NEGOTIATE_BARRIER",
+                                          "NEGOTIATE_JOIN"};
+const char* const kOpActivity[] = {"ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL",
+                                   "REDUCESCATTER", "BARRIER", "JOIN"};
 
 // Arguments of an op's timeline span. bytes: what rank 0 contributes or receives.
 std::string TimelineArgs(const Response& r, size_t fused, int rank, int size) {
@@ -73,6 +75,32 @@ std::string TimelineArgs(const Response& r, size_t fused, int rank, int size) {
   if (r.op == HVDLITE_OP_ALLREDUCE) args += ", \"fused\": " + std::to_string(fused);
   return args;
 }
+
+// The timeline activity of each op's collective itself, by HVDLITE_OP_*.
+const char* const kCollectiveActivity[] = {"MPI_ALLREDUCE", "MPI_ALLGATHER", "MPI_BROADCAST",
+                                           "MPI_ALLTOALL", "MPI_REDUCESCATTER", "MPI_BARRIER",
+                                           "MPI_JOIN"};
+
+// The activities of one execution on the timeline, one after the other: each ends
+// where the next begins and is recorded, once ended, as one event over all the
+// execution's tracks. Does nothing while the timeline is off.
+class Activities {
+ public:
+  Activities(Timeline& timeline, const std::vector<const std::string*>& tensors, int64_t start_us)
+      : timeline_(timeline), tids_(timeline.OpenTracks(tensors)), start_us_(start_us) {}
+  // The activity that began where the previous one ended has ended now.
+  void Done(const char* activity) {
+    if (tids_.empty()) return;
+    int64_t now = Timeline::Now();
+    timeline_.Complete(tids_, activity, start_us_, now);
+    start_us_ = now;
+  }
+
+ private:
+  Timeline& timeline_;
+  std::vector<int> tids_;
+  int64_t start_us_;
+};
 
 }  // namespace
 
@@ -381,10 +409,20 @@ bool Core::RunCycle() {
   auto now = Clock::now();
   std::vector<Request> fresh;
   queue_.PopPending(&fresh);
-  for (Request& q : fresh) {
-    if (timeline_.active() && q.op != HVDLITE_OP_JOIN) {
-      timeline_.BeginNegotiation(q.name, "NEGOTIATE_" + Upper(OpName(q.op)));
+  const bool tl = timeline_.active();
+  std::vector<const std::string*> cached_names;  // timeline: rank 0 ready, cache path
+  if (tl) {
+    // Every fresh request opens its negotiation: one timeline event per kind of op.
+    std::vector<const std::string*> names;
+    for (int32_t op = 0; op < HVDLITE_OP_JOIN; ++op) {
+      names.clear();
+      for (const Request& q : fresh) {
+        if (q.op == op) names.push_back(&q.name);
+      }
+      timeline_.BeginNegotiationAll(names, kNegotiateActivity[op]);
     }
+  }
+  for (Request& q : fresh) {
     if (q.op == HVDLITE_OP_JOIN) local_joined_ = true;
     int64_t slot = -1;
     auto lookup = ResponseCache::Lookup::kMiss;
@@ -395,13 +433,14 @@ bool Core::RunCycle() {
     if (lookup == ResponseCache::Lookup::kHit) {
       // Cached: the other ranks' readiness reaches rank 0 only as one "all ranks
       // ready" bit, marked when the bit vector comes back.
-      if (timeline_.active()) timeline_.Instant(q.name, "rank 0 ready", "\"cached\": true");
+      if (tl) cached_names.push_back(&q.name);  // q stays in fresh, unmoved
       cached_pending_[slot] = now;
       continue;
     }
     if (lookup == ResponseCache::Lookup::kChanged) invalid_slots_.insert(slot);
     uncached_.push_back(std::move(q));
   }
+  timeline_.InstantAll(cached_names, "rank 0 ready", "\"cached\": true");
   // A cached tensor waiting long on this rank goes back through the coordinator,
   // which can tell who is missing (a bit vector cannot).
   double stall_s = config_.stall_check_s;
@@ -471,10 +510,14 @@ bool Core::RunCycle() {
       if (!cache_->Has(slot) || !cached_pending_.count(slot)) continue;
       cache_->Touch(slot);
       ready.push_back(cache_->Get(slot));
-      if (timeline_.active()) timeline_.Instant(ready.back().name, "all ranks ready", "\"cached\": true");
       cached_pending_.erase(slot);
       counters_.cache_hits++;
     }
+  }
+  if (tl && !ready.empty()) {
+    cached_names.clear();
+    for (const Response& r : ready) cached_names.push_back(&r.name);
+    timeline_.InstantAll(cached_names, "all ranks ready", "\"cached\": true");
   }
 
   if (any_uncached) {
@@ -496,7 +539,7 @@ bool Core::RunCycle() {
         s = ParseRequests(all[r].data(), all[r].size(), &reqs);
         for (const Request& q : reqs) {
           if (timeline_.active() && q.op != HVDLITE_OP_JOIN) {
-            timeline_.BeginNegotiation(q.name, "NEGOTIATE_" + Upper(OpName(q.op)));
+            timeline_.BeginNegotiation(q.name, kNegotiateActivity[q.op]);
             timeline_.Instant(q.name, "rank " + std::to_string(q.rank) + " ready");
           }
           controller_->AddRequest(q, now);
@@ -597,12 +640,12 @@ void Core::Execute(const std::vector<Response>& ready) {
         for (size_t k = begin; k < end; ++k) {
           const Response& r = ready[k];
           if (r.op == HVDLITE_OP_JOIN) continue;
-          timeline_.Begin(r.name, Upper(OpName(r.op)), TimelineArgs(r, end - begin, topo_.rank, topo_.size));
+          timeline_.Begin(r.name, kOpActivity[r.op], TimelineArgs(r, end - begin, topo_.rank, topo_.size));
         }
-        timeline_.BeginAll(names, "QUEUE");
       }
       begin = end;
     }
+    queue_start_us_ = Timeline::Now();
   }
   size_t i = 0;
   for (size_t end : ends) {
@@ -640,34 +683,25 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
     total += NumElements(r->shape);
     if (tl) names.push_back(&r->name);
   }
-  if (tl) timeline_.EndAll(names);  // QUEUE
-  auto activity = [&](const char* name) {
-    if (tl) timeline_.BeginAll(names, name);
-  };
-  auto activity_end = [&] {
-    if (tl) timeline_.EndAll(names);
-  };
+  Activities activities(timeline_, names, queue_start_us_);
+  activities.Done("QUEUE");
   Status s;
   if (fused.size() == 1 && entries[0]) {
     // One tensor: reduce in its output buffer, no fusion-buffer round trip.
     TensorEntry* e = entries[0];
     // Unscaled input goes to MPI as the send buffer: no copy at all.
     const void* send = e->input;
-    activity("MEMCPY_IN_FUSION_BUFFER");
     if (first.prescale != 1.0) {
       ScaledCopy(e->output, e->input, total, dtype, first.prescale, 1);
       send = e->output;
     }
-    activity_end();
-    activity("MPI_ALLREDUCE");
+    activities.Done("MEMCPY_IN_FUSION_BUFFER");
     s = mpi_.Allreduce(send, e->output, total, dtype, mpi_op);
-    activity_end();
-    activity("MEMCPY_OUT_FUSION_BUFFER");
+    activities.Done("MPI_ALLREDUCE");
     if (s.ok()) ScaledCopy(e->output, e->output, total, dtype, first.postscale, divisor);
-    activity_end();
+    activities.Done("MEMCPY_OUT_FUSION_BUFFER");
   } else {
     uint8_t* buf = fusion_.Get(total * elem);
-    activity("MEMCPY_IN_FUSION_BUFFER");
     int64_t off = 0;
     for (size_t k = 0; k < fused.size(); ++k) {
       int64_t n = NumElements(fused[k]->shape);
@@ -678,18 +712,16 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
       }
       off += n;
     }
-    activity_end();
-    activity("MPI_ALLREDUCE");
+    activities.Done("MEMCPY_IN_FUSION_BUFFER");
     s = mpi_.Allreduce(buf, buf, total, dtype, mpi_op);
-    activity_end();
-    activity("MEMCPY_OUT_FUSION_BUFFER");
+    activities.Done("MPI_ALLREDUCE");
     off = 0;
     for (size_t k = 0; k < fused.size() && s.ok(); ++k) {
       int64_t n = NumElements(fused[k]->shape);
       if (entries[k]) ScaledCopy(entries[k]->output, buf + off * elem, n, dtype, first.postscale, divisor);
       off += n;
     }
-    activity_end();
+    activities.Done("MEMCPY_OUT_FUSION_BUFFER");
   }
   if (tl) timeline_.EndAll(names);  // ALLREDUCE
   counters_.collectives++;
@@ -726,10 +758,8 @@ void Core::ExecuteAllgather(const std::vector<const Response*>& fused) {
   }
   int64_t total = 0;
   for (int64_t b : block) total += b;
-  if (tl) {
-    timeline_.EndAll(names);  // QUEUE
-    timeline_.BeginAll(names, "MEMCPY_IN_FUSION_BUFFER");
-  }
+  Activities activities(timeline_, names, queue_start_us_);
+  activities.Done("QUEUE");
   uint8_t* buf = fusion_.Get(block[me] + total);
   uint8_t* send = buf;
   uint8_t* recv = buf + block[me];
@@ -739,15 +769,9 @@ void Core::ExecuteAllgather(const std::vector<const Response*>& fused) {
     if (entries[t] && n > 0) std::memcpy(send + off, entries[t]->input, n);
     off += n;
   }
-  if (tl) {
-    timeline_.EndAll(names);
-    timeline_.BeginAll(names, "MPI_ALLGATHER");
-  }
+  activities.Done("MEMCPY_IN_FUSION_BUFFER");
   Status s = mpi_.Allgatherv(send, block[me], recv, block);
-  if (tl) {
-    timeline_.EndAll(names);
-    timeline_.BeginAll(names, "MEMCPY_OUT_FUSION_BUFFER");
-  }
+  activities.Done("MPI_ALLGATHER");
   std::vector<OpOutput> outs(fused.size());
   if (s.ok()) {
     for (size_t t = 0; t < fused.size(); ++t) outs[t].Allocate(AllgatherBytes(*fused[t]));
@@ -761,10 +785,8 @@ void Core::ExecuteAllgather(const std::vector<const Response*>& fused) {
       }
     }
   }
-  if (tl) {
-    timeline_.EndAll(names);
-    timeline_.EndAll(names);  // ALLGATHER
-  }
+  activities.Done("MEMCPY_OUT_FUSION_BUFFER");
+  if (tl) timeline_.EndAll(names);  // ALLGATHER
   counters_.collectives++;
   counters_.fused_collectives++;
   counters_.bytes += total;
@@ -780,11 +802,10 @@ void Core::ExecuteOne(const Response& r) {
   const int elem = ElementSize(r.dtype);
   const int size = topo_.size, me = topo_.rank;
   const bool tl = timeline_.active() && r.op != HVDLITE_OP_JOIN;
-  std::string op_upper = Upper(OpName(r.op));
-  if (tl) {
-    timeline_.End(r.name);  // QUEUE
-    timeline_.Begin(r.name, "MPI_" + op_upper);
-  }
+  std::vector<const std::string*> names;
+  if (tl) names.push_back(&r.name);
+  Activities activities(timeline_, names, queue_start_us_);
+  activities.Done("QUEUE");
   Status s;
   OpOutput out;
   int64_t moved = 0;
@@ -864,7 +885,7 @@ void Core::ExecuteOne(const Response& r) {
       break;
   }
   if (tl) {
-    timeline_.End(r.name);
+    activities.Done(kCollectiveActivity[r.op]);
     timeline_.End(r.name);
   }
   if (r.op != HVDLITE_OP_JOIN) {

@@ -83,6 +83,7 @@ class Core {
   std::set<int64_t> invalid_slots_;
   bool join_active_ = false;
   bool local_joined_ = false;
+  int64_t queue_start_us_ = 0;  // timeline: when this cycle's operations began to queue
 };
 
 }  // namespace hvdlite

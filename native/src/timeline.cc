@@ -39,7 +39,7 @@ std::string JsonEscape(const std::string& s) {
 
 }  // namespace
 
-int64_t Timeline::NowUs() {
+int64_t Timeline::Now() {
   return std::chrono::duration_cast<std::chrono::microseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
@@ -53,7 +53,7 @@ Status Timeline::Start(const std::string& path, bool mark_cycles) {
   }
   file_ = f;
   depth_.assign(1, 0);
-  start_us_ = NowUs();
+  start_us_ = Now();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = false;
@@ -128,7 +128,7 @@ int Timeline::Admit(const std::string& tensor, char phase, bool only_if_idle) {
 
 void Timeline::Push(const std::string& tensor, char phase, std::string name, std::string args,
                     bool only_if_idle) {
-  int64_t ts = NowUs();
+  int64_t ts = Now();
   bool notify;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -142,8 +142,8 @@ void Timeline::Push(const std::string& tensor, char phase, std::string name, std
 }
 
 void Timeline::PushAll(const std::vector<const std::string*>& tensors, char phase,
-                       const char* name) {
-  int64_t ts = NowUs();
+                       const char* name, const char* args, bool only_if_idle) {
+  int64_t ts = Now();
   bool notify;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -151,11 +151,42 @@ void Timeline::PushAll(const std::vector<const std::string*>& tensors, char phas
     std::vector<int> tids;
     tids.reserve(tensors.size());
     for (const std::string* t : tensors) {
-      int tid = Admit(*t, phase, false);
+      int tid = Admit(*t, phase, only_if_idle);
       if (tid >= 0) tids.push_back(tid);
     }
     if (tids.empty()) return;
-    queue_.push_back({phase, 0, name ? name : "", "", ts, std::move(tids)});
+    queue_.push_back({phase, 0, name ? name : "", args, ts, std::move(tids)});
+    notify = queue_.size() == kMaxQueued / 2;
+  }
+  if (notify) cv_.notify_one();
+}
+
+std::vector<int> Timeline::OpenTracks(const std::vector<const std::string*>& tensors) {
+  std::vector<int> tids;
+  if (!active()) return tids;
+  tids.reserve(tensors.size());
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const std::string* t : tensors) {
+    auto it = tracks_.find(*t);
+    if (it != tracks_.end() && !it->second.open.empty() && it->second.open.back()) {
+      tids.push_back(it->second.tid);
+    }
+  }
+  return tids;
+}
+
+void Timeline::Complete(const std::vector<int>& tids, const char* activity, int64_t start_us,
+                        int64_t end_us) {
+  if (tids.empty() || !active()) return;
+  bool notify;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stop_) return;
+    if (queue_.size() >= kMaxQueued) {
+      ++dropped_;
+      return;
+    }
+    queue_.push_back({'X', 0, activity, "", start_us, tids, end_us - start_us});
     notify = queue_.size() == kMaxQueued / 2;
   }
   if (notify) cv_.notify_one();
@@ -167,6 +198,16 @@ void Timeline::BeginAll(const std::vector<const std::string*>& tensors, const ch
 
 void Timeline::EndAll(const std::vector<const std::string*>& tensors) {
   if (active()) PushAll(tensors, 'E', nullptr);
+}
+
+void Timeline::BeginNegotiationAll(const std::vector<const std::string*>& tensors,
+                                   const char* activity) {
+  if (active() && !tensors.empty()) PushAll(tensors, 'B', activity, "", /*only_if_idle=*/true);
+}
+
+void Timeline::InstantAll(const std::vector<const std::string*>& tensors, const char* what,
+                          const char* args) {
+  if (active() && !tensors.empty()) PushAll(tensors, 'i', what, args);
 }
 
 void Timeline::Begin(const std::string& tensor, const std::string& activity, const std::string& args) {
@@ -220,7 +261,12 @@ void Timeline::Write(const Event& e) {
     line_ += JsonEscape(e.name);
     line_ += '"';
   }
-  if (e.phase == 'i') line_ += e.tid == 0 ? ", \"s\": \"g\"" : ", \"s\": \"t\"";
+  if (e.phase == 'i') line_ += e.tid == 0 && e.tids.empty() ? ", \"s\": \"g\"" : ", \"s\": \"t\"";
+  if (e.phase == 'X') {
+    char num[24];
+    line_ += ", \"dur\": ";
+    line_.append(num, std::to_chars(num, num + sizeof(num), e.dur_us).ptr);
+  }
   if (!e.args.empty()) {
     line_ += ", \"args\": {";
     line_ += e.args;
@@ -259,7 +305,7 @@ void Timeline::WriterLoop() {
     if (stopping) {
       // Spans still open now (the timeline stops in the middle of an operation) end
       // here, so every B in the file has its E.
-      int64_t now = NowUs();
+      int64_t now = Now();
       for (size_t tid = 1; tid < depth_.size(); ++tid) {
         for (; depth_[tid] > 0; --depth_[tid]) {
           std::fprintf(file_, ",\n{\"ph\": \"E\", \"pid\": 0, \"tid\": %zu, \"ts\": %lld}", tid,

@@ -2,8 +2,9 @@
 // rank 0. The background loop only pushes events into a bounded queue; a writer thread
 // of its own formats and writes them, so the loop never waits on the disk.
 //
-// Threads: the background loop is the only producer (Begin/End/Instant/MarkCycle), so
-// timestamps appear in the file in non-decreasing order. Start/Stop come from any
+// Threads: the background loop is the only producer (Begin/End/Complete/Instant/
+// MarkCycle), so on each track timestamps appear in the file in non-decreasing order
+// (across tracks a complete event, written when it ends, may follow later starts). Start/Stop come from any
 // thread, serialized by the caller (Core holds its timeline mutex).
 //
 // Balance: every B event in the file has its E. The producer side keeps, per track, a
@@ -53,6 +54,20 @@ class Timeline {
   // event, one line per track in the file.
   void BeginAll(const std::vector<const std::string*>& tensors, const char* activity);
   void EndAll(const std::vector<const std::string*>& tensors);
+  // BeginNegotiation and Instant for many tracks at one moment: one queued event.
+  void BeginNegotiationAll(const std::vector<const std::string*>& tensors, const char* activity);
+  void InstantAll(const std::vector<const std::string*>& tensors, const char* what, const char* args);
+  // Microseconds on the timeline's clock, for the start and end times given to Complete.
+  static int64_t Now();
+  // The tracks of these tensors whose operation span is recorded and open: where the
+  // activities of their execution go. Empty when the timeline is off.
+  std::vector<int> OpenTracks(const std::vector<const std::string*>& tensors);
+  // One activity from start_us to end_us on each of these tracks (from OpenTracks): a
+  // single queued event, written as one complete ('X') line per track. Activities are
+  // recorded once they have ended, so they need no bookkeeping of open spans and take
+  // half the lines of a B/E pair.
+  void Complete(const std::vector<int>& tids, const char* activity, int64_t start_us,
+                int64_t end_us);
   // An instant mark on the tensor's track.
   void Instant(const std::string& tensor, const std::string& what, const std::string& args = "");
   // A global instant per background cycle, when started with mark_cycles.
@@ -60,11 +75,12 @@ class Timeline {
 
  private:
   struct Event {
-    char phase;  // 'B', 'E', 'i', or 'M' (a new track: name is the tensor name)
+    char phase;  // 'B', 'E', 'X', 'i', or 'M' (a new track: name is the tensor name)
     int tid;
     std::string name, args;
     int64_t ts_us;
     std::vector<int> tids;  // a group event: one line per track (tid unused)
+    int64_t dur_us = 0;     // 'X' only
   };
   // Producer-side state of one track. Guarded by mutex_.
   struct Track {
@@ -77,11 +93,11 @@ class Timeline {
   int Admit(const std::string& tensor, char phase, bool only_if_idle);
   void Push(const std::string& tensor, char phase, std::string name, std::string args,
             bool only_if_idle = false);
-  void PushAll(const std::vector<const std::string*>& tensors, char phase, const char* name);
+  void PushAll(const std::vector<const std::string*>& tensors, char phase, const char* name,
+               const char* args = "", bool only_if_idle = false);
   void WriterLoop();
   void Write(const Event& e);  // writer thread only
   void WriteLine(char phase, int tid, int64_t ts_us, const std::string& tail);
-  static int64_t NowUs();
 
   std::atomic<bool> active_{false};
   std::atomic<bool> mark_cycles_{false};

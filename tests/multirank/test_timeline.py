@@ -79,14 +79,21 @@ def track_names(events):
 
 def spans_by_track(events):
     """tid -> list of spans (dicts: name, start, end, depth, args, children, marks), checking
-    that every B has its E on its own track."""
+    that every B has its E on its own track; a complete (X) event is a span nested in the
+    one open on its track."""
     stacks, out = {}, {}
     for e in events:
-        if e.get("ph") not in ("B", "E", "i"):
+        if e.get("ph") not in ("B", "E", "X", "i"):
             continue
         tid = e["tid"]
         stack = stacks.setdefault(tid, [])
-        if e["ph"] == "B":
+        if e["ph"] == "X":
+            assert e["dur"] >= 0, e
+            span = {"name": e["name"], "start": e["ts"], "end": e["ts"] + e["dur"],
+                    "depth": len(stack), "args": e.get("args", {}), "children": [],
+                    "marks": []}
+            (stack[-1]["children"] if stack else out.setdefault(tid, [])).append(span)
+        elif e["ph"] == "B":
             span = {"name": e["name"], "start": e["ts"], "end": None, "depth": len(stack),
                     "args": e.get("args", {}), "children": [], "marks": []}
             (stack[-1]["children"] if stack else out.setdefault(tid, [])).append(span)
@@ -149,8 +156,12 @@ def test_trace_is_json_with_a_track_per_allreduced_tensor(training_trace):
 def test_phases_in_order_nested_and_timed(training_trace):
     path, allreduced = training_trace
     events = read_trace(path)
-    timed = [e["ts"] for e in events if "ts" in e]
-    assert timed == sorted(timed), "timestamps go backwards in the file"
+    per_track = {}
+    for e in events:
+        if "ts" in e:
+            per_track.setdefault(e.get("tid"), []).append(e["ts"])
+    for tid, timed in per_track.items():
+        assert timed == sorted(timed), f"timestamps go backwards on track {tid}"
     names = track_names(events)
     by_track = spans_by_track(events)
     tid_of = {name: tid for tid, name in names.items()}
@@ -374,18 +385,26 @@ def test_summary_reads_a_file_cut_short(training_trace, tmp_path):
 def test_summary_after_a_rank_crashed(tmp_path):
     path = tmp_path / "crash.json"
     script = """
-        import os, time
+        import os, sys, time
         import numpy as np
         import hvdlite as hvd
         hvd.init()
         for i in range(20):
             hvd.allreduce(np.ones(64, np.float32), name=f"t.{i % 4}")
-        time.sleep(0.3)  # the writer flushes every 50 ms
         if hvd.rank() == 0:
+            # The writer flushes every 50 ms, at a low priority: wait until the file
+            # holds the 20 operations and their ends (a crash keeps what was flushed).
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                with open(sys.argv[1]) as f:
+                    text = f.read()
+                if text.count('"name": "ALLREDUCE"') >= 20 and text.count('"ph": "B"') == text.count('"ph": "E"'):
+                    break
+                time.sleep(0.05)
             os._exit(3)  # no shutdown: the file has no closing bracket
         time.sleep(30)
     """
-    result = run_job(NP, script, timeout=120, env={"HVDLITE_TIMELINE": str(path)})
+    result = run_job(NP, script, args=[path], timeout=120, env={"HVDLITE_TIMELINE": str(path)})
     assert result.returncode != 0
     text = path.read_text()
     assert not text.rstrip().endswith("]")
