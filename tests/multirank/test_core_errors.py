@@ -118,19 +118,26 @@ for i in range(12):
                      np.full(8, rank_sum + size * i, np.float32))
 
 # -- a name already in flight -------------------------------------------------------
-# The duplicate is tried while the first op surely waits for a rank that sleeps: on
-# tensor "dup.a" the last rank comes 0.3 s late, on "dup.b" the others come 0.6 s late.
+# The duplicate is tried while the first op surely waits for a rank that has not
+# submitted it yet: the late ranks submit it only after a barrier that the probing
+# ranks enter after their probe. On "dup.a" the last rank is late, on "dup.b" the others.
 probe = "dup.b" if odd else "dup.a"
+first = {}
+def submit(name):
+    first[name] = hvd.allreduce_async(np.full(2, rank, np.int32), name=name, op=hvd.Sum)
 if odd:
-    time.sleep(0.3)
-first = {"dup.a": hvd.allreduce_async(np.full(2, rank, np.int32), name="dup.a", op=hvd.Sum)}
-if odd:
-    first["dup.b"] = hvd.allreduce_async(np.full(2, rank, np.int32), name="dup.b", op=hvd.Sum)
-record("duplicate", lambda: hvd.allreduce_async(np.ones(2, np.int32), name=probe))
+    hvd.barrier()
+    submit("dup.a")
+    submit("dup.b")
+    record("duplicate", lambda: hvd.allreduce_async(np.ones(2, np.int32), name=probe))
+    hvd.barrier()
+else:
+    submit("dup.a")
+    record("duplicate", lambda: hvd.allreduce_async(np.ones(2, np.int32), name=probe))
+    hvd.barrier()
+    hvd.barrier()
+    submit("dup.b")
 out["duplicate"]["probe"] = probe
-if not odd:
-    time.sleep(0.6)
-    first["dup.b"] = hvd.allreduce_async(np.full(2, rank, np.int32), name="dup.b", op=hvd.Sum)
 for name in ("dup.a", "dup.b"):
     expect_value(f"duplicate_first.{name}", hvd.synchronize(first[name]),
                  np.full(2, rank_sum, np.int32))
@@ -164,8 +171,11 @@ record("refused.op", lambda: hvd.allreduce(np.ones(3, np.float32), name="refused
 agreed("after.refusals")
 
 # -- shutdown by rank 0 while the others wait for it --------------------------------
+# The barrier: every other rank has its op in flight before rank 0 shuts down (else its
+# allreduce_async could meet the ended core and raise outside record()).
 if rank == 0:
     orphan = hvd.allreduce_async(np.ones(2, np.float32), name="orphan", op=hvd.Sum)
+    hvd.barrier()
     time.sleep(0.5)
     started = time.monotonic()
     hvd.shutdown()
@@ -174,6 +184,7 @@ if rank == 0:
 else:
     waiting = hvd.allreduce_async(np.ones(2, np.float32), name="waits.for.rank0",
                                   op=hvd.Sum)
+    hvd.barrier()
     started = time.monotonic()
     record("pending_at_shutdown", lambda: hvd.synchronize(waiting, timeout=30))
     out["waited_s"] = time.monotonic() - started
