@@ -431,12 +431,34 @@ def test_unwritable_path_is_an_error_at_the_call(tmp_path):
     result = assert_ok(run_job(NP, script, args=[bad], timeout=120))
     assert str(bad) in result.result(0)["outcome"]  # rank 0 writes the timeline
     assert result.result(1)["outcome"] == "ok"       # the others have nothing to open
-    # Set at init: every rank fails, none waits for rank 0.
+    # Set at init: every rank fails, none waits for rank 0. Each rank leaves its error in
+    # a file and exits only once every rank has: the launcher ends the other ranks as
+    # soon as one exits, possibly before they could print their own error.
     init_script = """
+        import os, sys, time, traceback
         import hvdlite as hvd
-        hvd.init()
+        rank, size = int(os.environ["HVDLITE_RANK"]), int(os.environ["HVDLITE_SIZE"])
+        out_dir = sys.argv[1]
+        try:
+            hvd.init()
+        except Exception:
+            text = traceback.format_exc()
+            sys.stderr.write(text)
+            with open(os.path.join(out_dir, f"{rank}.tmp"), "w") as f:
+                f.write(text)
+            os.rename(os.path.join(out_dir, f"{rank}.tmp"), os.path.join(out_dir, f"init.{rank}"))
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and sum(
+                    n.startswith("init.") for n in os.listdir(out_dir)) < size:
+                time.sleep(0.05)
+            sys.exit(1)
     """
-    result = run_job(NP, init_script, timeout=120, env={"HVDLITE_TIMELINE": str(bad)})
+    out_dir = tmp_path / "init_errors"
+    out_dir.mkdir()
+    result = run_job(NP, init_script, args=[out_dir], timeout=120,
+                     env={"HVDLITE_TIMELINE": str(bad)})
     assert result.returncode != 0
-    assert str(bad) in result.stderr_text(0)
-    assert "rank 0 cannot write the timeline" in result.stderr_text(1)
+    errors = {p.name: p.read_text() for p in out_dir.iterdir() if p.name.startswith("init.")}
+    assert set(errors) == {f"init.{r}" for r in range(NP)}, (errors, result.stderr)
+    assert str(bad) in errors["init.0"]
+    assert "rank 0 cannot write the timeline" in errors["init.1"]
