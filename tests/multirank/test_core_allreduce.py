@@ -35,7 +35,9 @@ def results_by_kind(job, rank):
 # Every (dtype, op, shape) and scaled variant, twice: pass 1 negotiates through the
 # coordinator, pass 2 (same names, new values) can hit the response cache. Each pass
 # submits everything asynchronously in a per-rank random order, with jitter, then
-# waits in another random order.
+# waits in another random order. A grouped pass before them submits the cases as grouped
+# allreduces, one group per fusable family, so that fusion (when on) surely covers
+# every family.
 MATRIX_SCRIPT = r"""
 import json, random, time
 import numpy as np
@@ -68,14 +70,48 @@ def run_pass(seed):
             failures.append(problem)
     return failures
 
+def run_groups(seed):
+    # Each family of cases the core may fuse (same dtype, op and scales) as one grouped
+    # allreduce, in a per-rank random order: a group's members are released together,
+    # so with fusion on each family is one collective whatever the timing (which tensors
+    # of passes 1 and 2 meet in one cycle, and so fuse, is up to the scheduler).
+    families = {}
+    for case in cases:
+        families.setdefault((case.dtype, case.op, case.prescale, case.postscale), []).append(case)
+    rng = random.Random(seed * 7919 + rank)
+    keys = sorted(families)
+    rng.shuffle(keys)
+    handles = {}
+    for key in keys:
+        dtype, op, pre, post = key
+        handles[key] = hvd.grouped_allreduce_async(
+            [contribution(seed, rank, case) for case in families[key]],
+            name=f"family.{dtype}.{op}.{pre}.{post}", op=OPS[op], prescale_factor=pre,
+            postscale_factor=post)
+    rng.shuffle(keys)
+    failures = []
+    for key in keys:
+        got = hvd.synchronize(handles[key])
+        for member, case in zip(got, families[key]):
+            problem = check(member, [contribution(seed, r, case) for r in range(size)], case)
+            if problem:
+                failures.append("grouped " + problem)
+    return failures, len(families), sum(len(m) > 1 for m in families.values())
+
+# The grouped pass comes first: a rank's counters can move before its next snapshot
+# only through work every rank submits, except coordinator gathers, which a rank that
+# went on to uncached work already starts (pass 2 after the snapshot s1 is all cache).
+g0 = hvd.stats()
+f3, families, multi = run_groups(3)
 s0 = hvd.stats()
 f1 = run_pass(1)
 s1 = hvd.stats()
 f2 = run_pass(2)
 s2 = hvd.stats()
 print("HVDLITE_RESULT", json.dumps({
-    "kind": "matrix", "cases": len(cases), "failures": f1 + f2,
-    "stats": [s0, s1, s2]}))
+    "kind": "matrix", "cases": len(cases), "failures": f3 + f1 + f2,
+    "families": families, "multi_member_families": multi,
+    "stats": [s0, s1, s2], "group_stats": [g0, s0]}))
 """
 
 
@@ -92,14 +128,21 @@ def test_every_op_dtype_against_numpy(np_, fusion, cache):
             + "\n".join(res["failures"][:30]))
         n = res["cases"]
         s0, s1, s2 = res["stats"]
+        g0, g1 = res["group_stats"]
+        assert g1["tensors"] - g0["tensors"] == n
         assert s1["tensors"] - s0["tensors"] == n and s2["tensors"] - s1["tensors"] == n
         assert s2["errors"] == 0
         if fusion == "fusion_on":
-            assert s2["fused_collectives"] > 0, s2
-            assert s2["collectives"] < 2 * n, s2
+            # Passes 1 and 2 fuse what happens to be ready together; the grouped pass
+            # fuses every family of two or more members into exactly one collective.
+            assert s2["collectives"] - s0["collectives"] <= 2 * n, (s0, s2)
+            assert g1["collectives"] - g0["collectives"] == res["families"], (g0, g1)
+            assert (g1["fused_collectives"] - g0["fused_collectives"]
+                    == res["multi_member_families"] > 0), (res, g0, g1)
         else:
             assert s2["fused_collectives"] == 0, s2
-            assert s2["collectives"] == 2 * n, s2
+            assert s2["collectives"] - s0["collectives"] == 2 * n, (s0, s2)
+            assert g1["collectives"] - g0["collectives"] == n, (g0, g1)
         if cache == "cache_on":
             # Pass 2: every tensor was negotiated by its cache bit alone.
             assert s2["cache_hits"] - s1["cache_hits"] == n, (s1, s2)
