@@ -67,26 +67,37 @@ class _NativeBuffer:
         }
 
 
-# In-flight handles whose Handle object was dropped: [(natives, keepalive)].
+# In-flight handles whose Handle object was dropped: [(native ids, keepalive)].
 _orphans = []
 _orphans_lock = threading.Lock()
 
 
-def _all_done(natives):
+def _all_done(ids):
     done = ffi.new("int32_t *")
-    for native in natives:
-        status = lib.hvdlite_poll(native.id, done)
+    for handle_id in ids:
+        status = lib.hvdlite_poll(handle_id, done)
         if status == lib.HVDLITE_OK and not done[0]:
             return False
     return True
 
 
+def _release_all(ids):
+    for handle_id in ids:
+        lib.hvdlite_release(handle_id)
+
+
 def reap_orphans():
-    """Drops orphaned handles whose ops have ended (releasing their buffers)."""
+    """Releases orphaned handles whose ops have ended (and drops their buffers)."""
     if not _orphans:
         return
     with _orphans_lock:
-        _orphans[:] = [entry for entry in _orphans if not _all_done(entry[0])]
+        kept = []
+        for entry in _orphans:
+            if _all_done(entry[0]):
+                _release_all(entry[0])
+            else:
+                kept.append(entry)
+        _orphans[:] = kept
 
 
 class Handle:
@@ -95,7 +106,14 @@ class Handle:
     ``wait()`` returns the result built by the finisher, ``poll()`` says whether the op
     has ended. Use ``hvdlite.synchronize(handle)`` / ``hvdlite.poll(handle)`` or these
     methods directly.
+
+    The native ids are released as soon as the op has ended and its result is built,
+    except those whose core-owned buffer a result array views (``output_array``): a
+    NativeHandle inside that array releases them with the array.
     """
+
+    __slots__ = ("_ids", "_owners", "_finisher", "_keepalive", "name", "_lock", "_ended",
+                 "_result", "_error", "__weakref__")
 
     def __init__(self, native_ids, finisher=None, keepalive=(), name=None):
         """Wraps native handles returned by hvdlite_enqueue(_group).
@@ -108,8 +126,10 @@ class Handle:
             keepalive: objects to reference until the ops have ended.
             name: a label for messages (the tensor or group name).
         """
-        reap_orphans()
-        self._natives = [NativeHandle(h) for h in native_ids]
+        if _orphans:
+            reap_orphans()
+        self._ids = [int(h) for h in native_ids]
+        self._owners = None  # index -> NativeHandle, for results viewing core memory
         self._finisher = finisher
         self._keepalive = keepalive
         self.name = name
@@ -125,7 +145,7 @@ class Handle:
     @property
     def native_ids(self):
         """The native handle ids, for adapters that call the C API directly."""
-        return [n.id for n in self._natives]
+        return list(self._ids)
 
     def poll(self):
         """Returns True once the op has ended (successfully or not); never blocks.
@@ -137,8 +157,8 @@ class Handle:
         if self._ended:
             return True
         done = ffi.new("int32_t *")
-        for native in self._natives:
-            status = lib.hvdlite_poll(native.id, done)
+        for handle_id in self._ids:
+            status = lib.hvdlite_poll(handle_id, done)
             if status == lib.HVDLITE_OK or status == lib.HVDLITE_ERR_IN_PROGRESS:
                 if not done[0]:
                     return False
@@ -147,7 +167,7 @@ class Handle:
             # Any other status is the op's own failure: it has ended; wait() raises it.
         return True
 
-    def _wait_native(self, native, deadline):
+    def _wait_native(self, handle_id, deadline):
         """Blocks until one native op ends; returns (status, message)."""
         main = threading.current_thread() is threading.main_thread()
         while True:
@@ -158,7 +178,7 @@ class Handle:
                 if remaining <= 0:
                     remaining = 0.0
                 timeout = min(remaining, _MAIN_THREAD_WAIT_SLICE_S) if main else remaining
-            status = lib.hvdlite_wait(native.id, timeout)
+            status = lib.hvdlite_wait(handle_id, timeout)
             if status != lib.HVDLITE_ERR_TIMEOUT:
                 return status, (last_error() if status != lib.HVDLITE_OK else None)
             if deadline is not None and time.monotonic() >= deadline:
@@ -183,32 +203,40 @@ class Handle:
                 StalledError, TransportError, RankFailedError).
             HvdliteError: another failure reported by the core.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            if not self._ended:
-                failure = None
-                for native in self._natives:
-                    # Every op of a group is waited, even after a failure, so that all
-                    # of them can be released.
-                    status, message = self._wait_native(native, deadline)
-                    if status != lib.HVDLITE_OK and failure is None:
-                        failure = error_for(status, message)
-                if failure is None and self._finisher is not None:
-                    try:
-                        self._result = self._finisher(self)
-                    except errors.HvdliteError as e:
-                        failure = e
-                self._error = failure
-                self._ended = True
-                self._finisher = None
-                self._keepalive = None
-                # Dropping the NativeHandles releases them now, except those that result
-                # arrays viewing core-owned memory still reference: those go with the
-                # last such array.
-                self._natives = []
-            if self._error is not None:
-                raise self._error
-            return self._result
+        if not self._ended:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            with self._lock:
+                if not self._ended:
+                    self._end(deadline)
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _end(self, deadline):
+        """Waits for every native op, builds the result and releases the ids (with
+        self._lock held)."""
+        failure = None
+        for handle_id in self._ids:
+            # Every op of a group is waited, even after a failure, so that all of them
+            # can be released.
+            status, message = self._wait_native(handle_id, deadline)
+            if status != lib.HVDLITE_OK and failure is None:
+                failure = error_for(status, message)
+        if failure is None and self._finisher is not None:
+            try:
+                self._result = self._finisher(self)
+            except errors.HvdliteError as e:
+                failure = e
+        self._error = failure
+        self._ended = True
+        self._finisher = None
+        self._keepalive = None
+        owners = self._owners or {}
+        for index, handle_id in enumerate(self._ids):
+            if index not in owners:
+                lib.hvdlite_release(handle_id)
+        # Ids viewed by result arrays go with the last of those arrays.
+        self._owners = None
 
     # -- helpers for finishers -------------------------------------------------------
 
@@ -221,7 +249,7 @@ class Handle:
         data = ffi.new("void **")
         nbytes = ffi.new("int64_t *")
         first_dim = ffi.new("int64_t *")
-        check(lib.hvdlite_handle_output(self._natives[index].id, data, nbytes, first_dim))
+        check(lib.hvdlite_handle_output(self._ids[index], data, nbytes, first_dim))
         return int(ffi.cast("uintptr_t", data[0])), int(nbytes[0]), int(first_dim[0])
 
     def output_array(self, index, dtype, trailing_shape):
@@ -252,23 +280,28 @@ class Handle:
         if nbytes == 0:
             # Nothing to view (the pointer may be NULL); the handle can go now.
             return np.empty(shape, dtype=dtype)
-        raw = np.asarray(_NativeBuffer(self._natives[index], address, nbytes))
+        if self._owners is None:
+            self._owners = {}
+        owner = self._owners.get(index)
+        if owner is None:
+            owner = self._owners[index] = NativeHandle(self._ids[index])
+        raw = np.asarray(_NativeBuffer(owner, address, nbytes))
         return raw.view(dtype).reshape(shape)
 
     def recv_splits(self, index, count):
         """Returns the ALLTOALL row counts received from each rank (np.int64, ``count``)."""
         out = ffi.new("int64_t[]", max(count, 1))
-        check(lib.hvdlite_handle_recv_splits(self._natives[index].id, out))
+        check(lib.hvdlite_handle_recv_splits(self._ids[index], out))
         return np.frombuffer(ffi.buffer(out, 8 * count), dtype=np.int64).copy()
 
     def __del__(self):
         try:
-            if self._ended or not self._natives:
+            if self._ended or not self._ids:
                 return
-            if _all_done(self._natives):
-                return  # dropping the NativeHandles releases them
+            if _all_done(self._ids):
+                _release_all(self._ids)
+                return
             with _orphans_lock:
-                _orphans.append((self._natives, self._keepalive))
+                _orphans.append((self._ids, self._keepalive))
         except Exception:  # pragma: no cover - interpreter teardown
             pass
-

@@ -12,6 +12,7 @@ hvdlite_handle_t HandleTable::Create() {
 }
 
 void HandleTable::Complete(hvdlite_handle_t h, const Status& status, OpOutput output) {
+  bool waited;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = states_.find(h);
@@ -19,8 +20,11 @@ void HandleTable::Complete(hvdlite_handle_t h, const Status& status, OpOutput ou
     it->second.done = true;
     it->second.status = status;
     it->second.output = std::move(output);
+    waited = it->second.waiters > 0;
   }
-  done_cv_.notify_all();
+  // A fused batch completes many handles at once while the training thread waits on
+  // one of them: waking it for every other handle would cost a system call each.
+  if (waited) done_cv_.notify_all();
 }
 
 Status HandleTable::Missing(hvdlite_handle_t h) const {
@@ -43,12 +47,20 @@ Status HandleTable::Wait(hvdlite_handle_t h, double timeout_s) {
   // unordered_map references stay valid while other keys are inserted; only Release
   // erases, and releasing a handle someone waits on is refused (IN_PROGRESS).
   State& state = it->second;
-  if (timeout_s < 0) {
-    done_cv_.wait(lock, [&] { return state.done; });
-  } else if (!done_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
-                                [&] { return state.done; })) {
-    return Status(HVDLITE_ERR_TIMEOUT, "the op did not finish within " +
-                                           std::to_string(timeout_s) + " s; it is still running");
+  if (!state.done) {
+    ++state.waiters;
+    bool done = true;
+    if (timeout_s < 0) {
+      done_cv_.wait(lock, [&] { return state.done; });
+    } else {
+      done = done_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
+                               [&] { return state.done; });
+    }
+    --state.waiters;
+    if (!done) {
+      return Status(HVDLITE_ERR_TIMEOUT, "the op did not finish within " +
+                                             std::to_string(timeout_s) + " s; it is still running");
+    }
   }
   return state.status;
 }

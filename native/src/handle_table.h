@@ -49,6 +49,7 @@ class HandleTable {
  private:
   struct State {
     bool done = false;
+    int waiters = 0;  // threads in Wait on this handle: only they need a wake-up
     Status status;
     OpOutput output;
   };

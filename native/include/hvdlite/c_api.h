@@ -151,6 +151,16 @@ hvdlite_status_t hvdlite_mpi_threads_supported(int32_t* out);
 /* Validates and enqueues one tensor; returns a handle at once. */
 hvdlite_status_t hvdlite_enqueue(const hvdlite_tensor_t* tensor, hvdlite_handle_t* out);
 
+/* hvdlite_enqueue of one tensor given field by field, without splits (ALLTOALL takes
+ * even splits): the same checks and effect. The per-gradient path of the Python
+ * adapters, which spares them building the struct for every tensor. */
+hvdlite_status_t hvdlite_enqueue_fields(hvdlite_op_t op, const char* name, hvdlite_dtype_t dtype,
+                                        int32_t ndim, const int64_t* shape, const void* input,
+                                        void* output, hvdlite_reduce_op_t reduce_op,
+                                        double prescale_factor, double postscale_factor,
+                                        int32_t root_rank, int32_t process_set_id,
+                                        int32_t device, hvdlite_handle_t* out);
+
 /* Enqueues n tensors that are negotiated and executed together, never split across
  * cycles. handles receives n entries. All or nothing: on error none is enqueued. */
 hvdlite_status_t hvdlite_enqueue_group(const hvdlite_tensor_t* tensors, int32_t n,
