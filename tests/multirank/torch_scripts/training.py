@@ -217,6 +217,15 @@ if wanted("overlap"):
 
     def record(p):
         # Runs after DistributedOptimizer's own hook for p (hooks run in order).
+        if len(events) == len(names) - 1 and events[0]["enqueued"]:
+            # The last gradient: the earlier ones, enqueued during backward, can have
+            # been reduced by now. Whether they have, after the sleeps below, depends on
+            # when the peer's backward is scheduled; so wait for a collective here (a
+            # core that runs nothing before step() times out and fails the check below).
+            deadline = time.monotonic() + 30
+            while (hvd.stats()["collectives"] <= events[0]["collectives"]
+                   and time.monotonic() < deadline):
+                time.sleep(0.005)
         s = hvd.stats()
         events.append({"name": names[p], "t": time.perf_counter(),
                        "enqueued": opt._unit_of[p] in opt._handles,
