@@ -537,7 +537,10 @@ else:
     got = hvd.allreduce(np.full(2, float(rank)), op=hvd.Average, name="avg.joined")
     check("average while rank 0 joined", got, np.full(2, sum(range(1, size)) / (size - 1)))
     if rank == size - 1:
-        time.sleep(0.3)  # join last
+        # Join last: no other rank submits this allreduce, so it ends only once every
+        # other rank has joined (joined ranks take part with zeros).
+        got = hvd.allreduce(np.ones(2), op=hvd.Sum, name="wait.for.joins")
+        check("allreduce once every other rank joined", got, np.ones(2))
     second = hvd.join()
 if second != size - 1:
     failures.append(f"second join returned {second}, expected {size - 1}")
