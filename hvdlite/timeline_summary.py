@@ -8,7 +8,7 @@
 The file is what rank 0 recorded (see the README, "Timeline"): one track per tensor name,
 on it a ``NEGOTIATE_<OP>`` span with ``rank N ready`` marks, then the ``<OP>`` span
 (args: dtype, shape, bytes, fused) with nested ``QUEUE``, ``MEMCPY_IN_FUSION_BUFFER``,
-the collective (``MPI_<OP>``, ``NCCL_<OP>``) and ``MEMCPY_OUT_FUSION_BUFFER``.
+the collective (``MPI_<OP>``, ``SHM_ALLREDUCE``, ``NCCL_<OP>``) and ``MEMCPY_OUT_FUSION_BUFFER``.
 
 Definitions used by the summary:
 
@@ -23,7 +23,7 @@ Definitions used by the summary:
 - Overlap with backprop: per step, backprop is taken to end at the last negotiation
   start of the step (the moment the last gradient reached hvdlite on rank 0, or on an
   earlier rank). The overlapped share is the part of the step's communication wall
-  time (the union of its ``MPI_*``/``NCCL_*`` spans) that lies before that moment,
+  time (the union of its ``MPI_*``/``SHM_*``/``NCCL_*`` spans) that lies before that moment,
   summed over steps, divided by the communication wall time. This is rank 0's view.
 """
 import json
@@ -34,7 +34,7 @@ __all__ = ["read_events", "build_spans", "summarize", "format_summary", "plot",
            "COMMUNICATION_PREFIXES"]
 
 # Activities that are the collective itself (time on the wire).
-COMMUNICATION_PREFIXES = ("MPI_", "NCCL_")
+COMMUNICATION_PREFIXES = ("MPI_", "SHM_", "NCCL_")
 NEGOTIATION_PREFIX = "NEGOTIATE_"
 
 
@@ -368,7 +368,7 @@ def format_summary(summary, top=20, problems=()):
     out.append("last ready: the rank whose request reached the coordinator last, most often "
                "(of the negotiations; cached ones show only 'all ranks ready')")
     out.append("")
-    out.append(f"communication (MPI_*/NCCL_* wall time): {comm['wall_ms']:.3f} ms, "
+    out.append(f"communication (MPI_*/SHM_*/NCCL_* wall time): {comm['wall_ms']:.3f} ms, "
                f"{comm['overlapped_ms']:.3f} ms of it before the step's last gradient was "
                f"ready: {100 * comm['overlap_share']:.1f}% overlapped backprop")
     return "\n".join(out)

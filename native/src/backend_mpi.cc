@@ -2,9 +2,12 @@
 
 #include <mpi.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstring>
 #include <thread>
 
 #include "half.h"
@@ -73,7 +76,8 @@ Status MpiBackend::Check(int rc, const char* what) {
   return Status(HVDLITE_ERR_MPI, std::string(what) + " failed: " + std::string(text, len));
 }
 
-Status MpiBackend::Init(int64_t comm_f2c, bool thread_multiple, MpiTopology* topo) {
+Status MpiBackend::Init(int64_t comm_f2c, bool thread_multiple, bool shared_memory,
+                        MpiTopology* topo) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   int provided = 0;
@@ -113,6 +117,10 @@ Status MpiBackend::Init(int64_t comm_f2c, bool thread_multiple, MpiTopology* top
   MPI_Comm_split(Comm(comm_), topo->local_rank, topo->rank, &cross);
   MPI_Comm_rank(cross, &topo->cross_rank);
   MPI_Comm_size(cross, &topo->cross_size);
+  // Every rank decides alike: the sizes are the same everywhere when all share a machine.
+  if (shared_memory && topo->size > 1 && topo->local_size == topo->size) {
+    SetUpSharedMemory(&local, topo->rank);
+  }
   MPI_Comm_free(&local);
   MPI_Comm_free(&cross);
   for (int kind = 0; kind < 2; ++kind) {
@@ -125,7 +133,49 @@ Status MpiBackend::Init(int64_t comm_f2c, bool thread_multiple, MpiTopology* top
   return Status::OK();
 }
 
+void MpiBackend::SetUpSharedMemory(void* local_comm, int rank) {
+  MPI_Comm local = *static_cast<MPI_Comm*>(local_comm);
+  MPI_Comm_set_errhandler(local, MPI_ERRORS_RETURN);
+  int size = 0;
+  MPI_Comm_size(local, &size);
+  MPI_Win* win = new MPI_Win(MPI_WIN_NULL);
+  void* mine = nullptr;
+  int rc = MPI_Win_allocate_shared(ShmAllreduce::kSegmentBytes, 1, MPI_INFO_NULL, local, &mine, win);
+  // Whether every rank got its segment: all use it or none does.
+  int ok = rc == MPI_SUCCESS ? 1 : 0, all_ok = 0;
+  MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, local);
+  if (!all_ok) {
+    if (rc == MPI_SUCCESS) MPI_Win_free(win);
+    delete win;
+    HVDLITE_LOG(WARNING) << "no shared-memory window for the allreduce ("
+                         << (rc == MPI_SUCCESS ? "on another rank" : Check(rc, "MPI_Win_allocate_shared").message())
+                         << "); using MPI_Allreduce";
+    return;
+  }
+  std::vector<uint8_t*> segments(size);
+  for (int k = 0; k < size; ++k) {
+    MPI_Aint bytes = 0;
+    int disp = 0;
+    void* base = nullptr;
+    MPI_Win_shared_query(*win, k, &bytes, &disp, &base);
+    segments[k] = static_cast<uint8_t*>(base);
+  }
+  if (rank == 0) std::memset(segments[0], 0, 4096);  // the barrier's counter and sense
+  int64_t pid = static_cast<int64_t>(getpid());
+  std::vector<int64_t> pids(size);
+  MPI_Allgather(&pid, 1, MPI_INT64_T, pids.data(), 1, MPI_INT64_T, local);  // also a barrier
+  window_ = win;
+  shm_.reset(new ShmAllreduce(rank, std::move(segments), std::move(pids)));
+}
+
 void MpiBackend::Shutdown(bool finalize) {
+  shm_.reset();
+  if (window_) {
+    // Freeing is collective: only on a shutdown every rank takes part in.
+    if (finalize) MPI_Win_free(static_cast<MPI_Win*>(window_));
+    delete static_cast<MPI_Win*>(window_);
+    window_ = nullptr;
+  }
   if (finalize) {
     for (void* p : ops_) MPI_Op_free(static_cast<MPI_Op*>(p));
     if (comm_ && Comm(comm_) != MPI_COMM_NULL) MPI_Comm_free(&Comm(comm_));
@@ -216,6 +266,7 @@ Status MpiBackend::BroadcastBlob(std::vector<uint8_t>* blob) {
 
 Status MpiBackend::Allreduce(const void* in, void* out, int64_t count, int32_t dtype,
                              int32_t reduce_op) {
+  if (shm_) return shm_->Allreduce(in, out, count, dtype, reduce_op);
   MPI_Datatype type = MpiType(dtype);
   MPI_Op op = StandardOp(reduce_op);
   if (dtype == HVDLITE_FLOAT16 || dtype == HVDLITE_BFLOAT16) {

@@ -7,10 +7,12 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "common.h"
+#include "shm_allreduce.h"
 
 namespace hvdlite {
 
@@ -23,7 +25,9 @@ class MpiBackend {
  public:
   // comm_f2c < 0: MPI_COMM_WORLD. Initializes MPI when nobody has, from the calling
   // (background) thread, at MPI_THREAD_MULTIPLE if thread_multiple, else FUNNELED.
-  Status Init(int64_t comm_f2c, bool thread_multiple, MpiTopology* topo);
+  // shared_memory: when every rank is on this machine, allreduce through a shared
+  // memory window (ShmAllreduce) instead of MPI_Allreduce.
+  Status Init(int64_t comm_f2c, bool thread_multiple, bool shared_memory, MpiTopology* topo);
   // Frees the core's communicators; finalizes MPI if Init initialized it and
   // `finalize` is set (not after a transport failure, where it could hang).
   void Shutdown(bool finalize);
@@ -35,7 +39,7 @@ class MpiBackend {
   Status BroadcastBlob(std::vector<uint8_t>* blob);  // from rank 0
 
   // Data (blocking).
-  // in == out reduces in place.
+  // in == out reduces in place. Through shared memory when Init set it up.
   Status Allreduce(const void* in, void* out, int64_t count, int32_t dtype, int32_t reduce_op);
   Status Allgatherv(const void* in, int64_t in_bytes, void* out,
                     const std::vector<int64_t>& bytes_per_rank);
@@ -46,15 +50,23 @@ class MpiBackend {
                        int32_t dtype, int32_t reduce_op);
   Status Barrier();
 
+  // Whether Allreduce goes through shared memory.
+  bool shared_memory() const { return shm_ != nullptr; }
+
   static std::string LibraryVersion();
 
  private:
   Status Check(int rc, const char* what);
   Status WaitBackoff(void* request, const char* what);
+  // Collective over the ranks of this machine (all of them): the window and the
+  // reducer, or a warning and MPI_Allreduce if the window cannot be had.
+  void SetUpSharedMemory(void* local_comm, int rank);
 
   void* comm_ = nullptr;  // MPI_Comm*, kept opaque so mpi.h stays in one file
   bool initialized_mpi_ = false;
   std::vector<void*> ops_;  // user-defined reductions for 16-bit floats
+  void* window_ = nullptr;  // MPI_Win* of the shared segments, or null
+  std::unique_ptr<ShmAllreduce> shm_;
 };
 
 }  // namespace hvdlite

@@ -138,7 +138,7 @@ Status Core::Init(int64_t comm_f2c) {
     // ask for, not the default 50 us timer slack on top.
     prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
     MpiTopology topo;
-    Status st = mpi_.Init(comm_f2c, config_.mpi_thread_multiple, &topo);
+    Status st = mpi_.Init(comm_f2c, config_.mpi_thread_multiple, config_.shm_allreduce, &topo);
     if (st.ok()) {
       topo_ = topo;
       SetLogRank(topo.rank);
@@ -685,6 +685,7 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
   }
   Activities activities(timeline_, names, queue_start_us_);
   activities.Done("QUEUE");
+  const char* reduce_activity = mpi_.shared_memory() ? "SHM_ALLREDUCE" : "MPI_ALLREDUCE";
   Status s;
   if (fused.size() == 1 && entries[0]) {
     // One tensor: reduce in its output buffer, no fusion-buffer round trip.
@@ -697,7 +698,7 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
     }
     activities.Done("MEMCPY_IN_FUSION_BUFFER");
     s = mpi_.Allreduce(send, e->output, total, dtype, mpi_op);
-    activities.Done("MPI_ALLREDUCE");
+    activities.Done(reduce_activity);
     if (s.ok()) ScaledCopy(e->output, e->output, total, dtype, first.postscale, divisor);
     activities.Done("MEMCPY_OUT_FUSION_BUFFER");
   } else {
@@ -714,7 +715,7 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
     }
     activities.Done("MEMCPY_IN_FUSION_BUFFER");
     s = mpi_.Allreduce(buf, buf, total, dtype, mpi_op);
-    activities.Done("MPI_ALLREDUCE");
+    activities.Done(reduce_activity);
     off = 0;
     for (size_t k = 0; k < fused.size() && s.ok(); ++k) {
       int64_t n = NumElements(fused[k]->shape);
@@ -725,6 +726,7 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
   }
   if (tl) timeline_.EndAll(names);  // ALLREDUCE
   counters_.collectives++;
+  if (mpi_.shared_memory()) counters_.shm_collectives++;
   if (fused.size() > 1) counters_.fused_collectives++;
   counters_.bytes += total * elem;
   for (TensorEntry* e : entries) Finish(e, s);

@@ -157,6 +157,7 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_stats(hvdlite_stats_t* out) {
     out->tensors = c.tensors;
     out->bytes = c.bytes;
     out->errors = c.errors;
+    out->shm_collectives = c.shm_collectives;
     return hvdlite::Status::OK();
   });
 }

@@ -50,6 +50,9 @@ Status LoadConfig(Config* c) {
   if (const char* m = std::getenv("HVDLITE_TIMELINE_MARK_CYCLES")) {
     c->timeline_mark_cycles = std::string(m) == "1" || std::string(m) == "true";
   }
+  if (const char* m = std::getenv("HVDLITE_SHM_ALLREDUCE")) {
+    c->shm_allreduce = !(std::string(m) == "0" || std::string(m) == "false");
+  }
   if (const char* m = std::getenv("HVDLITE_MPI_THREAD_FUNNELED")) {
     c->mpi_thread_multiple = !(std::string(m) == "1" || std::string(m) == "true");
   }

@@ -23,6 +23,9 @@ struct Config {
   // job on 2 cores ran 7x slower. Default MPI_THREAD_MULTIPLE, which also lets other
   // threads (mpi4py) use MPI after init.
   bool mpi_thread_multiple = true;
+  // HVDLITE_SHM_ALLREDUCE=0: allreduce with MPI_Allreduce even when every rank is on
+  // one machine (by default those go through shared memory: ShmAllreduce).
+  bool shm_allreduce = true;
 };
 
 // Reads the environment; a malformed value is an error naming the variable.

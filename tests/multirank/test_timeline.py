@@ -180,7 +180,9 @@ def test_phases_in_order_nested_and_timed(training_trace):
             for m in negotiate["marks"]:
                 assert negotiate["start"] <= m["ts"] <= negotiate["end"]
             children = [c["name"] for c in op["children"]]
-            assert children == ["QUEUE", "MEMCPY_IN_FUSION_BUFFER", "MPI_ALLREDUCE",
+            # SHM_ALLREDUCE: every rank is on this machine (MPI_ALLREDUCE with
+            # HVDLITE_SHM_ALLREDUCE=0).
+            assert children == ["QUEUE", "MEMCPY_IN_FUSION_BUFFER", "SHM_ALLREDUCE",
                                 "MEMCPY_OUT_FUSION_BUFFER"], children
             t = op["start"]
             for c in op["children"]:
@@ -247,7 +249,7 @@ def expected_summary(events):
                 current = s["step"]
                 continue
             for c in s["children"]:
-                if c["name"].startswith(("MPI_", "NCCL_")):
+                if c["name"].startswith(("MPI_", "SHM_", "NCCL_")):
                     comm.setdefault(current, []).append((c["start"], c["end"]))
     wall = sum(union_length(v) for v in comm.values())
     overlapped = sum(union_length(v, until=backprop_end[k]) for k, v in comm.items())

@@ -1,0 +1,201 @@
+#include "shm_allreduce.h"
+
+#include <sched.h>
+#include <signal.h>
+#include <time.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+
+#include "half.h"
+
+namespace hvdlite {
+namespace {
+
+// The barrier's shared state, at the start of rank 0's segment.
+struct Control {
+  alignas(64) std::atomic<int32_t> count;
+  alignas(64) std::atomic<int32_t> sense;
+};
+static_assert(sizeof(Control) <= 4096, "the control block must fit the segment header");
+static_assert(std::atomic<int32_t>::is_always_lock_free,
+              "the barrier needs lock-free atomics to work across processes");
+
+struct SumOp {
+  template <typename T>
+  T operator()(T a, T b) const { return static_cast<T>(a + b); }
+};
+struct ProductOp {
+  template <typename T>
+  T operator()(T a, T b) const { return static_cast<T>(a * b); }
+};
+struct MinOp {
+  template <typename T>
+  T operator()(T a, T b) const { return b < a ? b : a; }
+};
+struct MaxOp {
+  template <typename T>
+  T operator()(T a, T b) const { return a < b ? b : a; }
+};
+
+// out = parts[0] op parts[1] op ... (in rank order), element by element. Two-input
+// loops over restrict pointers, so that the compiler vectorizes them.
+template <typename T, typename Op>
+void Combine(T* __restrict out, const T* __restrict a, const T* __restrict b, int64_t n, Op op) {
+  for (int64_t i = 0; i < n; ++i) out[i] = op(a[i], b[i]);
+}
+
+template <typename T, typename Op>
+void Accumulate(T* __restrict out, const T* __restrict b, int64_t n, Op op) {
+  for (int64_t i = 0; i < n; ++i) out[i] = op(out[i], b[i]);
+}
+
+template <typename T, typename Op>
+void ReduceParts(void* out, const std::vector<const uint8_t*>& parts, int64_t n, Op op) {
+  T* o = static_cast<T*>(out);
+  Combine(o, reinterpret_cast<const T*>(parts[0]), reinterpret_cast<const T*>(parts[1]), n, op);
+  for (size_t k = 2; k < parts.size(); ++k) Accumulate(o, reinterpret_cast<const T*>(parts[k]), n, op);
+}
+
+// 16-bit floats: accumulated in float over every rank, rounded once.
+template <float (*ToF)(uint16_t), uint16_t (*FromF)(float), typename Op>
+void ReduceHalfParts(void* out, const std::vector<const uint8_t*>& parts, int64_t n, Op op) {
+  uint16_t* o = static_cast<uint16_t*>(out);
+  for (int64_t i = 0; i < n; ++i) {
+    float acc = ToF(reinterpret_cast<const uint16_t*>(parts[0])[i]);
+    for (size_t k = 1; k < parts.size(); ++k) {
+      acc = op(acc, ToF(reinterpret_cast<const uint16_t*>(parts[k])[i]));
+    }
+    o[i] = FromF(acc);
+  }
+}
+
+template <typename Op>
+void ReduceTyped(void* out, const std::vector<const uint8_t*>& parts, int64_t n, int32_t dtype, Op op) {
+  switch (dtype) {
+    case HVDLITE_UINT8: case HVDLITE_BOOL: return ReduceParts<uint8_t>(out, parts, n, op);
+    case HVDLITE_INT8: return ReduceParts<int8_t>(out, parts, n, op);
+    case HVDLITE_INT32: return ReduceParts<int32_t>(out, parts, n, op);
+    case HVDLITE_INT64: return ReduceParts<int64_t>(out, parts, n, op);
+    case HVDLITE_FLOAT16: return ReduceHalfParts<HalfToFloat, FloatToHalf>(out, parts, n, op);
+    case HVDLITE_BFLOAT16: return ReduceHalfParts<Bf16ToFloat, FloatToBf16>(out, parts, n, op);
+    case HVDLITE_FLOAT32: return ReduceParts<float>(out, parts, n, op);
+    default: return ReduceParts<double>(out, parts, n, op);
+  }
+}
+
+void Reduce(void* out, const std::vector<const uint8_t*>& parts, int64_t n, int32_t dtype,
+            int32_t reduce_op) {
+  switch (reduce_op) {
+    case HVDLITE_MIN: return ReduceTyped(out, parts, n, dtype, MinOp());
+    case HVDLITE_MAX: return ReduceTyped(out, parts, n, dtype, MaxOp());
+    case HVDLITE_PRODUCT: return ReduceTyped(out, parts, n, dtype, ProductOp());
+    default: return ReduceTyped(out, parts, n, dtype, SumOp());  // Sum; Average is a scaled Sum
+  }
+}
+
+bool ProcessAlive(int64_t pid) {
+  if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return false;
+  // An exited child not yet reaped by its parent (the launcher) is a zombie.
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
+  std::FILE* f = std::fopen(path, "r");
+  if (!f) return true;  // no /proc: trust kill()
+  char buf[512];
+  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  const char* paren = std::strrchr(buf, ')');  // the state follows the command name
+  return !(paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X'));
+}
+
+}  // namespace
+
+ShmAllreduce::ShmAllreduce(int rank, std::vector<uint8_t*> segments, std::vector<int64_t> pids)
+    : rank_(rank), size_(static_cast<int>(segments.size())), segments_(std::move(segments)),
+      pids_(std::move(pids)) {}
+
+uint8_t* ShmAllreduce::In(int rank, int set) const {
+  return segments_[rank] + 4096 + static_cast<int64_t>(set) * 2 * kChunkBytes;
+}
+
+uint8_t* ShmAllreduce::Out(int rank, int set) const { return In(rank, set) + kChunkBytes; }
+
+int ShmAllreduce::DeadPeer() const {
+  for (int k = 0; k < size_; ++k) {
+    if (k != rank_ && !ProcessAlive(pids_[k])) return k;
+  }
+  return -1;
+}
+
+Status ShmAllreduce::Barrier() {
+  Control* c = reinterpret_cast<Control*>(segments_[0]);
+  sense_ ^= 1;
+  if (c->count.fetch_add(1, std::memory_order_acq_rel) == size_ - 1) {
+    c->count.store(0, std::memory_order_relaxed);
+    c->sense.store(sense_, std::memory_order_release);
+    return Status::OK();
+  }
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  auto next_check = start + std::chrono::milliseconds(100);
+  auto sleep = std::chrono::microseconds(20);
+  for (int i = 0;; ++i) {
+    if (c->sense.load(std::memory_order_acquire) == sense_) return Status::OK();
+    if (i < 100) continue;  // a peer in step with us arrives within a few hundred ns
+    auto now = Clock::now();
+    if (now - start < std::chrono::microseconds(200)) {
+      sched_yield();  // the peer may be waiting for this core
+      continue;
+    }
+    std::this_thread::sleep_for(sleep);
+    sleep = std::min(sleep * 2, std::chrono::microseconds(1000));
+    if (now >= next_check) {
+      int dead = DeadPeer();
+      if (dead >= 0) {
+        return Status(HVDLITE_ERR_RANK_FAILED,
+                      "rank " + std::to_string(dead) + " (pid " + std::to_string(pids_[dead]) +
+                          ") ended during a shared-memory allreduce");
+      }
+      next_check = now + std::chrono::milliseconds(100);
+    }
+  }
+}
+
+Status ShmAllreduce::Allreduce(const void* in, void* out, int64_t count, int32_t dtype,
+                               int32_t reduce_op) {
+  const int64_t elem = ElementSize(dtype);
+  const int64_t per_chunk = kChunkBytes / elem;
+  // Parts start on 64-byte boundaries, for the vectorized loops.
+  const int64_t align = std::max<int64_t>(1, 64 / elem);
+  const uint8_t* src = static_cast<const uint8_t*>(in);
+  uint8_t* dst = static_cast<uint8_t*>(out);
+  std::vector<const uint8_t*> parts(size_);
+  for (int64_t done = 0; done < count; done += per_chunk, set_ ^= 1) {
+    const int64_t n = std::min(per_chunk, count - done);
+    std::memcpy(In(rank_, set_), src + done * elem, n * elem);
+    Status s = Barrier();
+    if (!s.ok()) return s;
+    const int64_t part = ((n + size_ - 1) / size_ + align - 1) / align * align;
+    const int64_t lo = std::min(n, part * rank_), hi = std::min(n, lo + part);
+    if (hi > lo) {
+      for (int k = 0; k < size_; ++k) parts[k] = In(k, set_) + lo * elem;
+      Reduce(Out(rank_, set_) + lo * elem, parts, hi - lo, dtype, reduce_op);
+    }
+    if (!(s = Barrier()).ok()) return s;
+    for (int k = 0; k < size_; ++k) {
+      const int64_t klo = std::min(n, part * k), khi = std::min(n, klo + part);
+      if (khi > klo) {
+        std::memcpy(dst + (done + klo) * elem, Out(k, set_) + klo * elem, (khi - klo) * elem);
+      }
+    }
+  }
+  return Status::OK();
+}
+
+}  // namespace hvdlite

@@ -1,0 +1,81 @@
+"""Allreduce through shared memory (every rank on this machine), in real 2- and 3-rank
+jobs, against numpy and against the MPI path (``HVDLITE_SHM_ALLREDUCE=0``).
+
+Sizes cover what the chunked algorithm could get wrong: empty tensors, fewer elements
+than ranks (some ranks reduce nothing), and tensors of several 1 MiB chunks whose last
+chunk is partial, for every dtype; in place and not; one after another, so that the two
+alternating slot sets are reused. Expected values come from ``core_reference``: each
+rank regenerates every rank's contribution with numpy.
+"""
+import pytest
+
+import harness
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("native")]
+
+SCRIPT = r"""
+import json, sys
+import numpy as np
+import hvdlite as hvd
+from core_reference import Case, DTYPES, FLOAT_DTYPES, contribution, check, np_dtype
+
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+OPS = {name: getattr(hvd, name) for name in ("Sum", "Average", "Min", "Max", "Product")}
+CHUNK = 1 << 20  # the core's chunk size in bytes
+
+cases = []
+for dtype in DTYPES:
+    item = np_dtype(dtype).itemsize
+    ops = ("Min", "Max") if dtype == "bool" else ("Sum", "Average", "Min", "Max", "Product")
+    for op in ops:
+        for k, n in enumerate((0, 1, 2 * size - 1, 1000)):
+            cases.append(Case(f"{dtype}.{op}.{k}", dtype, op, (n,)))
+    # Several chunks, the last one partial; 2-D, so rows do not line up with chunks.
+    big_op = "Max" if dtype == "bool" else "Sum"
+    cases.append(Case(f"{dtype}.{big_op}.big", dtype, big_op, (2 * CHUNK // item // 3 + 5, 3)))
+cases.append(Case("float32.Product.big", "float32", "Product", (CHUNK // 4 + 1,)))
+cases.append(Case("float64.Average.big.scaled", "float64", "Average", (CHUNK // 8 * 3 + 7,),
+                  0.5, 3.0))
+
+failures, disagree = [], []
+for i, case in enumerate(cases):
+    mine = contribution(1, rank, case)
+    kwargs = dict(name=case.name, op=OPS[case.op], prescale_factor=case.prescale,
+                  postscale_factor=case.postscale)
+    if i % 2:
+        got = mine.copy()
+        hvd.allreduce(got, out=got, **kwargs)  # in place
+    else:
+        got = hvd.allreduce(mine, **kwargs)
+    problem = check(got, [contribution(1, r, case) for r in range(size)], case)
+    if problem:
+        failures.append(problem)
+    # Every rank must hold the same bits, not just values within a tolerance.
+    raw = np.ascontiguousarray(got).view(np.uint8).ravel()
+    every = hvd.allgather(raw[None, :] if raw.size else raw.reshape(1, 0),
+                          name=case.name + ".bits")
+    if not all(np.array_equal(every[0], every[r]) for r in range(size)):
+        disagree.append(case.name)
+print("HVDLITE_RESULT", json.dumps({"cases": len(cases), "failures": failures,
+                                    "disagree": disagree, "stats": hvd.stats()}))
+hvd.shutdown()
+"""
+
+
+@pytest.mark.parametrize("np_,shm", [(2, "on"), (3, "on"), (3, "off")])
+def test_allreduce_every_dtype_and_size(np_, shm):
+    env = {"HVDLITE_SHM_ALLREDUCE": "1" if shm == "on" else "0",
+           "HVDLITE_FUSION_THRESHOLD": None}
+    job = harness.assert_ok(harness.run_job(np_, SCRIPT, timeout=300, env=env))
+    for rank in range(np_):
+        res = job.result(rank)
+        assert not res["failures"], (f"rank {rank}: {len(res['failures'])} wrong:\n"
+                                     + "\n".join(res["failures"][:20]))
+        assert not res["disagree"], f"rank {rank}: ranks hold different bits for {res['disagree']}"
+        shm_ops = res["stats"]["shm_collectives"]
+        if shm == "on":
+            # Every allreduce above went through shared memory.
+            assert shm_ops >= res["cases"], res["stats"]
+        else:
+            assert shm_ops == 0, res["stats"]
