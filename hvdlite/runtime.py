@@ -162,7 +162,8 @@ def stats():
     """Returns the core's counters since init, as a dict of ints.
 
     Keys are the fields of ``hvdlite_stats_t``: cycles, coordinator_gathers, cache_hits,
-    cache_misses, collectives, fused_collectives, tensors, bytes, errors. The core
+    cache_misses, collectives, fused_collectives, tensors, bytes, errors,
+    shm_collectives (allreduces through shared memory). The core
     answers at any time (after ``shutdown()`` it keeps the last counts).
     """
     out = ffi.new("hvdlite_stats_t *")
