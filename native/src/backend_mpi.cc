@@ -266,7 +266,6 @@ Status MpiBackend::BroadcastBlob(std::vector<uint8_t>* blob) {
 
 Status MpiBackend::Allreduce(const void* in, void* out, int64_t count, int32_t dtype,
                              int32_t reduce_op) {
-  if (shm_) return shm_->Allreduce(in, out, count, dtype, reduce_op);
   MPI_Datatype type = MpiType(dtype);
   MPI_Op op = StandardOp(reduce_op);
   if (dtype == HVDLITE_FLOAT16 || dtype == HVDLITE_BFLOAT16) {

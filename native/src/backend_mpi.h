@@ -39,7 +39,7 @@ class MpiBackend {
   Status BroadcastBlob(std::vector<uint8_t>* blob);  // from rank 0
 
   // Data (blocking).
-  // in == out reduces in place. Through shared memory when Init set it up.
+  // in == out reduces in place.
   Status Allreduce(const void* in, void* out, int64_t count, int32_t dtype, int32_t reduce_op);
   Status Allgatherv(const void* in, int64_t in_bytes, void* out,
                     const std::vector<int64_t>& bytes_per_rank);
@@ -50,8 +50,13 @@ class MpiBackend {
                        int32_t dtype, int32_t reduce_op);
   Status Barrier();
 
-  // Whether Allreduce goes through shared memory.
+  // Whether Init set up the shared-memory allreduce (every rank on this machine).
   bool shared_memory() const { return shm_ != nullptr; }
+  // The allreduce through shared memory; only when shared_memory().
+  Status SharedAllreduce(const std::vector<ShmAllreduce::Piece>& pieces, int32_t dtype,
+                         int32_t reduce_op, double prescale, double postscale, int64_t divisor) {
+    return shm_->Allreduce(pieces, dtype, reduce_op, prescale, postscale, divisor);
+  }
 
   static std::string LibraryVersion();
 

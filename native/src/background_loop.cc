@@ -685,9 +685,19 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
   }
   Activities activities(timeline_, names, queue_start_us_);
   activities.Done("QUEUE");
-  const char* reduce_activity = mpi_.shared_memory() ? "SHM_ALLREDUCE" : "MPI_ALLREDUCE";
   Status s;
-  if (fused.size() == 1 && entries[0]) {
+  if (mpi_.shared_memory()) {
+    // Straight from the inputs through shared memory into the outputs, scaled on the
+    // way: no fusion buffer and no separate scaling pass.
+    std::vector<ShmAllreduce::Piece> pieces;
+    pieces.reserve(fused.size());
+    for (size_t k = 0; k < fused.size(); ++k) {
+      TensorEntry* e = entries[k];  // null: this rank joined and contributes zeros
+      pieces.push_back({e ? e->input : nullptr, e ? e->output : nullptr, NumElements(fused[k]->shape)});
+    }
+    s = mpi_.SharedAllreduce(pieces, dtype, mpi_op, first.prescale, first.postscale, divisor);
+    activities.Done("SHM_ALLREDUCE");
+  } else if (fused.size() == 1 && entries[0]) {
     // One tensor: reduce in its output buffer, no fusion-buffer round trip.
     TensorEntry* e = entries[0];
     // Unscaled input goes to MPI as the send buffer: no copy at all.
@@ -698,7 +708,7 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
     }
     activities.Done("MEMCPY_IN_FUSION_BUFFER");
     s = mpi_.Allreduce(send, e->output, total, dtype, mpi_op);
-    activities.Done(reduce_activity);
+    activities.Done("MPI_ALLREDUCE");
     if (s.ok()) ScaledCopy(e->output, e->output, total, dtype, first.postscale, divisor);
     activities.Done("MEMCPY_OUT_FUSION_BUFFER");
   } else {
@@ -715,7 +725,7 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
     }
     activities.Done("MEMCPY_IN_FUSION_BUFFER");
     s = mpi_.Allreduce(buf, buf, total, dtype, mpi_op);
-    activities.Done(reduce_activity);
+    activities.Done("MPI_ALLREDUCE");
     off = 0;
     for (size_t k = 0; k < fused.size() && s.ok(); ++k) {
       int64_t n = NumElements(fused[k]->shape);

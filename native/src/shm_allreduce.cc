@@ -12,6 +12,7 @@
 #include <cstring>
 #include <thread>
 
+#include "fusion.h"
 #include "half.h"
 
 namespace hvdlite {
@@ -167,18 +168,45 @@ Status ShmAllreduce::Barrier() {
   }
 }
 
-Status ShmAllreduce::Allreduce(const void* in, void* out, int64_t count, int32_t dtype,
-                               int32_t reduce_op) {
+namespace {
+
+// Calls fn(piece, first element in the piece, first element in the flat buffer, count)
+// for each piece overlapping the flat range [lo, hi); starts[i] is piece i's first flat
+// element (and starts.back() the total).
+template <typename Fn>
+void ForEachPiece(const std::vector<ShmAllreduce::Piece>& pieces, const std::vector<int64_t>& starts,
+                  int64_t lo, int64_t hi, Fn fn) {
+  size_t i = std::upper_bound(starts.begin(), starts.end(), lo) - starts.begin() - 1;
+  for (; lo < hi && i < pieces.size(); ++i) {
+    int64_t end = std::min(hi, starts[i + 1]);
+    if (end > lo) fn(pieces[i], lo - starts[i], lo, end - lo);
+    lo = std::max(lo, end);
+  }
+}
+
+}  // namespace
+
+Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, int32_t dtype, int32_t reduce_op,
+                               double prescale, double postscale, int64_t divisor) {
   const int64_t elem = ElementSize(dtype);
   const int64_t per_chunk = kChunkBytes / elem;
   // Parts start on 64-byte boundaries, for the vectorized loops.
   const int64_t align = std::max<int64_t>(1, 64 / elem);
-  const uint8_t* src = static_cast<const uint8_t*>(in);
-  uint8_t* dst = static_cast<uint8_t*>(out);
+  std::vector<int64_t> starts(1, 0);
+  for (const Piece& p : pieces) starts.push_back(starts.back() + p.count);
+  const int64_t count = starts.back();
   std::vector<const uint8_t*> parts(size_);
   for (int64_t done = 0; done < count; done += per_chunk, set_ ^= 1) {
     const int64_t n = std::min(per_chunk, count - done);
-    std::memcpy(In(rank_, set_), src + done * elem, n * elem);
+    uint8_t* slot = In(rank_, set_);
+    ForEachPiece(pieces, starts, done, done + n, [&](const Piece& p, int64_t at, int64_t flat, int64_t len) {
+      uint8_t* to = slot + (flat - done) * elem;
+      if (p.in) {
+        ScaledCopy(to, static_cast<const uint8_t*>(p.in) + at * elem, len, dtype, prescale, 1);
+      } else {
+        std::memset(to, 0, len * elem);
+      }
+    });
     Status s = Barrier();
     if (!s.ok()) return s;
     const int64_t part = ((n + size_ - 1) / size_ + align - 1) / align * align;
@@ -190,9 +218,13 @@ Status ShmAllreduce::Allreduce(const void* in, void* out, int64_t count, int32_t
     if (!(s = Barrier()).ok()) return s;
     for (int k = 0; k < size_; ++k) {
       const int64_t klo = std::min(n, part * k), khi = std::min(n, klo + part);
-      if (khi > klo) {
-        std::memcpy(dst + (done + klo) * elem, Out(k, set_) + klo * elem, (khi - klo) * elem);
-      }
+      const uint8_t* from = Out(k, set_);
+      ForEachPiece(pieces, starts, done + klo, done + khi, [&](const Piece& p, int64_t at, int64_t flat, int64_t len) {
+        if (p.out) {
+          ScaledCopy(static_cast<uint8_t*>(p.out) + at * elem, from + (flat - done) * elem, len,
+                     dtype, postscale, divisor);
+        }
+      });
     }
   }
   return Status::OK();

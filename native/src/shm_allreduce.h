@@ -1,13 +1,19 @@
 // Allreduce among ranks that share one machine, through memory they all map.
 //
 // Each rank owns one segment of shared memory (the MPI backend allocates the segments
-// and hands their addresses over; this file knows nothing of MPI). A buffer goes through
-// in chunks of kChunkBytes. Per chunk:
+// and hands their addresses over; this file knows nothing of MPI). The tensors of one
+// (fused) allreduce are taken as one flat buffer, which goes through in chunks of
+// kChunkBytes. Per chunk:
 //
-//   1. every rank copies its chunk into its own "in" slot;     barrier
+//   1. every rank copies its chunk, straight from its tensors and prescaled, into its
+//      own "in" slot;                                          barrier
 //   2. rank r reduces the r-th part of the chunk, reading every rank's in slot in rank
 //      order, into the same part of its own "out" slot;       barrier
-//   3. every rank copies each part from its owner's out slot into its result.
+//   3. every rank copies each part from its owner's out slot into its tensors'
+//      outputs, postscaled (and divided, for Average) on the way.
+//
+// So there is no fusion buffer: packing, unpacking and scaling ride on the copies that
+// move data in and out of shared memory anyway.
 //
 // Every element is reduced once, by one rank, in rank order, and copied to all: the
 // result is bit-identical on every rank. Against MPICH's shared-memory allreduce this
@@ -45,9 +51,19 @@ class ShmAllreduce {
   // owner before any rank uses it); pids[k]: rank k's process id.
   ShmAllreduce(int rank, std::vector<uint8_t*> segments, std::vector<int64_t> pids);
 
-  // out[i] = in[i] reduced over the ranks (in == out reduces in place). Every rank
-  // calls it with the same count, dtype and op, in the same order.
-  Status Allreduce(const void* in, void* out, int64_t count, int32_t dtype, int32_t reduce_op);
+  // One tensor of an allreduce: count elements read from in (null: zeros, from a rank
+  // that joined) and written to out (null: dropped; in == out reduces in place). An out
+  // must not overlap another piece's in.
+  struct Piece {
+    const void* in;
+    void* out;
+    int64_t count;
+  };
+  // Reduces the pieces over the ranks as one buffer: out = reduce(in * prescale) *
+  // postscale / divisor, with ScaledCopy's rules. Every rank calls it with the same
+  // counts, dtype, op and scaling, in the same order.
+  Status Allreduce(const std::vector<Piece>& pieces, int32_t dtype, int32_t reduce_op,
+                   double prescale, double postscale, int64_t divisor);
 
  private:
   uint8_t* In(int rank, int set) const;

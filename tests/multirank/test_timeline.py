@@ -134,18 +134,29 @@ def summary_of(path, *extra):
     return proc, json.loads(proc.stdout)
 
 
-@pytest.fixture(scope="module")
-def training_trace(tmp_path_factory):
-    """A 2-rank training run with ``hvdliterun --timeline-filename``."""
+# The activities inside an ALLREDUCE span, by the path the allreduce took.
+ALLREDUCE_ACTIVITIES = {
+    # every rank on this machine: through shared memory, packing and scaling on the way
+    "shm": ["QUEUE", "SHM_ALLREDUCE"],
+    # HVDLITE_SHM_ALLREDUCE=0: MPI on the fusion buffer (or on the tensor itself)
+    "mpi": ["QUEUE", "MEMCPY_IN_FUSION_BUFFER", "MPI_ALLREDUCE", "MEMCPY_OUT_FUSION_BUFFER"],
+}
+
+
+@pytest.fixture(scope="module", params=sorted(ALLREDUCE_ACTIVITIES))
+def training_trace(request, tmp_path_factory):
+    """A 2-rank training run with ``hvdliterun --timeline-filename``; returns the file,
+    the names of the allreduced tensors and the allreduce path ("shm" or "mpi")."""
     path = tmp_path_factory.mktemp("timeline") / "timeline.json"
     script = TORCH_TRAINING if HAVE_TORCH else NUMPY_TRAINING
-    result = assert_ok(run_job(NP, script, timeout=180,
+    env = {"HVDLITE_SHM_ALLREDUCE": "1" if request.param == "shm" else "0"}
+    result = assert_ok(run_job(NP, script, timeout=180, env=env,
                                launcher_args=["--timeline-filename", str(path)]))
-    return path, result.result(0)["allreduced"]
+    return path, result.result(0)["allreduced"], request.param
 
 
 def test_trace_is_json_with_a_track_per_allreduced_tensor(training_trace):
-    path, allreduced = training_trace
+    path, allreduced, transport = training_trace
     events = read_trace(path)  # a normal shutdown leaves valid JSON
     assert isinstance(events, list) and events
     names = set(track_names(events).values())
@@ -154,7 +165,7 @@ def test_trace_is_json_with_a_track_per_allreduced_tensor(training_trace):
 
 
 def test_phases_in_order_nested_and_timed(training_trace):
-    path, allreduced = training_trace
+    path, allreduced, transport = training_trace
     events = read_trace(path)
     per_track = {}
     for e in events:
@@ -180,10 +191,7 @@ def test_phases_in_order_nested_and_timed(training_trace):
             for m in negotiate["marks"]:
                 assert negotiate["start"] <= m["ts"] <= negotiate["end"]
             children = [c["name"] for c in op["children"]]
-            # SHM_ALLREDUCE: every rank is on this machine (MPI_ALLREDUCE with
-            # HVDLITE_SHM_ALLREDUCE=0).
-            assert children == ["QUEUE", "MEMCPY_IN_FUSION_BUFFER", "SHM_ALLREDUCE",
-                                "MEMCPY_OUT_FUSION_BUFFER"], children
+            assert children == ALLREDUCE_ACTIVITIES[transport], children
             t = op["start"]
             for c in op["children"]:
                 assert t <= c["start"] <= c["end"] <= op["end"], (name, c)
@@ -259,7 +267,7 @@ def expected_summary(events):
 
 @pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib is not installed")
 def test_summary_agrees_with_the_file_and_draws_a_png(training_trace, tmp_path):
-    path, allreduced = training_trace
+    path, allreduced, transport = training_trace
     png = tmp_path / "timeline.png"
     _, summary = summary_of(path, "--plot", str(png))
     want = expected_summary(read_trace(path))
@@ -364,7 +372,7 @@ def test_negotiation_balanced_when_rank_0_has_joined(tmp_path):
 
 
 def test_summary_reads_a_file_cut_short(training_trace, tmp_path):
-    path, allreduced = training_trace
+    path, allreduced, transport = training_trace
     lines = path.read_text().splitlines(keepends=True)
     whole = len(read_trace(path))
     # Cut in the middle of an event line, as a crash during a write would.
