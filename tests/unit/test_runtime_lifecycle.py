@@ -99,7 +99,8 @@ def test_init_queries_shutdown(native, run_py):
     assert isinstance(info["threads"], bool)
     stats = info["stats"]
     assert set(stats) == {"cycles", "coordinator_gathers", "cache_hits", "cache_misses",
-                          "collectives", "fused_collectives", "tensors", "bytes", "errors"}
+                          "collectives", "fused_collectives", "shm_collectives", "tensors",
+                          "bytes", "errors"}
     assert stats["tensors"] >= 1 and stats["cycles"] >= 1
     assert "already initialized" in out.stderr
 
