@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <thread>
+#include <type_traits>
 
 #include "fusion.h"
 #include "half.h"
@@ -27,13 +28,30 @@ static_assert(sizeof(Control) <= 4096, "the control block must fit the segment h
 static_assert(std::atomic<int32_t>::is_always_lock_free,
               "the barrier needs lock-free atomics to work across processes");
 
+// Integers wrap (two's complement), as MPI's do: the arithmetic runs in the unsigned
+// type, where overflow is defined.
+template <typename T, bool = std::is_integral_v<T>>
+struct ArithOf {
+  using type = T;
+};
+template <typename T>
+struct ArithOf<T, true> {
+  using type = std::make_unsigned_t<T>;
+};
+template <typename T>
+using Arith = typename ArithOf<T>::type;
+
 struct SumOp {
   template <typename T>
-  T operator()(T a, T b) const { return static_cast<T>(a + b); }
+  T operator()(T a, T b) const {
+    return static_cast<T>(static_cast<Arith<T>>(a) + static_cast<Arith<T>>(b));
+  }
 };
 struct ProductOp {
   template <typename T>
-  T operator()(T a, T b) const { return static_cast<T>(a * b); }
+  T operator()(T a, T b) const {
+    return static_cast<T>(static_cast<Arith<T>>(a) * static_cast<Arith<T>>(b));
+  }
 };
 struct MinOp {
   template <typename T>
@@ -150,8 +168,10 @@ Status ShmAllreduce::Barrier() {
     if (c->sense.load(std::memory_order_acquire) == sense_) return Status::OK();
     if (i < 100) continue;  // a peer in step with us arrives within a few hundred ns
     auto now = Clock::now();
-    if (now - start < std::chrono::microseconds(200)) {
-      sched_yield();  // the peer may be waiting for this core
+    if (now - start < std::chrono::milliseconds(10)) {
+      // Every rank has committed to this collective, so the wait is short unless a
+      // peer lost its core: yield it (returns at once when nobody else wants it).
+      sched_yield();
       continue;
     }
     std::this_thread::sleep_for(sleep);
