@@ -25,8 +25,10 @@
 // has finished reading chunk k's. So two barriers per chunk suffice.
 //
 // The barrier (a counter and a sense flag in rank 0's segment) spins briefly, then
-// yields, then sleeps with a growing period: on a machine with more busy threads than
-// cores the peer we wait for may need our core. While waiting it checks now and then
+// yields for up to 10 ms, then sleeps with a growing period: every rank has already
+// agreed to run this collective, so a wait is short unless a peer lost its core, and
+// on a machine with more busy threads than cores yielding hands ours over. Sleeping
+// early would cost far more: a timer wakes late by tens of microseconds, per barrier. While waiting it checks now and then
 // that the peer processes still exist, so a dead rank ends the wait with an error that
 // names it rather than a hang.
 //
