@@ -45,7 +45,7 @@ namespace hvdlite {
 class ShmAllreduce {
  public:
   // Bytes per chunk and per rank: two sets of in and out slots of this size.
-  static constexpr int64_t kChunkBytes = 1 << 20;
+  static constexpr int64_t kChunkBytes = 1 << 19;
   // Bytes of shared memory each rank's segment needs.
   static constexpr int64_t kSegmentBytes = 4096 + 4 * kChunkBytes;
 

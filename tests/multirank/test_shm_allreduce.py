@@ -2,7 +2,7 @@
 jobs, against numpy and against the MPI path (``HVDLITE_SHM_ALLREDUCE=0``).
 
 Sizes cover what the chunked algorithm could get wrong: empty tensors, fewer elements
-than ranks (some ranks reduce nothing), and tensors of several 1 MiB chunks whose last
+than ranks (some ranks reduce nothing), and tensors of several 512 KiB chunks whose last
 chunk is partial, for every dtype; in place and not; one after another, so that the two
 alternating slot sets are reused. Expected values come from ``core_reference``: each
 rank regenerates every rank's contribution with numpy.
@@ -22,7 +22,7 @@ from core_reference import Case, DTYPES, FLOAT_DTYPES, contribution, check, np_d
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
 OPS = {name: getattr(hvd, name) for name in ("Sum", "Average", "Min", "Max", "Product")}
-CHUNK = 1 << 20  # the core's chunk size in bytes
+CHUNK = 1 << 19  # the core's chunk size in bytes
 
 cases = []
 for dtype in DTYPES:
