@@ -16,10 +16,19 @@ void ScaleInt(T* dst, const T* src, int64_t n, double factor, int64_t divisor) {
   }
 }
 
+// In blocks of a fixed 64 bytes, which -O2 vectorizes (a loop of unknown length it
+// leaves scalar). dst may equal src, so no restrict.
 template <typename T>
 void ScaleFloat(T* dst, const T* src, int64_t n, double scale) {
   const T s = static_cast<T>(scale);
-  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * s;
+  constexpr int64_t kBlock = 64 / sizeof(T);
+  int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    T block[kBlock];
+    for (int64_t j = 0; j < kBlock; ++j) block[j] = src[i + j] * s;
+    for (int64_t j = 0; j < kBlock; ++j) dst[i + j] = block[j];
+  }
+  for (; i < n; ++i) dst[i] = src[i] * s;
 }
 
 template <float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
