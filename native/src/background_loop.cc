@@ -102,6 +102,21 @@ class Activities {
   int64_t start_us_;
 };
 
+// A digest of everything TimelineArgs shows.
+uint64_t TimelineArgsKey(const Response& r, size_t fused) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the fields
+  auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ull; };
+  mix(static_cast<uint64_t>(r.op));
+  mix(static_cast<uint64_t>(r.dtype));
+  mix(fused);
+  for (int64_t d : r.shape) mix(static_cast<uint64_t>(d));
+  mix(~0ull);
+  for (int64_t d : r.first_dims) mix(static_cast<uint64_t>(d));
+  mix(~0ull);
+  for (int64_t s : r.splits) mix(static_cast<uint64_t>(s));
+  return h;
+}
+
 }  // namespace
 
 Core& Core::Get() {
@@ -640,7 +655,9 @@ void Core::Execute(const std::vector<Response>& ready) {
         for (size_t k = begin; k < end; ++k) {
           const Response& r = ready[k];
           if (r.op == HVDLITE_OP_JOIN) continue;
-          timeline_.Begin(r.name, kOpActivity[r.op], TimelineArgs(r, end - begin, topo_.rank, topo_.size));
+          const size_t fused = end - begin;
+          timeline_.BeginOp(r.name, kOpActivity[r.op], TimelineArgsKey(r, fused),
+                            [&] { return TimelineArgs(r, fused, topo_.rank, topo_.size); });
         }
       }
       begin = end;

@@ -97,10 +97,10 @@ Timeline::Track& Timeline::TrackOf(const std::string& tensor) {
   // The track's name travels with its first event, even when the queue is full:
   // a track without a name would be unreadable.
   queue_.push_back({'M', tid, tensor, "", 0, {}});
-  return tracks_.emplace(tensor, Track{tid, {}}).first->second;
+  return tracks_.emplace(tensor, Track{tid, {}, false, 0, {}}).first->second;
 }
 
-int Timeline::Admit(const std::string& tensor, char phase, bool only_if_idle) {
+int Timeline::Admit(const std::string& tensor, char phase, bool only_if_idle, Track** out) {
   const bool full = queue_.size() >= kMaxQueued;
   if (tensor.empty()) {  // a global mark
     if (full) ++dropped_;
@@ -115,6 +115,7 @@ int Timeline::Admit(const std::string& tensor, char phase, bool only_if_idle) {
     return queued ? it->second.tid : -1;
   }
   Track& track = TrackOf(tensor);
+  if (out) *out = &track;
   if (phase == 'B') {
     if (only_if_idle && !track.open.empty()) return -1;
     track.open.push_back(!full);
@@ -192,12 +193,30 @@ void Timeline::Complete(const std::vector<int>& tids, const char* activity, int6
   if (notify) cv_.notify_one();
 }
 
-void Timeline::BeginAll(const std::vector<const std::string*>& tensors, const char* activity) {
-  if (active()) PushAll(tensors, 'B', activity);
-}
-
 void Timeline::EndAll(const std::vector<const std::string*>& tensors) {
   if (active()) PushAll(tensors, 'E', nullptr);
+}
+
+void Timeline::BeginOp(const std::string& tensor, const char* activity, uint64_t args_key,
+                       const std::function<std::string()>& make_args) {
+  if (!active()) return;
+  int64_t ts = Now();
+  bool notify;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stop_) return;
+    Track* track = nullptr;
+    int tid = Admit(tensor, 'B', false, &track);
+    if (tid < 0) return;
+    if (!track->has_args || track->args_key != args_key) {
+      track->args = make_args();
+      track->args_key = args_key;
+      track->has_args = true;
+    }
+    queue_.push_back({'B', tid, activity, track->args, ts, {}});
+    notify = queue_.size() == kMaxQueued / 2;
+  }
+  if (notify) cv_.notify_one();
 }
 
 void Timeline::BeginNegotiationAll(const std::vector<const std::string*>& tensors,
@@ -208,10 +227,6 @@ void Timeline::BeginNegotiationAll(const std::vector<const std::string*>& tensor
 void Timeline::InstantAll(const std::vector<const std::string*>& tensors, const char* what,
                           const char* args) {
   if (active() && !tensors.empty()) PushAll(tensors, 'i', what, args);
-}
-
-void Timeline::Begin(const std::string& tensor, const std::string& activity, const std::string& args) {
-  if (active()) Push(tensor, 'B', activity, args);
 }
 
 void Timeline::BeginNegotiation(const std::string& tensor, const std::string& activity) {

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -42,17 +43,21 @@ class Timeline {
   bool active() const { return active_.load(std::memory_order_relaxed); }
   bool mark_cycles() const { return mark_cycles_.load(std::memory_order_relaxed); }
 
-  // Background thread only. A span ('B' ... 'E') on the tensor's track; args is the
-  // body of a JSON object ("\"bytes\": 4") or "".
-  void Begin(const std::string& tensor, const std::string& activity, const std::string& args = "");
+  // Background thread only: spans ('B' ... 'E') and marks on the tensors' tracks; args
+  // are the body of a JSON object ("\"bytes\": 4") or "".
+  //
   // Opens the tensor's negotiation span unless a span is already open on its track:
   // the first of rank 0's own request and any rank's request reaching the coordinator
   // opens it.
   void BeginNegotiation(const std::string& tensor, const std::string& activity);
+  // Begin of an operation span whose args depend only on args_key (a digest of what
+  // they show): make_args() formats them the first time the track sees that key, and
+  // the repeats of later steps reuse the text.
+  void BeginOp(const std::string& tensor, const char* activity, uint64_t args_key,
+               const std::function<std::string()>& make_args);
   void End(const std::string& tensor);
-  // The same activity on many tracks at one moment (a fused collective): one queued
-  // event, one line per track in the file.
-  void BeginAll(const std::vector<const std::string*>& tensors, const char* activity);
+  // End on many tracks at one moment (a fused collective): one queued event, one line
+  // per track in the file.
   void EndAll(const std::vector<const std::string*>& tensors);
   // BeginNegotiation and Instant for many tracks at one moment: one queued event.
   void BeginNegotiationAll(const std::vector<const std::string*>& tensors, const char* activity);
@@ -86,11 +91,15 @@ class Timeline {
   struct Track {
     int tid;
     std::vector<bool> open;  // one entry per open B: was it queued (true) or dropped
+    bool has_args = false;   // BeginOp's last args, and their key
+    uint64_t args_key = 0;
+    std::string args;
   };
   Track& TrackOf(const std::string& tensor);  // needs mutex_
   // Needs mutex_: updates the track's stack; returns the tid, or -1 if the event is
   // not to be written (orphan E, or dropped because the queue is full).
-  int Admit(const std::string& tensor, char phase, bool only_if_idle);
+  // track, when given, receives the tensor's Track for B and i events.
+  int Admit(const std::string& tensor, char phase, bool only_if_idle, Track** track = nullptr);
   void Push(const std::string& tensor, char phase, std::string name, std::string args,
             bool only_if_idle = false);
   void PushAll(const std::vector<const std::string*>& tensors, char phase, const char* name,
