@@ -62,26 +62,38 @@ struct MaxOp {
   T operator()(T a, T b) const { return a < b ? b : a; }
 };
 
-// out = parts[0] op parts[1] op ... (in rank order), element by element, two inputs at a
-// time. In blocks of a fixed 64 bytes through a local array: -O2 vectorizes those (it
-// leaves a loop of unknown length scalar) even though out may be a.
+// out = parts[0] op parts[1] op ... (in rank order), element by element. Two-input
+// loops over restrict pointers, in blocks of a fixed 64 bytes: -O2 vectorizes those
+// (it leaves loops of unknown length scalar, as they would need a remainder loop).
+// Combine and Accumulate stay two functions: restrict needs distinct pointers, and a
+// single version that lets out alias an input (through a local block) ran ~30% slower.
+constexpr int64_t kBlockBytes = 64;
+
 template <typename T, typename Op>
-void Combine(T* out, const T* a, const T* b, int64_t n, Op op) {
-  constexpr int64_t kBlock = 64 / sizeof(T);
+void Combine(T* __restrict out, const T* __restrict a, const T* __restrict b, int64_t n, Op op) {
+  constexpr int64_t kBlock = kBlockBytes / sizeof(T);
   int64_t i = 0;
   for (; i + kBlock <= n; i += kBlock) {
-    T block[kBlock];
-    for (int64_t j = 0; j < kBlock; ++j) block[j] = op(a[i + j], b[i + j]);
-    for (int64_t j = 0; j < kBlock; ++j) out[i + j] = block[j];
+    for (int64_t j = 0; j < kBlock; ++j) out[i + j] = op(a[i + j], b[i + j]);
   }
   for (; i < n; ++i) out[i] = op(a[i], b[i]);
+}
+
+template <typename T, typename Op>
+void Accumulate(T* __restrict out, const T* __restrict b, int64_t n, Op op) {
+  constexpr int64_t kBlock = kBlockBytes / sizeof(T);
+  int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    for (int64_t j = 0; j < kBlock; ++j) out[i + j] = op(out[i + j], b[i + j]);
+  }
+  for (; i < n; ++i) out[i] = op(out[i], b[i]);
 }
 
 template <typename T, typename Op>
 void ReduceParts(void* out, const std::vector<const uint8_t*>& parts, int64_t n, Op op) {
   T* o = static_cast<T*>(out);
   Combine(o, reinterpret_cast<const T*>(parts[0]), reinterpret_cast<const T*>(parts[1]), n, op);
-  for (size_t k = 2; k < parts.size(); ++k) Combine(o, o, reinterpret_cast<const T*>(parts[k]), n, op);
+  for (size_t k = 2; k < parts.size(); ++k) Accumulate(o, reinterpret_cast<const T*>(parts[k]), n, op);
 }
 
 // 16-bit floats: accumulated in float over every rank, rounded once.
