@@ -233,21 +233,39 @@ Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, int32_t dtype, 
   std::vector<const uint8_t*> parts(size_);
   for (int64_t done = 0; done < count; done += per_chunk, set_ ^= 1) {
     const int64_t n = std::min(per_chunk, count - done);
-    uint8_t* slot = In(rank_, set_);
-    ForEachPiece(pieces, starts, done, done + n, [&](const Piece& p, int64_t at, int64_t flat, int64_t len) {
-      uint8_t* to = slot + (flat - done) * elem;
-      if (p.in) {
-        ScaledCopy(to, static_cast<const uint8_t*>(p.in) + at * elem, len, dtype, prescale, 1);
-      } else {
-        std::memset(to, 0, len * elem);
-      }
-    });
-    Status s = Barrier();
-    if (!s.ok()) return s;
     const int64_t part = ((n + size_ - 1) / size_ + align - 1) / align * align;
     const int64_t lo = std::min(n, part * rank_), hi = std::min(n, lo + part);
+    // No other rank reads this rank's own part of its slot: when that part lies in one
+    // tensor and needs no prescaling, the reduction reads it from the tensor itself and
+    // it is not copied in (half of the copying, with 2 ranks).
+    const uint8_t* own = nullptr;
+    if (prescale == 1.0 && hi > lo) {
+      size_t i = std::upper_bound(starts.begin(), starts.end(), done + lo) - starts.begin() - 1;
+      if (i < pieces.size() && pieces[i].in && done + hi <= starts[i + 1]) {
+        own = static_cast<const uint8_t*>(pieces[i].in) + (done + lo - starts[i]) * elem;
+      }
+    }
+    uint8_t* slot = In(rank_, set_);
+    auto copy_in = [&](int64_t from, int64_t to) {
+      ForEachPiece(pieces, starts, done + from, done + to, [&](const Piece& p, int64_t at, int64_t flat, int64_t len) {
+        uint8_t* dst = slot + (flat - done) * elem;
+        if (p.in) {
+          ScaledCopy(dst, static_cast<const uint8_t*>(p.in) + at * elem, len, dtype, prescale, 1);
+        } else {
+          std::memset(dst, 0, len * elem);
+        }
+      });
+    };
+    if (own) {
+      copy_in(0, lo);
+      copy_in(hi, n);
+    } else {
+      copy_in(0, n);
+    }
+    Status s = Barrier();
+    if (!s.ok()) return s;
     if (hi > lo) {
-      for (int k = 0; k < size_; ++k) parts[k] = In(k, set_) + lo * elem;
+      for (int k = 0; k < size_; ++k) parts[k] = k == rank_ && own ? own : In(k, set_) + lo * elem;
       Reduce(Out(rank_, set_) + lo * elem, parts, hi - lo, dtype, reduce_op);
     }
     if (!(s = Barrier()).ok()) return s;

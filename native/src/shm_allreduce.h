@@ -6,7 +6,8 @@
 // kChunkBytes. Per chunk:
 //
 //   1. every rank copies its chunk, straight from its tensors and prescaled, into its
-//      own "in" slot;                                          barrier
+//      own "in" slot (all but its own part, when the reduction can read that part
+//      from the tensor itself);                                barrier
 //   2. rank r reduces the r-th part of the chunk, reading every rank's in slot in rank
 //      order, into the same part of its own "out" slot;       barrier
 //   3. every rank copies each part from its owner's out slot into its tensors'
