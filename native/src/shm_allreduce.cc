@@ -1,8 +1,10 @@
 #include "shm_allreduce.h"
 
-#include <sched.h>
+#include <linux/futex.h>
 #include <signal.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -10,7 +12,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <thread>
 #include <type_traits>
 
 #include "fusion.h"
@@ -22,7 +23,8 @@ namespace {
 // The barrier's shared state, at the start of rank 0's segment.
 struct Control {
   alignas(64) std::atomic<int32_t> count;
-  alignas(64) std::atomic<int32_t> sense;
+  alignas(64) std::atomic<int32_t> sense;     // a futex word: sleepers wait on it
+  alignas(64) std::atomic<int32_t> sleepers;  // ranks in (or about to be in) futex wait
 };
 static_assert(sizeof(Control) <= 4096, "the control block must fit the segment header");
 static_assert(std::atomic<int32_t>::is_always_lock_free,
@@ -133,6 +135,17 @@ void Reduce(void* out, const std::vector<const uint8_t*>& parts, int64_t n, int3
   }
 }
 
+// Sleeps while *word == expected, at most timeout_ms (shared between processes: no
+// FUTEX_PRIVATE_FLAG). Returns early when woken, on a signal, or if the word changed.
+void FutexWait(std::atomic<int32_t>* word, int32_t expected, int timeout_ms) {
+  struct timespec ts = {timeout_ms / 1000, (timeout_ms % 1000) * 1000000L};
+  syscall(SYS_futex, reinterpret_cast<int32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void FutexWakeAll(std::atomic<int32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<int32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
 bool ProcessAlive(int64_t pid) {
   if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return false;
   // An exited child not yet reaped by its parent (the launcher) is a zombie.
@@ -172,33 +185,30 @@ Status ShmAllreduce::Barrier() {
   sense_ ^= 1;
   if (c->count.fetch_add(1, std::memory_order_acq_rel) == size_ - 1) {
     c->count.store(0, std::memory_order_relaxed);
-    c->sense.store(sense_, std::memory_order_release);
+    c->sense.store(sense_, std::memory_order_seq_cst);
+    // Sequentially consistent with the sleepers' increment: either a sleeper sees the
+    // new sense before it waits, or this sees the sleeper and wakes it.
+    if (c->sleepers.load(std::memory_order_seq_cst) > 0) FutexWakeAll(&c->sense);
     return Status::OK();
   }
   using Clock = std::chrono::steady_clock;
-  const auto start = Clock::now();
-  auto next_check = start + std::chrono::milliseconds(100);
-  auto sleep = std::chrono::microseconds(20);
+  const auto spin_end = Clock::now() + std::chrono::microseconds(20);
   for (int i = 0;; ++i) {
     if (c->sense.load(std::memory_order_acquire) == sense_) return Status::OK();
-    if (i < 100) continue;  // a peer in step with us arrives within a few hundred ns
-    auto now = Clock::now();
-    if (now - start < std::chrono::milliseconds(10)) {
-      // Every rank has committed to this collective, so the wait is short unless a
-      // peer lost its core: yield it (returns at once when nobody else wants it).
-      sched_yield();
-      continue;
-    }
-    std::this_thread::sleep_for(sleep);
-    sleep = std::min(sleep * 2, std::chrono::microseconds(1000));
-    if (now >= next_check) {
-      int dead = DeadPeer();
-      if (dead >= 0) {
-        return Status(HVDLITE_ERR_RANK_FAILED,
-                      "rank " + std::to_string(dead) + " (pid " + std::to_string(pids_[dead]) +
-                          ") ended during a shared-memory allreduce");
-      }
-      next_check = now + std::chrono::milliseconds(100);
+    // A peer in step with us arrives within microseconds.
+    if (i % 64 == 63 && Clock::now() >= spin_end) break;
+  }
+  const int32_t old_sense = sense_ ^ 1;
+  while (true) {
+    c->sleepers.fetch_add(1, std::memory_order_seq_cst);
+    if (c->sense.load(std::memory_order_seq_cst) == old_sense) FutexWait(&c->sense, old_sense, 100);
+    c->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (c->sense.load(std::memory_order_acquire) == sense_) return Status::OK();
+    int dead = DeadPeer();  // woken by the timeout (or a signal): is everyone still there?
+    if (dead >= 0) {
+      return Status(HVDLITE_ERR_RANK_FAILED,
+                    "rank " + std::to_string(dead) + " (pid " + std::to_string(pids_[dead]) +
+                        ") ended during a shared-memory allreduce");
     }
   }
 }

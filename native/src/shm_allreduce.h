@@ -25,11 +25,11 @@
 // chunk k+2's slots once it passed chunk k+1's first barrier, by which time every rank
 // has finished reading chunk k's. So two barriers per chunk suffice.
 //
-// The barrier (a counter and a sense flag in rank 0's segment) spins briefly, then
-// yields for up to 10 ms, then sleeps with a growing period: every rank has already
-// agreed to run this collective, so a wait is short unless a peer lost its core, and
-// on a machine with more busy threads than cores yielding hands ours over. Sleeping
-// early would cost far more: a timer wakes late by tens of microseconds, per barrier. While waiting it checks now and then
+// The barrier (a counter and a sense flag in rank 0's segment) spins for 20 us, which
+// covers a peer in step, then sleeps on the sense flag as a futex until the last rank
+// to arrive wakes it: a waiting rank takes no CPU from the training threads that share
+// its cores (spinning or yielding there took up to half a core from them), and a wake
+// costs a few microseconds, not a timer's late tens. Every 100 ms of waiting it checks
 // that the peer processes still exist, so a dead rank ends the wait with an error that
 // names it rather than a hang.
 //
