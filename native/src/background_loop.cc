@@ -365,6 +365,12 @@ Status Core::Enqueue(const hvdlite_tensor_t* tensors, int32_t n, bool group, hvd
 
 // ------------------------------------------------------------ background thread
 
+bool Core::EndLoop(const Status& s) {
+  std::lock_guard<std::mutex> lock(end_mutex_);
+  end_status_ = s;
+  return false;
+}
+
 void Core::FailEverything(const Status& s) {
   for (hvdlite_handle_t h : queue_.TakeAll()) handles_.Complete(h, s);
 }
@@ -487,11 +493,7 @@ bool Core::RunCycle() {
   invalid_slots_.clear();
 
   Status s = mpi_.AndBits(&bits);
-  if (!s.ok()) {
-    std::lock_guard<std::mutex> lock(end_mutex_);
-    end_status_ = s;
-    return false;
-  }
+  if (!s.ok()) return EndLoop(s);
   flags = ~bits[0];
   bool any_uncached = flags & 1, any_shutdown = flags & 2, any_joined = flags & 4;
 
@@ -565,11 +567,7 @@ bool Core::RunCycle() {
     if (s.ok()) s = mpi_.BroadcastBlob(&blob);
     std::vector<Response> fresh_responses;
     if (s.ok()) s = ParseResponses(blob.data(), blob.size(), &fresh_responses);
-    if (!s.ok()) {
-      std::lock_guard<std::mutex> lock(end_mutex_);
-      end_status_ = s;
-      return false;
-    }
+    if (!s.ok()) return EndLoop(s);
     for (Response& r : fresh_responses) {
       if (r.cacheable && cache_ && r.error.empty()) {
         // Every rank submitted a cacheable tensor, so each has its own request here;
@@ -757,10 +755,7 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
   if (fused.size() > 1) counters_.fused_collectives++;
   counters_.bytes += total * elem;
   for (TensorEntry* e : entries) Finish(e, s);
-  if (!s.ok()) {
-    std::lock_guard<std::mutex> lock(end_mutex_);
-    end_status_ = s;
-  }
+  if (!s.ok()) EndLoop(s);
 }
 
 // Bytes of one allgather's result (all ranks' rows).
@@ -820,10 +815,7 @@ void Core::ExecuteAllgather(const std::vector<const Response*>& fused) {
   counters_.fused_collectives++;
   counters_.bytes += total;
   for (size_t t = 0; t < fused.size(); ++t) Finish(entries[t], s, std::move(outs[t]));
-  if (!s.ok()) {
-    std::lock_guard<std::mutex> lock(end_mutex_);
-    end_status_ = s;
-  }
+  if (!s.ok()) EndLoop(s);
 }
 
 void Core::ExecuteOne(const Response& r) {
@@ -922,10 +914,7 @@ void Core::ExecuteOne(const Response& r) {
     counters_.bytes += moved;
   }
   Finish(e, s, std::move(out));
-  if (!s.ok()) {
-    std::lock_guard<std::mutex> lock(end_mutex_);
-    end_status_ = s;
-  }
+  if (!s.ok()) EndLoop(s);
 }
 
 }  // namespace hvdlite

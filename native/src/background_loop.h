@@ -54,6 +54,9 @@ class Core {
   static int64_t AllgatherBytes(const Response& r);
   void ExecuteOne(const Response& r);
   void Finish(TensorEntry* e, const Status& s, OpOutput out = OpOutput());
+  // A transport failure ends the loop after this cycle, with s as the reason; returns
+  // false (RunCycle's "stop").
+  bool EndLoop(const Status& s);
   void FailEverything(const Status& s);
 
   // Set before the thread starts or while it is not running; read-only otherwise.

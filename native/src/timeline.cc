@@ -127,39 +127,45 @@ int Timeline::Admit(const std::string& tensor, char phase, bool only_if_idle, Tr
   return track.tid;
 }
 
-void Timeline::Push(const std::string& tensor, char phase, std::string name, std::string args,
-                    bool only_if_idle) {
-  int64_t ts = Now();
+template <typename Make>
+void Timeline::Produce(Make make) {
   bool notify;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stop_) return;
-    int tid = Admit(tensor, phase, only_if_idle);
-    if (tid < 0) return;
-    queue_.push_back({phase, tid, std::move(name), std::move(args), ts, {}});
+    Event e;
+    if (!make(&e)) return;
+    queue_.push_back(std::move(e));
     notify = queue_.size() == kMaxQueued / 2;
   }
   if (notify) cv_.notify_one();
 }
 
+void Timeline::Push(const std::string& tensor, char phase, std::string name, std::string args,
+                    bool only_if_idle) {
+  int64_t ts = Now();
+  Produce([&](Event* e) {
+    int tid = Admit(tensor, phase, only_if_idle);
+    if (tid < 0) return false;
+    *e = {phase, tid, std::move(name), std::move(args), ts, {}};
+    return true;
+  });
+}
+
 void Timeline::PushAll(const std::vector<const std::string*>& tensors, char phase,
                        const char* name, const char* args, bool only_if_idle) {
   int64_t ts = Now();
-  bool notify;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (stop_) return;
+  Produce([&](Event* e) {
     std::vector<int> tids;
     tids.reserve(tensors.size());
     for (const std::string* t : tensors) {
       int tid = Admit(*t, phase, only_if_idle);
       if (tid >= 0) tids.push_back(tid);
     }
-    if (tids.empty()) return;
-    queue_.push_back({phase, 0, name ? name : "", args, ts, std::move(tids)});
-    notify = queue_.size() == kMaxQueued / 2;
-  }
-  if (notify) cv_.notify_one();
+    if (tids.empty()) return false;
+    *e = {phase, 0, name ? name : "", args, ts, std::move(tids)};
+    return true;
+  });
 }
 
 std::vector<int> Timeline::OpenTracks(const std::vector<const std::string*>& tensors) {
@@ -179,18 +185,14 @@ std::vector<int> Timeline::OpenTracks(const std::vector<const std::string*>& ten
 void Timeline::Complete(const std::vector<int>& tids, const char* activity, int64_t start_us,
                         int64_t end_us) {
   if (tids.empty() || !active()) return;
-  bool notify;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (stop_) return;
+  Produce([&](Event* e) {
     if (queue_.size() >= kMaxQueued) {
       ++dropped_;
-      return;
+      return false;
     }
-    queue_.push_back({'X', 0, activity, "", start_us, tids, end_us - start_us});
-    notify = queue_.size() == kMaxQueued / 2;
-  }
-  if (notify) cv_.notify_one();
+    *e = {'X', 0, activity, "", start_us, tids, end_us - start_us};
+    return true;
+  });
 }
 
 void Timeline::EndAll(const std::vector<const std::string*>& tensors) {
@@ -201,22 +203,18 @@ void Timeline::BeginOp(const std::string& tensor, const char* activity, uint64_t
                        const std::function<std::string()>& make_args) {
   if (!active()) return;
   int64_t ts = Now();
-  bool notify;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (stop_) return;
+  Produce([&](Event* e) {
     Track* track = nullptr;
     int tid = Admit(tensor, 'B', false, &track);
-    if (tid < 0) return;
+    if (tid < 0) return false;
     if (!track->has_args || track->args_key != args_key) {
       track->args = make_args();
       track->args_key = args_key;
       track->has_args = true;
     }
-    queue_.push_back({'B', tid, activity, track->args, ts, {}});
-    notify = queue_.size() == kMaxQueued / 2;
-  }
-  if (notify) cv_.notify_one();
+    *e = {'B', tid, activity, track->args, ts, {}};
+    return true;
+  });
 }
 
 void Timeline::BeginNegotiationAll(const std::vector<const std::string*>& tensors,
