@@ -42,10 +42,6 @@ class NativeHandle:
         if handle_id:
             lib.hvdlite_release(handle_id)
 
-    @property
-    def released(self):
-        return self.id == 0
-
     def __del__(self):
         # Possibly run by the garbage collector at any point: never raise from here.
         try:
@@ -126,8 +122,7 @@ class Handle:
             keepalive: objects to reference until the ops have ended.
             name: a label for messages (the tensor or group name).
         """
-        if _orphans:
-            reap_orphans()
+        reap_orphans()
         self._ids = [int(h) for h in native_ids]
         self._owners = None  # index -> NativeHandle, for results viewing core memory
         self._finisher = finisher

@@ -154,8 +154,8 @@ def _c_shape(shape):
 
 def _fill(struct, op, name, dtype, shape, input, output, reduce_op, prescale, postscale,
           root_rank, splits, process_set_id, device):
-    """Fills one hvdlite_tensor_t (the per-gradient hot path: no allocations beyond the
-    splits array).
+    """Fills one hvdlite_tensor_t, for groups and alltoall's splits (single tensors
+    without splits go field by field through hvdlite_enqueue_fields).
 
     Returns the cffi objects the struct points to, which must stay referenced until the
     enqueue call returns (the core copies name, shape and splits at enqueue).
@@ -335,6 +335,23 @@ def resolve_op(op, average):
                       DeprecationWarning, stacklevel=3)
         return Average if average else Sum
     return Average if op is None else op
+
+
+def predivide_scaling(op, factor):
+    """Horovod's ``gradient_predivide_factor`` as ``(op, prescale, postscale)``.
+
+    Gradients are multiplied by 1/factor before the sum and by factor after it; the
+    core's Average then divides by the ranks that contributed. The adapters' optimizers
+    and gradient tapes share it.
+
+    Raises:
+        InvalidArgumentError: a factor other than 1 with an op other than Average.
+    """
+    if factor == 1.0:
+        return op, 1.0, 1.0
+    if op != Average:
+        raise InvalidArgumentError("gradient_predivide_factor is supported only with op=Average")
+    return Average, 1.0 / factor, float(factor)
 
 
 def _returns(value):

@@ -41,8 +41,7 @@ def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_fac
         average: deprecated; True means op=Average, False op=Sum.
         prescale_factor, postscale_factor, op: as for ``hvdlite.allreduce``.
     """
-    if op is None:
-        op = Sum if average is False else Average
+    op = ops.resolve_op(op, average)
     return ops.allreduce(_to_numpy(value), name, op, prescale_factor, postscale_factor)
 
 

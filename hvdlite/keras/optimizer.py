@@ -46,12 +46,9 @@ def _allreduce_torch(grads, settings, postscale):
         tensor, ctx = compression.compress(grads[i].contiguous())
         wire.append(tensor)
         contexts.append(ctx)
-    op, prescale = settings["op"], 1.0
-    if settings["gradient_predivide_factor"] != 1.0:
-        factor = settings["gradient_predivide_factor"]
-        op, prescale, postscale = Sum, 1.0 / factor, postscale * factor / hvd_torch.size()
+    op, prescale, post = ops.predivide_scaling(settings["op"], settings["gradient_predivide_factor"])
     hvd_torch.grouped_allreduce_(wire, op=op, prescale_factor=prescale,
-                                 postscale_factor=postscale)
+                                 postscale_factor=postscale * post)
     out = list(grads)
     for i, tensor, ctx in zip(present, wire, contexts):
         out[i] = compression.decompress(tensor, ctx)
@@ -75,6 +72,7 @@ def _settings(compression=Compression.none, sparse_as_dense=False,
               gradient_predivide_factor=1.0, op=Average, average_aggregated_gradients=False):
     if op not in (Average, Sum):
         raise ValueError("DistributedOptimizer reduces gradients with op=Average or Sum")
+    ops.predivide_scaling(op, gradient_predivide_factor)  # refused here, not at a step
     return {"compression": compression, "sparse_as_dense": sparse_as_dense,
             "gradient_predivide_factor": gradient_predivide_factor, "op": op,
             "average_aggregated_gradients": average_aggregated_gradients}

@@ -1,7 +1,7 @@
 """DistributedGradientTape: a tf.GradientTape whose gradients are allreduced."""
 import tensorflow as tf
 
-from hvdlite import runtime
+from hvdlite import ops
 from hvdlite.errors import InvalidArgumentError
 from hvdlite.tensorflow import mpi_ops
 from hvdlite.tensorflow.compression import Compression
@@ -33,13 +33,7 @@ def allreduce_gradients(grads, compression=Compression.none, op=mpi_ops.Average,
     """
     if op not in (mpi_ops.Average, mpi_ops.Sum):
         raise InvalidArgumentError("gradients are reduced with op=Average or op=Sum only")
-    prescale, postscale = 1.0, 1.0
-    if gradient_predivide_factor != 1.0:
-        if op != mpi_ops.Average:
-            raise InvalidArgumentError("gradient_predivide_factor needs op=Average")
-        op = mpi_ops.Sum
-        prescale = 1.0 / gradient_predivide_factor
-        postscale = gradient_predivide_factor / runtime.size()
+    op, prescale, postscale = ops.predivide_scaling(op, gradient_predivide_factor)
     flat = tf.nest.flatten(grads, expand_composites=False)
     present = [i for i, g in enumerate(flat) if g is not None]
     values = []

@@ -43,7 +43,6 @@ Max = ops.Max
 Product = ops.Product
 
 
-_resolve_op = ops.resolve_op
 
 
 # -- names -------------------------------------------------------------------------------
@@ -235,7 +234,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
         HorovodInternalError: eagerly, the collective failed (e.g. MismatchError);
             inside a graph, a tf.errors exception carrying that message.
     """
-    op = _resolve_op(op, average)
+    op = ops.resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
         return _sparse_allreduce(tensor, name, op, compression, prescale_factor,
                                  postscale_factor)
@@ -287,7 +286,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     Raises:
         As ``allreduce``; nothing is enqueued if any tensor is refused.
     """
-    op = _resolve_op(op, average)
+    op = ops.resolve_op(op, average)
     tensors_in = list(tensors)
     results = [None] * len(tensors_in)
     dense_index, dense, contexts = [], [], []

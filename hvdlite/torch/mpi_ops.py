@@ -153,13 +153,6 @@ def _from_core(handle, index, dtype, trailing_shape):
     return torch.from_numpy(arr)
 
 
-_resolve_op = ops.resolve_op
-
-
-def _returns(value):
-    return lambda handle: value
-
-
 # -- allreduce ---------------------------------------------------------------------------
 
 
@@ -175,7 +168,7 @@ def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor
     return ops.enqueue(ops.ALLREDUCE, name, code, tuple(tensor.shape), tensor.data_ptr(),
                        output.data_ptr(), reduce_op=op, prescale=prescale_factor,
                        postscale=postscale_factor, process_set_id=psid,
-                       keepalive=(tensor, output), finisher=_returns(output))
+                       keepalive=(tensor, output), finisher=ops._returns(output))
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -199,7 +192,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
         DuplicateNameError: a tensor of that name is in flight.
         NotInitializedError: before init() or after shutdown().
     """
-    op = _resolve_op(op, average)
+    op = ops.resolve_op(op, average)
     return _allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor,
                             process_set)
 
@@ -210,7 +203,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 
     See ``allreduce_async`` for the arguments and errors.
     """
-    op = _resolve_op(op, average)
+    op = ops.resolve_op(op, average)
     return _allreduce_async(tensor, tensor, name, op, prescale_factor, postscale_factor,
                             process_set)
 
@@ -262,7 +255,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
         InvalidArgumentError, DuplicateNameError, NotInitializedError: refused.
         HorovodInternalError: the collective failed (e.g. MismatchError across ranks).
     """
-    op = _resolve_op(op, average)
+    op = ops.resolve_op(op, average)
     compressed, ctx = compression.compress(tensor)
     reduced = _AllreduceFunction.apply(compressed, name, op, prescale_factor,
                                        postscale_factor, process_set)
@@ -289,7 +282,7 @@ def _grouped_allreduce_async(tensors, outputs, names, op, prescale_factor,
                                     process_set_id=psid))
         keep += [tensor, output]
     results = keep[1::2]
-    return ops.enqueue_group(specs, name=label, keepalive=keep, finisher=_returns(results))
+    return ops.enqueue_group(specs, name=label, keepalive=keep, finisher=ops._returns(results))
 
 
 def _group_names(tensors, name):
@@ -315,7 +308,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
         InvalidArgumentError, DuplicateNameError, NotInitializedError: refused; nothing
             is enqueued if any tensor is refused.
     """
-    op = _resolve_op(op, average)
+    op = ops.resolve_op(op, average)
     tensors, names, group = _group_names(tensors, name)
     return _grouped_allreduce_async(tensors, [None] * len(tensors), names, op,
                                     prescale_factor, postscale_factor, process_set, group)
@@ -324,7 +317,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set):
     """In-place ``grouped_allreduce_async``: the result list holds the given tensors."""
-    op = _resolve_op(op, average)
+    op = ops.resolve_op(op, average)
     tensors, names, group = _group_names(tensors, name)
     return _grouped_allreduce_async(tensors, tensors, names, op, prescale_factor,
                                     postscale_factor, process_set, group)
@@ -364,7 +357,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 
     See ``grouped_allreduce_async`` and ``allreduce``.
     """
-    op = _resolve_op(op, average)
+    op = ops.resolve_op(op, average)
     pairs = [compression.compress(t) for t in tensors]
     reduced = _GroupedAllreduceFunction.apply(name, op, prescale_factor, postscale_factor,
                                               process_set, *[c for c, _ in pairs])
@@ -440,7 +433,7 @@ def _broadcast_async(tensor, output, root_rank, name, process_set):
         output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     return ops.enqueue(ops.BROADCAST, name, code, tuple(tensor.shape), tensor.data_ptr(),
                        output.data_ptr(), root_rank=root, process_set_id=psid,
-                       keepalive=(tensor, output), finisher=_returns(output))
+                       keepalive=(tensor, output), finisher=ops._returns(output))
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
@@ -591,7 +584,7 @@ def _reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, pr
     return ops.enqueue(ops.REDUCESCATTER, name, code, tuple(tensor.shape), tensor.data_ptr(),
                        output.data_ptr(), reduce_op=op, prescale=prescale_factor,
                        postscale=postscale_factor, process_set_id=psid,
-                       keepalive=(tensor, output), finisher=_returns(output))
+                       keepalive=(tensor, output), finisher=ops._returns(output))
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,

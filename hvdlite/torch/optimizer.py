@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from hvdlite import runtime
+from hvdlite import ops, runtime
 from hvdlite.torch import mpi_ops
 from hvdlite.torch.compression import Compression
 
@@ -28,8 +28,7 @@ class _DistributedOptimizer:
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got "
                              f"{backward_passes_per_step}")
-        if op != mpi_ops.Average and gradient_predivide_factor != 1.0:
-            raise ValueError("gradient_predivide_factor is supported only with op=Average")
+        _, *self._scale = ops.predivide_scaling(op, gradient_predivide_factor)
         mpi_ops._process_set_id(process_set)
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
@@ -37,12 +36,6 @@ class _DistributedOptimizer:
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
-        if op == mpi_ops.Average:
-            # The core divides by the number of ranks after postscale; splitting the
-            # factor keeps large sums in range (Horovod's gradient_predivide_factor).
-            self._scale = (1.0 / gradient_predivide_factor, gradient_predivide_factor)
-        else:
-            self._scale = (1.0, 1.0)
 
         all_params = [p for group in self.param_groups for p in group["params"]]
         self._parameter_names = self._name_parameters(named_parameters, all_params)

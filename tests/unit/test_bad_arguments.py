@@ -134,3 +134,20 @@ def test_wait_timeout_is_not_fatal(hvd):
     except hvd.errors.WaitTimeoutError:
         pass  # the op goes on; the next wait gets the result
     assert hvd.synchronize(handle).tolist() == [1.0, 1.0]
+
+
+def test_gradient_predivide_is_refused_with_ops_other_than_average(native):
+    # One rule for every adapter: torch and Keras (on either backend) and the TF tape.
+    import keras
+
+    import hvdlite as hvd
+    from hvdlite import ops
+    from hvdlite.keras import DistributedOptimizer
+
+    assert ops.predivide_scaling(hvd.Average, 4.0) == (hvd.Average, 0.25, 4.0)
+    assert ops.predivide_scaling(hvd.Sum, 1.0) == (hvd.Sum, 1.0, 1.0)
+    with pytest.raises(ValueError, match="gradient_predivide_factor"):
+        ops.predivide_scaling(hvd.Sum, 2.0)
+    # Keras refuses at construction, not at the first step (it used to sum on torch).
+    with pytest.raises(ValueError, match="gradient_predivide_factor"):
+        DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Sum, gradient_predivide_factor=2.0)
