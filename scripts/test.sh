@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh
-OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+HVDLITE_REQUIRE_NATIVE=1 OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

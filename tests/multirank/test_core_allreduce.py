@@ -18,6 +18,9 @@ DEFAULTS = {"HVDLITE_FUSION_THRESHOLD": None, "HVDLITE_CACHE_CAPACITY": None,
             "HVDLITE_STALL_SHUTDOWN_TIME": None, "HVDLITE_TIMELINE": None}
 FUSION = {"fusion_on": {}, "fusion_off": {"HVDLITE_FUSION_THRESHOLD": "0"}}
 CACHE = {"cache_on": {}, "cache_off": {"HVDLITE_CACHE_CAPACITY": "0"}}
+# Every rank is on this machine: allreduces go through shared memory unless turned off,
+# which leaves MPI with the fusion buffer (its own packing, scaling and zeros for joins).
+TRANSPORT = {"shm": {"HVDLITE_SHM_ALLREDUCE": "1"}, "mpi": {"HVDLITE_SHM_ALLREDUCE": "0"}}
 
 
 def env_for(*settings):
@@ -115,12 +118,14 @@ print("HVDLITE_RESULT", json.dumps({
 """
 
 
+@pytest.mark.parametrize("transport", sorted(TRANSPORT))
 @pytest.mark.parametrize("cache", sorted(CACHE))
 @pytest.mark.parametrize("fusion", sorted(FUSION))
 @pytest.mark.parametrize("np_", RANKS)
-def test_every_op_dtype_against_numpy(np_, fusion, cache):
+def test_every_op_dtype_against_numpy(np_, fusion, cache, transport):
     job = harness.assert_ok(harness.run_job(
-        np_, MATRIX_SCRIPT, timeout=180, env=env_for(FUSION[fusion], CACHE[cache])))
+        np_, MATRIX_SCRIPT, timeout=180,
+        env=env_for(FUSION[fusion], CACHE[cache], TRANSPORT[transport])))
     for rank in range(np_):
         res = results_by_kind(job, rank)["matrix"]
         assert not res["failures"], (
@@ -132,6 +137,9 @@ def test_every_op_dtype_against_numpy(np_, fusion, cache):
         assert g1["tensors"] - g0["tensors"] == n
         assert s1["tensors"] - s0["tensors"] == n and s2["tensors"] - s1["tensors"] == n
         assert s2["errors"] == 0
+        # Every collective here is an allreduce: all or none through shared memory.
+        want_shm = s2["collectives"] if transport == "shm" else 0
+        assert s2["shm_collectives"] == want_shm, s2
         if fusion == "fusion_on":
             # Passes 1 and 2 fuse what happens to be ready together; the grouped pass
             # fuses every family of two or more members into exactly one collective.

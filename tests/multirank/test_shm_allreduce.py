@@ -75,7 +75,7 @@ def test_allreduce_every_dtype_and_size(np_, shm):
         assert not res["disagree"], f"rank {rank}: ranks hold different bits for {res['disagree']}"
         shm_ops = res["stats"]["shm_collectives"]
         if shm == "on":
-            # Every allreduce above went through shared memory.
-            assert shm_ops >= res["cases"], res["stats"]
+            # Every allreduce above, and nothing else, went through shared memory.
+            assert shm_ops == res["cases"], res["stats"]
         else:
             assert shm_ops == 0, res["stats"]
