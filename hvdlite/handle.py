@@ -19,9 +19,8 @@ import numpy as np
 from hvdlite import errors
 from hvdlite._native import check, error_for, ffi, last_error, lib
 
-# Waits in the main thread are cut into slices so that Ctrl-C is handled between them;
-# a waiting thread wakes once per slice, which costs nothing measurable.
-_MAIN_THREAD_WAIT_SLICE_S = 1.0
+# Waits are cut into slices so that Ctrl-C reaches the main thread between them.
+_WAIT_SLICE_S = 1.0
 
 
 class NativeHandle:
@@ -111,7 +110,7 @@ class Handle:
     __slots__ = ("_ids", "_owners", "_finisher", "_keepalive", "name", "_lock", "_ended",
                  "_result", "_error", "__weakref__")
 
-    def __init__(self, native_ids, finisher=None, keepalive=(), name=None):
+    def __init__(self, native_ids, finisher=None, keepalive=(), name=None, result=None):
         """Wraps native handles returned by hvdlite_enqueue(_group).
 
         Args:
@@ -121,8 +120,11 @@ class Handle:
                 :meth:`output`, :meth:`output_array`, :meth:`recv_splits`.
             keepalive: objects to reference until the ops have ended.
             name: a label for messages (the tensor or group name).
+            result: the result when there is no finisher (e.g. the output array the
+                core writes into).
         """
-        reap_orphans()
+        if _orphans:
+            reap_orphans()
         self._ids = [int(h) for h in native_ids]
         self._owners = None  # index -> NativeHandle, for results viewing core memory
         self._finisher = finisher
@@ -130,7 +132,7 @@ class Handle:
         self.name = name
         self._lock = threading.Lock()
         self._ended = False
-        self._result = None
+        self._result = result
         self._error = None
 
     def __repr__(self):
@@ -163,19 +165,22 @@ class Handle:
         return True
 
     def _wait_native(self, handle_id, deadline):
-        """Blocks until one native op ends; returns (status, message)."""
-        main = threading.current_thread() is threading.main_thread()
+        """Blocks until one native op ends; returns (status, message).
+
+        The wait is cut into slices so that the main thread handles Ctrl-C between them
+        (other threads just wake once per slice, which costs nothing measurable).
+        """
         while True:
             if deadline is None:
-                timeout = _MAIN_THREAD_WAIT_SLICE_S if main else -1.0
+                timeout = _WAIT_SLICE_S
             else:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    remaining = 0.0
-                timeout = min(remaining, _MAIN_THREAD_WAIT_SLICE_S) if main else remaining
+                timeout = min(max(remaining, 0.0), _WAIT_SLICE_S)
             status = lib.hvdlite_wait(handle_id, timeout)
+            if status == lib.HVDLITE_OK:
+                return status, None
             if status != lib.HVDLITE_ERR_TIMEOUT:
-                return status, (last_error() if status != lib.HVDLITE_OK else None)
+                return status, last_error()
             if deadline is not None and time.monotonic() >= deadline:
                 raise error_for(status, f"waiting for {self.name!r} timed out; "
                                         "the op goes on")
@@ -222,16 +227,22 @@ class Handle:
                 self._result = self._finisher(self)
             except errors.HvdliteError as e:
                 failure = e
+        if failure is not None:
+            self._result = None
         self._error = failure
         self._ended = True
         self._finisher = None
         self._keepalive = None
-        owners = self._owners or {}
-        for index, handle_id in enumerate(self._ids):
-            if index not in owners:
+        owners = self._owners
+        if owners:
+            # Ids viewed by result arrays go with the last of those arrays.
+            for index, handle_id in enumerate(self._ids):
+                if index not in owners:
+                    lib.hvdlite_release(handle_id)
+            self._owners = None
+        else:
+            for handle_id in self._ids:
                 lib.hvdlite_release(handle_id)
-        # Ids viewed by result arrays go with the last of those arrays.
-        self._owners = None
 
     # -- helpers for finishers -------------------------------------------------------
 

@@ -80,6 +80,8 @@ def auto_name(kind):
 
 
 def _resolve_name(kind, name):
+    if type(name) is str and name and "\0" not in name:
+        return name  # the usual case
     if name is None:
         return auto_name(kind)
     if not isinstance(name, str):
@@ -184,7 +186,7 @@ def _fill(struct, op, name, dtype, shape, input, output, reduce_op, prescale, po
 
 def enqueue(op, name, dtype_code, shape, input_ptr, output_ptr=None, *, reduce_op=Average,
             prescale=1.0, postscale=1.0, root_rank=0, splits=None, process_set_id=0,
-            device=-1, keepalive=(), finisher=None):
+            device=-1, keepalive=(), finisher=None, result=None):
     """Enqueues one tensor with the core; returns at once.
 
     The caller has validated the tensor; the core checks what it can (and names in
@@ -205,6 +207,8 @@ def enqueue(op, name, dtype_code, shape, input_ptr, output_ptr=None, *, reduce_o
         device: -1 for host memory, else the device ordinal.
         keepalive: objects (the tensors) referenced until the op has ended.
         finisher: ``finisher(handle) -> result``, run once after success.
+        result: what the Handle returns on success when there is no finisher (the
+            output the core writes into).
 
     Returns:
         A Handle.
@@ -213,23 +217,34 @@ def enqueue(op, name, dtype_code, shape, input_ptr, output_ptr=None, *, reduce_o
         NotInitializedError, InvalidArgumentError, DuplicateNameError: refused by the
             core; nothing was enqueued.
     """
-    out = ffi.new("hvdlite_handle_t *")
     if splits is None:
-        # Field by field: the per-gradient path, several times cheaper than a struct.
-        c_name, c_shape = _c_name(name), _c_shape(shape)
-        check(lib.hvdlite_enqueue_fields(op, c_name, dtype_code, len(shape), c_shape,
-                                         _pointer(input_ptr), _pointer(output_ptr),
-                                         reduce_op, prescale, postscale, root_rank,
-                                         process_set_id, device, out))
-        return Handle((out[0],), finisher=finisher, keepalive=keepalive, name=name)
+        return enqueue_fields(op, name, dtype_code, shape, input_ptr, output_ptr, reduce_op,
+                              prescale, postscale, root_rank, process_set_id, device,
+                              keepalive, finisher, result)
+    out = ffi.new("hvdlite_handle_t *")
     struct = ffi.new("hvdlite_tensor_t *")
     keep = _fill(struct, op, name, dtype_code, shape, input_ptr, output_ptr, reduce_op,
                  prescale, postscale, root_rank, splits, process_set_id, device)
     check(lib.hvdlite_enqueue(struct, out))
-    return Handle((out[0],), finisher=finisher, keepalive=(keepalive, keep), name=name)
+    return Handle([out[0]], finisher, (keepalive, keep), name, result)
 
 
-def enqueue_group(specs, *, name=None, keepalive=(), finisher=None):
+def enqueue_fields(op, name, dtype_code, shape, input_ptr, output_ptr, reduce_op, prescale,
+                   postscale, root_rank, process_set_id, device, keepalive, finisher, result):
+    """``enqueue`` of one tensor without splits, every argument given in order: the
+    per-tensor path (a training step's gradients), several times cheaper than a
+    struct and keyword arguments."""
+    out = ffi.new("hvdlite_handle_t *")
+    status = lib.hvdlite_enqueue_fields(op, _c_name(name), dtype_code, len(shape),
+                                        _c_shape(shape), _pointer(input_ptr),
+                                        _pointer(output_ptr), reduce_op, prescale, postscale,
+                                        root_rank, process_set_id, device, out)
+    if status:
+        check(status)
+    return Handle([out[0]], finisher, keepalive, name, result)
+
+
+def enqueue_group(specs, *, name=None, keepalive=(), finisher=None, result=None):
     """Enqueues tensors that are negotiated and executed together; all or nothing.
 
     Args:
@@ -237,6 +252,7 @@ def enqueue_group(specs, *, name=None, keepalive=(), finisher=None):
         name: a label for the Handle (e.g. the group's name).
         keepalive: objects referenced until every op has ended.
         finisher: ``finisher(handle) -> result``, run once after all succeeded.
+        result: what the Handle returns on success when there is no finisher.
 
     Returns:
         One Handle for the whole group.
@@ -248,7 +264,7 @@ def enqueue_group(specs, *, name=None, keepalive=(), finisher=None):
     specs = list(specs)
     if not specs:
         # Nothing to negotiate; still a Handle so callers need no special case.
-        return Handle([], finisher=finisher, keepalive=keepalive, name=name)
+        return Handle([], finisher, keepalive, name, result)
     keep = []
     structs = ffi.new("hvdlite_tensor_t[]", len(specs))
     for i, q in enumerate(specs):
@@ -257,7 +273,7 @@ def enqueue_group(specs, *, name=None, keepalive=(), finisher=None):
                           q.process_set_id, q.device))
     handles = ffi.new("hvdlite_handle_t[]", len(specs))
     check(lib.hvdlite_enqueue_group(structs, len(specs), handles))
-    return Handle(list(handles), finisher=finisher, keepalive=(keepalive, keep), name=name)
+    return Handle(list(handles), finisher, (keepalive, keep), name, result)
 
 
 # -- numpy front end ---------------------------------------------------------------------
@@ -354,10 +370,6 @@ def predivide_scaling(op, factor):
     return Average, 1.0 / factor, float(factor)
 
 
-def _returns(value):
-    return lambda handle: value
-
-
 def _output_array(out, arr, name):
     """Checks a caller-given result buffer: same shape and dtype, C-contiguous, writable."""
     if not isinstance(out, np.ndarray) or out.shape != arr.shape or out.dtype != arr.dtype:
@@ -394,13 +406,9 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
     arr, code = _input_array(array, name)
     _check_reduce_op(op, arr, name)
     _check_scale(prescale_factor, postscale_factor, arr, name)
-    if out is None:
-        out = np.empty(arr.shape, dtype=arr.dtype)
-    else:
-        out = _output_array(out, arr, name)
-    return enqueue(ALLREDUCE, name, code, arr.shape, _address(arr), _address(out),
-                   reduce_op=op, prescale=prescale_factor, postscale=postscale_factor,
-                   keepalive=(arr, out), finisher=_returns(out))
+    out = np.empty(arr.shape, arr.dtype) if out is None else _output_array(out, arr, name)
+    return enqueue_fields(ALLREDUCE, name, code, arr.shape, _address(arr), _address(out), op,
+                          prescale_factor, postscale_factor, 0, 0, -1, (arr, out), None, out)
 
 
 def allreduce(array, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
@@ -449,7 +457,7 @@ def grouped_allreduce_async(arrays, name=None, op=Average, prescale_factor=1.0,
                                 _address(out), op, prescale_factor, postscale_factor))
         keep += [arr, out]
         outs.append(out)
-    return enqueue_group(specs, name=group, keepalive=keep, finisher=_returns(outs))
+    return enqueue_group(specs, name=group, keepalive=keep, result=outs)
 
 
 def grouped_allreduce(arrays, name=None, op=Average, prescale_factor=1.0,
@@ -516,7 +524,7 @@ def broadcast_async(array, root_rank, name=None):
     root = _check_rank(root_rank, "root_rank", name)
     out = np.empty(arr.shape, dtype=arr.dtype)
     return enqueue(BROADCAST, name, code, arr.shape, _address(arr), _address(out),
-                   root_rank=root, keepalive=(arr, out), finisher=_returns(out))
+                   root_rank=root, keepalive=(arr, out), result=out)
 
 
 def broadcast(array, root_rank, name=None):
@@ -624,7 +632,7 @@ def reducescatter_async(array, name=None, op=Average, prescale_factor=1.0,
     out = np.empty((rows,) + arr.shape[1:], dtype=arr.dtype)
     return enqueue(REDUCESCATTER, name, code, arr.shape, _address(arr), _address(out),
                    reduce_op=op, prescale=prescale_factor, postscale=postscale_factor,
-                   keepalive=(arr, out), finisher=_returns(out))
+                   keepalive=(arr, out), result=out)
 
 
 def reducescatter(array, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0):

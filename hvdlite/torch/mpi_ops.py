@@ -168,7 +168,7 @@ def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor
     return ops.enqueue(ops.ALLREDUCE, name, code, tuple(tensor.shape), tensor.data_ptr(),
                        output.data_ptr(), reduce_op=op, prescale=prescale_factor,
                        postscale=postscale_factor, process_set_id=psid,
-                       keepalive=(tensor, output), finisher=ops._returns(output))
+                       keepalive=(tensor, output), result=output)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -282,7 +282,7 @@ def _grouped_allreduce_async(tensors, outputs, names, op, prescale_factor,
                                     process_set_id=psid))
         keep += [tensor, output]
     results = keep[1::2]
-    return ops.enqueue_group(specs, name=label, keepalive=keep, finisher=ops._returns(results))
+    return ops.enqueue_group(specs, name=label, keepalive=keep, result=results)
 
 
 def _group_names(tensors, name):
@@ -433,7 +433,7 @@ def _broadcast_async(tensor, output, root_rank, name, process_set):
         output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     return ops.enqueue(ops.BROADCAST, name, code, tuple(tensor.shape), tensor.data_ptr(),
                        output.data_ptr(), root_rank=root, process_set_id=psid,
-                       keepalive=(tensor, output), finisher=ops._returns(output))
+                       keepalive=(tensor, output), result=output)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
@@ -584,7 +584,7 @@ def _reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, pr
     return ops.enqueue(ops.REDUCESCATTER, name, code, tuple(tensor.shape), tensor.data_ptr(),
                        output.data_ptr(), reduce_op=op, prescale=prescale_factor,
                        postscale=postscale_factor, process_set_id=psid,
-                       keepalive=(tensor, output), finisher=ops._returns(output))
+                       keepalive=(tensor, output), result=output)
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,

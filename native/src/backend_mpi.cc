@@ -160,7 +160,7 @@ void MpiBackend::SetUpSharedMemory(void* local_comm, int rank) {
     MPI_Win_shared_query(*win, k, &bytes, &disp, &base);
     segments[k] = static_cast<uint8_t*>(base);
   }
-  if (rank == 0) std::memset(segments[0], 0, 4096);  // the barrier's counter and sense
+  if (rank == 0) std::memset(segments[0], 0, ShmAllreduce::kControlBytes);  // the barrier's state
   int64_t pid = static_cast<int64_t>(getpid());
   std::vector<int64_t> pids(size);
   MPI_Allgather(&pid, 1, MPI_INT64_T, pids.data(), 1, MPI_INT64_T, local);  // also a barrier
@@ -209,6 +209,8 @@ Status MpiBackend::WaitBackoff(void* request, const char* what) {
 }
 
 Status MpiBackend::AndBits(std::vector<uint64_t>* bits) {
+  const int64_t words = static_cast<int64_t>(bits->size());
+  if (shm_ && words <= ShmAllreduce::kMaxBitsWords) return shm_->AndBits(bits->data(), words);
   MPI_Request req;
   Status s = Check(MPI_Iallreduce(MPI_IN_PLACE, bits->data(), static_cast<int>(bits->size()),
                                   MPI_UINT64_T, MPI_BAND, Comm(comm_), &req),

@@ -25,14 +25,16 @@ class MpiBackend {
  public:
   // comm_f2c < 0: MPI_COMM_WORLD. Initializes MPI when nobody has, from the calling
   // (background) thread, at MPI_THREAD_MULTIPLE if thread_multiple, else FUNNELED.
-  // shared_memory: when every rank is on this machine, allreduce through a shared
-  // memory window (ShmAllreduce) instead of MPI_Allreduce.
+  // shared_memory: when every rank is on this machine, allreduce (and AND the
+  // coordination's bits) through a shared memory window (ShmAllreduce) instead of MPI.
   Status Init(int64_t comm_f2c, bool thread_multiple, bool shared_memory, MpiTopology* topo);
   // Frees the core's communicators; finalizes MPI if Init initialized it and
   // `finalize` is set (not after a transport failure, where it could hang).
   void Shutdown(bool finalize);
 
-  // Negotiation (nonblocking, polled with backoff).
+  // Negotiation. AndBits goes through shared memory when the allreduce does (and the
+  // vector fits there); otherwise, like the rest, through nonblocking MPI polled with
+  // a backoff.
   Status AndBits(std::vector<uint64_t>* bits);
   // Rank 0 receives every rank's blob; others get an empty vector.
   Status GatherBlobs(const std::vector<uint8_t>& mine, std::vector<std::vector<uint8_t>>* all);

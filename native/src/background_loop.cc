@@ -32,6 +32,10 @@ constexpr const char* kJoinName = "__join__";
 // Tensors this large are reduced alone, in place: copying them into and out of the
 // fusion buffer costs more than the collective's fixed latency that fusion saves.
 constexpr int64_t kFuseAloneBytes = 1 << 20;
+// A burst of requests is gathered until none arrived for this long (a submitting
+// thread adds one every few microseconds, but may lose its core for a while on a
+// busy machine), a thread waits for a result, or a cycle time after the first.
+constexpr std::chrono::microseconds kQuiet(100);
 // How often a rank with nothing in flight still joins the coordination.
 constexpr std::chrono::milliseconds kIdleCycle(20);
 
@@ -121,7 +125,12 @@ uint64_t TimelineArgsKey(const Response& r, size_t fused) {
 
 Core& Core::Get() {
   // Never destroyed: the background thread may outlive static destruction order.
-  static Core* core = new Core();
+  static Core* core = [] {
+    Core* c = new Core();
+    // A thread blocking on a result ends the gathering of a burst (WaitForQuiet).
+    c->handles_.set_on_block([c] { c->queue_.Hurry(); });
+    return c;
+  }();
   return *core;
 }
 
@@ -219,72 +228,75 @@ Status Core::StopTimeline() {
 // ---------------------------------------------------------------- enqueue (any thread)
 
 Status Core::Validate(const hvdlite_tensor_t& t, int64_t index) const {
-  std::string who = t.name ? std::string("tensor '") + t.name + "'" : "tensor #" + std::to_string(index);
-  if (!t.name || !*t.name) return InvalidArgument(who + ": a name is required");
+  // Built only for an error message: this runs for every tensor of every step.
+  auto who = [&] {
+    return t.name ? std::string("tensor '") + t.name + "'" : "tensor #" + std::to_string(index);
+  };
+  if (!t.name || !*t.name) return InvalidArgument(who() + ": a name is required");
   if (std::strlen(t.name) > kMaxNameBytes) {
     return InvalidArgument("tensor name of " + std::to_string(std::strlen(t.name)) +
                            " bytes is too long (at most " + std::to_string(kMaxNameBytes) + ")");
   }
-  if (!ValidOp(t.op)) return InvalidArgument(who + ": unknown op " + std::to_string(t.op));
-  if (!ValidDtype(t.dtype)) return InvalidArgument(who + ": unsupported dtype code " + std::to_string(t.dtype));
+  if (!ValidOp(t.op)) return InvalidArgument(who() + ": unknown op " + std::to_string(t.op));
+  if (!ValidDtype(t.dtype)) return InvalidArgument(who() + ": unsupported dtype code " + std::to_string(t.dtype));
   if (t.ndim < 0 || t.ndim > 64 || (t.ndim > 0 && !t.shape)) {
-    return InvalidArgument(who + ": invalid number of dimensions " + std::to_string(t.ndim));
+    return InvalidArgument(who() + ": invalid number of dimensions " + std::to_string(t.ndim));
   }
   int64_t elems = 1;
   for (int i = 0; i < t.ndim; ++i) {
-    if (t.shape[i] < 0) return InvalidArgument(who + ": negative dimension in its shape");
+    if (t.shape[i] < 0) return InvalidArgument(who() + ": negative dimension in its shape");
     elems *= t.shape[i];
   }
   const char* op = OpName(t.op);
   if (t.device != -1) {
-    return InvalidArgument(who + ": device tensors (device " + std::to_string(t.device) +
+    return InvalidArgument(who() + ": device tensors (device " + std::to_string(t.device) +
                            ") are not supported by this build yet; only host memory");
   }
   if (t.process_set_id != 0) {
-    return InvalidArgument(who + ": process set " + std::to_string(t.process_set_id) +
+    return InvalidArgument(who() + ": process set " + std::to_string(t.process_set_id) +
                            " does not exist (only 0, all ranks)");
   }
   if (t.op == HVDLITE_OP_ALLREDUCE || t.op == HVDLITE_OP_REDUCESCATTER) {
     if (!ValidReduceOp(t.reduce_op)) {
-      return InvalidArgument(who + ": unknown reduction op " + std::to_string(t.reduce_op));
+      return InvalidArgument(who() + ": unknown reduction op " + std::to_string(t.reduce_op));
     }
     if (t.dtype == HVDLITE_BOOL && t.reduce_op != HVDLITE_MIN && t.reduce_op != HVDLITE_MAX) {
-      return InvalidArgument(who + ": bool tensors support only Min and Max, not " +
+      return InvalidArgument(who() + ": bool tensors support only Min and Max, not " +
                              ReduceOpName(t.reduce_op));
     }
     if (!std::isfinite(t.prescale_factor) || !std::isfinite(t.postscale_factor)) {
-      return InvalidArgument(who + ": scale factors must be finite");
+      return InvalidArgument(who() + ": scale factors must be finite");
     }
   }
   bool data_op = t.op != HVDLITE_OP_BARRIER && t.op != HVDLITE_OP_JOIN;
-  if (data_op && elems > 0 && !t.input) return InvalidArgument(who + ": input pointer is NULL");
+  if (data_op && elems > 0 && !t.input) return InvalidArgument(who() + ": input pointer is NULL");
   bool caller_output = t.op == HVDLITE_OP_ALLREDUCE || t.op == HVDLITE_OP_BROADCAST ||
                        t.op == HVDLITE_OP_REDUCESCATTER;
   if (caller_output && elems > 0 && !t.output) {
-    return InvalidArgument(who + ": " + op + " needs an output buffer");
+    return InvalidArgument(who() + ": " + op + " needs an output buffer");
   }
   if ((t.op == HVDLITE_OP_ALLGATHER || t.op == HVDLITE_OP_ALLTOALL ||
        t.op == HVDLITE_OP_REDUCESCATTER) && t.ndim < 1) {
-    return InvalidArgument(who + ": " + op + " needs a tensor with at least one dimension, got a 0-d one");
+    return InvalidArgument(who() + ": " + op + " needs a tensor with at least one dimension, got a 0-d one");
   }
   int size = topo_.size;
   if (t.op == HVDLITE_OP_BROADCAST && (t.root_rank < 0 || t.root_rank >= size)) {
-    return InvalidArgument(who + ": root rank " + std::to_string(t.root_rank) +
+    return InvalidArgument(who() + ": root rank " + std::to_string(t.root_rank) +
                            " is out of range for " + std::to_string(size) + " ranks");
   }
   if (t.op == HVDLITE_OP_ALLTOALL) {
     if (t.splits) {
       int64_t sum = 0;
       for (int r = 0; r < size; ++r) {
-        if (t.splits[r] < 0) return InvalidArgument(who + ": alltoall splits must not be negative");
+        if (t.splits[r] < 0) return InvalidArgument(who() + ": alltoall splits must not be negative");
         sum += t.splits[r];
       }
       if (sum != t.shape[0]) {
-        return InvalidArgument(who + ": alltoall splits sum to " + std::to_string(sum) +
+        return InvalidArgument(who() + ": alltoall splits sum to " + std::to_string(sum) +
                                " but the first dimension is " + std::to_string(t.shape[0]));
       }
     } else if (t.shape[0] % size != 0) {
-      return InvalidArgument(who + ": " + std::to_string(t.shape[0]) +
+      return InvalidArgument(who() + ": " + std::to_string(t.shape[0]) +
                              " rows cannot be split evenly across " + std::to_string(size) +
                              " ranks; pass splits");
     }
@@ -394,7 +406,12 @@ void Core::Loop(int64_t comm_f2c) {
   const auto idle_cycle = std::max<Clock::duration>(cycle, kIdleCycle);
   while (true) {
     bool idle = queue_.Size() == 0 && !local_joined_ && !join_active_;
-    queue_.WaitForWork(last_start + (idle ? idle_cycle : cycle));
+    if (queue_.WaitForWork(last_start + (idle ? idle_cycle : cycle))) {
+      // Requests arrived: the rest of a burst (a training step's gradients, a loop of
+      // submissions) joins them, so that one cycle negotiates and fuses them all
+      // instead of a cycle starting for the first alone while the others queue.
+      queue_.WaitForQuiet(kQuiet, Clock::now() + cycle, handles_.blocked());
+    }
     last_start = Clock::now();
     Status s;
     bool go_on = true;
@@ -602,6 +619,12 @@ void Core::Finish(TensorEntry* e, const Status& s, OpOutput out) {
   handles_.Complete(h, s, std::move(out));
 }
 
+void Core::FinishAll(const std::vector<TensorEntry*>& entries, const Status& s) {
+  std::vector<hvdlite_handle_t> handles = queue_.RemoveAll(entries);  // entries gone
+  (s.ok() ? counters_.tensors : counters_.errors) += static_cast<int64_t>(handles.size());
+  handles_.CompleteAll(handles, s);
+}
+
 void Core::Execute(const std::vector<Response>& ready) {
   // Plan: ready[begin, ends[n]) is one collective, a run of compatible allreduces fused
   // under the threshold or one other response. Every field used here comes from the
@@ -690,11 +713,10 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
   const int64_t divisor = average ? std::max(1, first.contributors) : 1;
   const int32_t mpi_op = average ? HVDLITE_SUM : first.reduce_op;
   const bool tl = timeline_.active();
-  std::vector<TensorEntry*> entries;
+  std::vector<TensorEntry*> entries = queue_.FindAll(fused, [](const Response* r) -> const std::string& { return r->name; });
   std::vector<const std::string*> names;  // timeline tracks
   int64_t total = 0;
   for (const Response* r : fused) {
-    entries.push_back(queue_.Find(r->name));
     total += NumElements(r->shape);
     if (tl) names.push_back(&r->name);
   }
@@ -754,7 +776,7 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
   if (mpi_.shared_memory()) counters_.shm_collectives++;
   if (fused.size() > 1) counters_.fused_collectives++;
   counters_.bytes += total * elem;
-  for (TensorEntry* e : entries) Finish(e, s);
+  FinishAll(entries, s);
   if (!s.ok()) EndLoop(s);
 }
 

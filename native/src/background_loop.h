@@ -54,6 +54,8 @@ class Core {
   static int64_t AllgatherBytes(const Response& r);
   void ExecuteOne(const Response& r);
   void Finish(TensorEntry* e, const Status& s, OpOutput out = OpOutput());
+  // Finish for ops without outputs of their own (a fused allreduce), in one go.
+  void FinishAll(const std::vector<TensorEntry*>& entries, const Status& s);
   // A transport failure ends the loop after this cycle, with s as the reason; returns
   // false (RunCycle's "stop").
   bool EndLoop(const Status& s);

@@ -27,6 +27,21 @@ void HandleTable::Complete(hvdlite_handle_t h, const Status& status, OpOutput ou
   if (waited) done_cv_.notify_all();
 }
 
+void HandleTable::CompleteAll(const std::vector<hvdlite_handle_t>& handles, const Status& status) {
+  bool waited = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (hvdlite_handle_t h : handles) {
+      auto it = states_.find(h);
+      if (it == states_.end()) continue;
+      it->second.done = true;
+      it->second.status = status;
+      waited |= it->second.waiters > 0;
+    }
+  }
+  if (waited) done_cv_.notify_all();
+}
+
 Status HandleTable::Missing(hvdlite_handle_t h) const {
   return Status(HVDLITE_ERR_INVALID_HANDLE,
                 "handle " + std::to_string(h) + " is unknown or was already released");
@@ -49,6 +64,8 @@ Status HandleTable::Wait(hvdlite_handle_t h, double timeout_s) {
   State& state = it->second;
   if (!state.done) {
     ++state.waiters;
+    blocked_.fetch_add(1);
+    if (on_block_) on_block_();
     bool done = true;
     if (timeout_s < 0) {
       done_cv_.wait(lock, [&] { return state.done; });
@@ -57,6 +74,7 @@ Status HandleTable::Wait(hvdlite_handle_t h, double timeout_s) {
                                [&] { return state.done; });
     }
     --state.waiters;
+    blocked_.fetch_sub(1);
     if (!done) {
       return Status(HVDLITE_ERR_TIMEOUT, "the op did not finish within " +
                                              std::to_string(timeout_s) + " s; it is still running");

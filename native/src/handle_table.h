@@ -2,12 +2,14 @@
 // release; the background thread completes. Waiters block on a condition variable.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
-#include <cstdlib>
-#include <new>
 #include <cstdint>
+#include <cstdlib>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <unordered_map>
 #include <vector>
 
@@ -39,12 +41,19 @@ class HandleTable {
   hvdlite_handle_t Create();
   // Background thread: records the outcome and wakes waiters.
   void Complete(hvdlite_handle_t h, const Status& status, OpOutput output = OpOutput());
+  // Complete for many handles with one status and no output, under one lock and with
+  // at most one wake-up: a fused batch ends at once for its waiters.
+  void CompleteAll(const std::vector<hvdlite_handle_t>& handles, const Status& status);
   Status Poll(hvdlite_handle_t h, bool* done);
   // Returns the op's status, or TIMEOUT with the op still running.
   Status Wait(hvdlite_handle_t h, double timeout_s);
   Status Output(hvdlite_handle_t h, void** data, int64_t* nbytes, int64_t* first_dim);
   Status RecvSplits(hvdlite_handle_t h, std::vector<int64_t>* splits);
   Status Release(hvdlite_handle_t h);
+  // Threads blocked in Wait right now; on_block runs (handle lock held) when a thread
+  // is about to block.
+  const std::atomic<int>& blocked() const { return blocked_; }
+  void set_on_block(std::function<void()> on_block) { on_block_ = std::move(on_block); }
 
  private:
   struct State {
@@ -59,6 +68,8 @@ class HandleTable {
   std::condition_variable done_cv_;
   std::unordered_map<hvdlite_handle_t, State> states_;  // Guarded by mutex_.
   hvdlite_handle_t next_ = 1;                           // Guarded by mutex_.
+  std::atomic<int> blocked_{0};
+  std::function<void()> on_block_;
 };
 
 }  // namespace hvdlite

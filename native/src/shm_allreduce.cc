@@ -26,7 +26,7 @@ struct Control {
   alignas(64) std::atomic<int32_t> sense;     // a futex word: sleepers wait on it
   alignas(64) std::atomic<int32_t> sleepers;  // ranks in (or about to be in) futex wait
 };
-static_assert(sizeof(Control) <= 4096, "the control block must fit the segment header");
+static_assert(sizeof(Control) <= ShmAllreduce::kControlBytes, "the control block must fit its area");
 static_assert(std::atomic<int32_t>::is_always_lock_free,
               "the barrier needs lock-free atomics to work across processes");
 
@@ -168,7 +168,11 @@ ShmAllreduce::ShmAllreduce(int rank, std::vector<uint8_t*> segments, std::vector
       pids_(std::move(pids)) {}
 
 uint8_t* ShmAllreduce::In(int rank, int set) const {
-  return segments_[rank] + 4096 + static_cast<int64_t>(set) * 2 * kChunkBytes;
+  return segments_[rank] + kHeaderBytes + static_cast<int64_t>(set) * 2 * kChunkBytes;
+}
+
+uint64_t* ShmAllreduce::Bits(int rank, int set) const {
+  return reinterpret_cast<uint64_t*>(segments_[rank] + kControlBytes) + set * kMaxBitsWords;
 }
 
 uint8_t* ShmAllreduce::Out(int rank, int set) const { return In(rank, set) + kChunkBytes; }
@@ -211,6 +215,19 @@ Status ShmAllreduce::Barrier() {
                         ") ended during a shared-memory allreduce");
     }
   }
+}
+
+Status ShmAllreduce::AndBits(uint64_t* bits, int64_t words) {
+  std::memcpy(Bits(rank_, bits_set_), bits, words * sizeof(uint64_t));
+  Status s = Barrier();
+  if (!s.ok()) return s;
+  for (int k = 0; k < size_; ++k) {
+    if (k == rank_) continue;
+    const uint64_t* theirs = Bits(k, bits_set_);
+    for (int64_t i = 0; i < words; ++i) bits[i] &= theirs[i];
+  }
+  bits_set_ ^= 1;
+  return Status::OK();
 }
 
 namespace {

@@ -33,6 +33,13 @@
 // that the peer processes still exist, so a dead rank ends the wait with an error that
 // names it rather than a hang.
 //
+// The same segments carry the coordination's bit vector (AndBits): every rank writes
+// its vector to its segment, passes the barrier and ANDs all of them. A rank that gets
+// there before a peer sleeps until the peer arrives and is woken at once, where the
+// MPI collective could only be polled (with a backoff whose sleeps a peer's arrival
+// does not cut short). Two areas alternate, as the slots do: an area is written again
+// two calls later, after a barrier every rank passed once done reading it.
+//
 // Background thread only.
 #pragma once
 
@@ -47,8 +54,13 @@ class ShmAllreduce {
  public:
   // Bytes per chunk and per rank: two sets of in and out slots of this size.
   static constexpr int64_t kChunkBytes = 1 << 19;
-  // Bytes of shared memory each rank's segment needs.
-  static constexpr int64_t kSegmentBytes = 4096 + 4 * kChunkBytes;
+  // Longest bit vector AndBits takes (a response cache of up to ~65,000 entries).
+  static constexpr int64_t kMaxBitsWords = 2048;
+  // Each segment: the barrier's control block (used in rank 0's), two bit-vector
+  // areas, then the two sets of in and out slots.
+  static constexpr int64_t kControlBytes = 4096;
+  static constexpr int64_t kHeaderBytes = kControlBytes + 2 * kMaxBitsWords * 8;
+  static constexpr int64_t kSegmentBytes = kHeaderBytes + 4 * kChunkBytes;
 
   // segments[k]: rank k's segment as mapped in this process (rank 0's zeroed by its
   // owner before any rank uses it); pids[k]: rank k's process id.
@@ -68,7 +80,12 @@ class ShmAllreduce {
   Status Allreduce(const std::vector<Piece>& pieces, int32_t dtype, int32_t reduce_op,
                    double prescale, double postscale, int64_t divisor);
 
+  // bits[i] = AND over ranks of every rank's bits[i]; words <= kMaxBitsWords. Every
+  // rank calls it with the same length, in the same order relative to Allreduce.
+  Status AndBits(uint64_t* bits, int64_t words);
+
  private:
+  uint64_t* Bits(int rank, int set) const;
   uint8_t* In(int rank, int set) const;
   uint8_t* Out(int rank, int set) const;
   Status Barrier();
@@ -79,6 +96,7 @@ class ShmAllreduce {
   const std::vector<uint8_t*> segments_;
   const std::vector<int64_t> pids_;
   int set_ = 0;    // slot set of the next chunk
+  int bits_set_ = 0;  // bit-vector area of the next AndBits
   int sense_ = 0;  // this rank's barrier sense
 };
 

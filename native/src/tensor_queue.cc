@@ -29,6 +29,7 @@ Status TensorQueue::Add(std::vector<TensorEntry> entries) {
       std::string name = e.request.name;
       entries_.emplace(std::move(name), std::move(e));
     }
+    added_.fetch_add(entries.size(), std::memory_order_relaxed);
   }
   work_cv_.notify_one();
   return Status::OK();
@@ -52,6 +53,18 @@ void TensorQueue::Remove(const std::string& name) {
   entries_.erase(name);
 }
 
+std::vector<hvdlite_handle_t> TensorQueue::RemoveAll(const std::vector<TensorEntry*>& entries) {
+  std::vector<hvdlite_handle_t> handles;
+  handles.reserve(entries.size());
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (TensorEntry* e : entries) {
+    if (!e) continue;
+    handles.push_back(e->handle);
+    entries_.erase(e->request.name);
+  }
+  return handles;
+}
+
 std::vector<hvdlite_handle_t> TensorQueue::TakeAll() {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<hvdlite_handle_t> handles;
@@ -61,9 +74,34 @@ std::vector<hvdlite_handle_t> TensorQueue::TakeAll() {
   return handles;
 }
 
-void TensorQueue::WaitForWork(Clock::time_point deadline) {
+bool TensorQueue::WaitForWork(Clock::time_point deadline) {
   std::unique_lock<std::mutex> lock(mutex_);
   work_cv_.wait_until(lock, deadline, [&] { return !pending_.empty() || woken_; });
+  return !pending_.empty();
+}
+
+void TensorQueue::WaitForQuiet(Clock::duration quiet, Clock::time_point deadline,
+                               const std::atomic<int>& blocked) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  gathering_.store(true);
+  uint64_t seen = added_.load(std::memory_order_relaxed);
+  // Adds do not wake this wait (they notify work_cv_): the submitting thread and this
+  // one would otherwise trade the CPU for every request. A thread that blocks on a
+  // result either sees gathering_ and wakes it (Hurry), or its blocked count is seen
+  // here (both sequentially consistent).
+  while (!quiet_cv_.wait_until(lock, std::min(Clock::now() + quiet, deadline),
+                               [&] { return blocked.load() > 0 || woken_; })) {
+    uint64_t added = added_.load(std::memory_order_relaxed);
+    if (added == seen || Clock::now() >= deadline) break;
+    seen = added;
+  }
+  gathering_.store(false);
+}
+
+void TensorQueue::Hurry() {
+  if (!gathering_.load()) return;  // the usual case: no lock
+  { std::lock_guard<std::mutex> lock(mutex_); }  // WaitForQuiet is in its wait, or past it
+  quiet_cv_.notify_one();
 }
 
 void TensorQueue::Wake() {
@@ -72,6 +110,7 @@ void TensorQueue::Wake() {
     woken_ = true;
   }
   work_cv_.notify_one();
+  quiet_cv_.notify_one();
 }
 
 size_t TensorQueue::Size() {

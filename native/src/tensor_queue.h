@@ -5,6 +5,7 @@
 // addresses stable across inserts).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -33,11 +34,25 @@ class TensorQueue {
   Status Add(std::vector<TensorEntry> entries);
   void PopPending(std::vector<Request>* out);
   TensorEntry* Find(const std::string& name);
+  // Find for a list of names under one lock (null for a name not in flight).
+  template <typename NameOf, typename T>
+  std::vector<TensorEntry*> FindAll(const std::vector<T>& items, NameOf name_of);
   void Remove(const std::string& name);
+  // Removes the entries and returns their handles, under one lock.
+  std::vector<hvdlite_handle_t> RemoveAll(const std::vector<TensorEntry*>& entries);
   // Removes everything; returns the handles that were in flight.
   std::vector<hvdlite_handle_t> TakeAll();
-  // Background thread: sleeps until new requests arrive, Wake() is called, or deadline.
-  void WaitForWork(Clock::time_point deadline);
+  // Background thread: sleeps until new requests arrive, Wake() is called, or
+  // deadline. Returns whether requests are pending.
+  bool WaitForWork(Clock::time_point deadline);
+  // Background thread, after WaitForWork: gathers a burst of submissions (a training
+  // step's gradients, a loop of async calls) into one cycle. Returns once no request
+  // was added for `quiet`, `blocked` (threads blocked waiting for a result, which
+  // submit nothing meanwhile) is above zero, Wake() is called, or at deadline.
+  void WaitForQuiet(Clock::duration quiet, Clock::time_point deadline,
+                    const std::atomic<int>& blocked);
+  // Call after `blocked` went up: ends a WaitForQuiet in progress.
+  void Hurry();
   void Wake();
   size_t Size();
 
@@ -47,6 +62,21 @@ class TensorQueue {
   std::unordered_map<std::string, TensorEntry> entries_;  // Guarded by mutex_.
   std::vector<Request> pending_;                          // Guarded by mutex_.
   bool woken_ = false;                                    // Guarded by mutex_.
+  std::condition_variable quiet_cv_;                      // WaitForQuiet sleeps here
+  std::atomic<uint64_t> added_{0};                        // requests ever added
+  std::atomic<bool> gathering_{false};                    // in WaitForQuiet
 };
+
+template <typename NameOf, typename T>
+std::vector<TensorEntry*> TensorQueue::FindAll(const std::vector<T>& items, NameOf name_of) {
+  std::vector<TensorEntry*> found;
+  found.reserve(items.size());
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const T& item : items) {
+    auto it = entries_.find(name_of(item));
+    found.push_back(it == entries_.end() ? nullptr : &it->second);
+  }
+  return found;
+}
 
 }  // namespace hvdlite
