@@ -236,3 +236,21 @@ def test_steady_state_without_cache_gathers_every_step():
         warm, end = res["warm"], res["end"]
         assert end["cache_hits"] == 0, end
         assert end["coordinator_gathers"] - warm["coordinator_gathers"] >= steps - res["warmup"]
+
+
+def test_cache_too_large_for_shared_coordination_falls_back_to_mpi():
+    # The coordination's bit vector goes through shared memory only up to ~65,000
+    # cache entries; a larger cache sends it through MPI while the allreduces stay in
+    # shared memory. The cache must still answer every steady-state step.
+    steps = 100
+    job = harness.assert_ok(harness.run_job(
+        3, LOOP_SCRIPT, args=[steps], timeout=120,
+        env=env_for(TRANSPORT["shm"], {"HVDLITE_CACHE_CAPACITY": "200000"})))
+    for rank in range(3):
+        res = results_by_kind(job, rank)["loop"]
+        assert not res["bad"], f"rank {rank}: wrong results: {res['bad']}"
+        warm, end = res["warm"], res["end"]
+        steady = (steps - res["warmup"]) * res["tensors"]
+        assert end["coordinator_gathers"] == warm["coordinator_gathers"], (warm, end)
+        assert end["cache_hits"] - warm["cache_hits"] == steady, (warm, end)
+        assert end["shm_collectives"] == end["collectives"] > 0, end
