@@ -300,28 +300,30 @@ def _input_array(array, name, *, min_ndim=0):
     return arr, code
 
 
-def _check_reduce_op(op, arr, name):
-    if type(op) is int and op in _REDUCE_OP_NAMES and arr.dtype != np.bool_:
+def _check_reduce_op(op, is_bool, name):
+    """Refuses an op that is not one of the five, or that bool tensors do not support."""
+    if type(op) is int and op in _REDUCE_OP_NAMES and not is_bool:
         return  # the usual case
     if (isinstance(op, bool) or not isinstance(op, (int, np.integer))
             or op not in _REDUCE_OP_NAMES):
         raise InvalidArgumentError(
             f"tensor '{name}': op {op!r} is not one of hvdlite.Average, Sum, Min, Max, "
             "Product")
-    if arr.dtype == np.bool_ and op not in (Min, Max):
+    if is_bool and op not in (Min, Max):
         raise InvalidArgumentError(
             f"tensor '{name}': bool tensors support only Min and Max, not "
             f"{_REDUCE_OP_NAMES[op]}")
 
 
-def _check_scale(prescale, postscale, arr, name):
-    if type(prescale) is float and type(postscale) is float and arr.dtype != np.bool_:
+def _check_scale(prescale, postscale, is_bool, name):
+    """Refuses scale factors that are not numbers, or any scaling of bool tensors."""
+    if type(prescale) is float and type(postscale) is float and not is_bool:
         return  # the usual case
     for label, value in (("prescale_factor", prescale), ("postscale_factor", postscale)):
         if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
             raise InvalidArgumentError(
                 f"tensor '{name}': {label} must be a number, not {type(value).__name__}")
-    if arr.dtype == np.bool_ and (prescale != 1.0 or postscale != 1.0):
+    if is_bool and (prescale != 1.0 or postscale != 1.0):
         raise InvalidArgumentError(f"tensor '{name}': bool tensors cannot be scaled")
 
 
@@ -404,8 +406,8 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
     """
     name = _resolve_name("allreduce", name)
     arr, code = _input_array(array, name)
-    _check_reduce_op(op, arr, name)
-    _check_scale(prescale_factor, postscale_factor, arr, name)
+    _check_reduce_op(op, arr.dtype == np.bool_, name)
+    _check_scale(prescale_factor, postscale_factor, arr.dtype == np.bool_, name)
     out = np.empty(arr.shape, arr.dtype) if out is None else _output_array(out, arr, name)
     return enqueue_fields(ALLREDUCE, name, code, arr.shape, _address(arr), _address(out), op,
                           prescale_factor, postscale_factor, 0, 0, -1, (arr, out), None, out)
@@ -450,8 +452,8 @@ def grouped_allreduce_async(arrays, name=None, op=Average, prescale_factor=1.0,
     for i, array in enumerate(arrays):
         tensor_name = f"{group}.{i}"
         arr, code = _input_array(array, tensor_name)
-        _check_reduce_op(op, arr, tensor_name)
-        _check_scale(prescale_factor, postscale_factor, arr, tensor_name)
+        _check_reduce_op(op, arr.dtype == np.bool_, tensor_name)
+        _check_scale(prescale_factor, postscale_factor, arr.dtype == np.bool_, tensor_name)
         out = np.empty(arr.shape, dtype=arr.dtype)
         specs.append(TensorSpec(ALLREDUCE, tensor_name, code, arr.shape, _address(arr),
                                 _address(out), op, prescale_factor, postscale_factor))
@@ -535,9 +537,8 @@ def broadcast(array, root_rank, name=None):
     return synchronize(broadcast_async(array, root_rank, name))
 
 
-def _check_splits(splits, arr, name):
+def _check_splits(splits, rows, name):
     size = runtime.size()
-    rows = arr.shape[0]
     if splits is None:
         if rows % size:
             raise InvalidArgumentError(
@@ -581,7 +582,7 @@ def alltoall_async(array, splits=None, name=None):
     """
     name = _resolve_name("alltoall", name)
     arr, code = _input_array(array, name, min_ndim=1)
-    checked = _check_splits(splits, arr, name)
+    checked = _check_splits(splits, arr.shape[0], name)
     trailing = arr.shape[1:]
     size = runtime.size()
 
@@ -626,8 +627,8 @@ def reducescatter_async(array, name=None, op=Average, prescale_factor=1.0,
     """
     name = _resolve_name("reducescatter", name)
     arr, code = _input_array(array, name, min_ndim=1)
-    _check_reduce_op(op, arr, name)
-    _check_scale(prescale_factor, postscale_factor, arr, name)
+    _check_reduce_op(op, arr.dtype == np.bool_, name)
+    _check_scale(prescale_factor, postscale_factor, arr.dtype == np.bool_, name)
     rows = reducescatter_rows(arr.shape[0], runtime.size(), runtime.rank())
     out = np.empty((rows,) + arr.shape[1:], dtype=arr.dtype)
     return enqueue(REDUCESCATTER, name, code, arr.shape, _address(arr), _address(out),

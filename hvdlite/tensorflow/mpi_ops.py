@@ -76,11 +76,11 @@ def _check_static(tensor, name, op=None, scales=None, min_ndim=0):
     """
     label = name or "unnamed"
     tensors.check_dtype(tensor, label)
-    probe = np.empty((0,), dtype=tensors.numpy_dtype(tensor.dtype))
+    is_bool = tensors.numpy_dtype(tensor.dtype) == np.bool_
     if op is not None:
-        ops._check_reduce_op(op, probe, label)
+        ops._check_reduce_op(op, is_bool, label)
     if scales is not None:
-        ops._check_scale(scales[0], scales[1], probe, label)
+        ops._check_scale(scales[0], scales[1], is_bool, label)
     if tensor.shape.rank is not None and tensor.shape.rank < min_ndim:
         raise InvalidArgumentError(
             f"tensor '{label}' must have at least {min_ndim} dimension(s), "
@@ -113,8 +113,8 @@ def _trailing(shape, first=None):
 
 def _allreduce_now(tensor, name, op, prescale, postscale):
     arr, code = ops._input_array(tensors.host_array(tensor), name)
-    ops._check_reduce_op(op, arr, name)
-    ops._check_scale(prescale, postscale, arr, name)
+    ops._check_reduce_op(op, arr.dtype == np.bool_, name)
+    ops._check_scale(prescale, postscale, arr.dtype == np.bool_, name)
     out = tensors.empty_aligned(arr.shape, arr.dtype)
     ops.synchronize(ops.enqueue(
         ops.ALLREDUCE, name, code, arr.shape, arr.ctypes.data, out.ctypes.data,
@@ -127,8 +127,8 @@ def _grouped_allreduce_now(tensor_list, group, op, prescale, postscale):
     for i, tensor in enumerate(tensor_list):
         tensor_name = f"{group}.{i}"
         arr, code = ops._input_array(tensors.host_array(tensor), tensor_name)
-        ops._check_reduce_op(op, arr, tensor_name)
-        ops._check_scale(prescale, postscale, arr, tensor_name)
+        ops._check_reduce_op(op, arr.dtype == np.bool_, tensor_name)
+        ops._check_scale(prescale, postscale, arr.dtype == np.bool_, tensor_name)
         out = tensors.empty_aligned(arr.shape, arr.dtype)
         specs.append(ops.TensorSpec(ops.ALLREDUCE, tensor_name, code, arr.shape,
                                     arr.ctypes.data, out.ctypes.data, op, prescale,
@@ -157,8 +157,8 @@ def _broadcast_now(tensor_list, names, root_rank):
 
 def _reducescatter_now(tensor, name, op, prescale, postscale):
     arr, code = ops._input_array(tensors.host_array(tensor), name, min_ndim=1)
-    ops._check_reduce_op(op, arr, name)
-    ops._check_scale(prescale, postscale, arr, name)
+    ops._check_reduce_op(op, arr.dtype == np.bool_, name)
+    ops._check_scale(prescale, postscale, arr.dtype == np.bool_, name)
     rows = ops.reducescatter_rows(arr.shape[0], runtime.size(), runtime.rank())
     out = tensors.empty_aligned((rows,) + arr.shape[1:], arr.dtype)
     ops.synchronize(ops.enqueue(

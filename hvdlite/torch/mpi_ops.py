@@ -46,11 +46,6 @@ TORCH_DTYPE_NAMES = {
     torch.bool: "bool",
 }
 
-# numpy has no bfloat16 that torch.from_numpy accepts: such results travel as int16
-# and are reinterpreted (a view, no copy).
-_BFLOAT16_CARRIER = torch.int16
-
-
 class ProcessSet:
     """A set of ranks that runs collectives together. Only the global set exists so far.
 
@@ -109,12 +104,23 @@ def native_dtype_code(dtype, tensor_name=None):
     return dtypes.native_code(name, tensor_name)
 
 
-def _check_tensor(tensor, name):
-    """Refuses what the core cannot take by pointer; returns the canonical dtype name."""
+# torch.dtype -> native dtype code, for the dtypes seen so far (a handful).
+_codes = {}
+
+
+def _tensor_code(tensor, name, min_ndim=0):
+    """Checks that the core can take ``tensor`` by pointer; returns its dtype code.
+
+    This runs for every gradient of every step, so it asks torch only what it must and
+    builds nothing (no numpy view).
+    """
     if not isinstance(tensor, torch.Tensor):
         raise InvalidArgumentError(
             f"tensor '{name}' must be a torch.Tensor, not {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
+    code = _codes.get(tensor.dtype)
+    if code is None:
+        code = _codes[tensor.dtype] = native_dtype_code(tensor.dtype, name)
+    if not tensor.is_cpu:
         raise InvalidArgumentError(
             f"tensor '{name}' is on {tensor.device}: hvdlite's GPU path has not landed yet, "
             "only CPU tensors are supported (move it with .cpu())")
@@ -122,30 +128,27 @@ def _check_tensor(tensor, name):
         raise InvalidArgumentError(
             f"tensor '{name}' has layout {tensor.layout}; only dense (strided) tensors are "
             "supported (use .to_dense())")
-    native_dtype_code(tensor.dtype, name)
     if not tensor.is_contiguous():
         raise InvalidArgumentError(
             f"tensor '{name}' is not contiguous (strides {tuple(tensor.stride())} for shape "
             f"{tuple(tensor.shape)}); pass tensor.contiguous()")
-    return TORCH_DTYPE_NAMES[tensor.dtype]
-
-
-def _as_array(tensor, name, min_ndim=0):
-    """Returns (numpy view of tensor's memory, dtype code) after every shared check."""
-    dtype_name = _check_tensor(tensor, name)
-    t = tensor.detach()
-    if t.is_conj() or t.is_neg():
-        t = t.resolve_conj().resolve_neg()
-    if dtype_name == "bfloat16":
-        arr = t.view(_BFLOAT16_CARRIER).numpy().view(dtypes.numpy_dtype("bfloat16"))
-    else:
-        arr = t.numpy()
-    return ops._input_array(arr, name, min_ndim=min_ndim)
+    if tensor.is_neg() or tensor.is_conj():
+        # Its memory does not hold its values: the core would reduce the wrong ones.
+        raise InvalidArgumentError(
+            f"tensor '{name}' is a lazily negated or conjugated view; pass "
+            "tensor.resolve_neg().resolve_conj()")
+    if tensor.dim() < min_ndim:
+        raise InvalidArgumentError(
+            f"tensor '{name}' must have at least {min_ndim} dimension(s), "
+            f"got shape {tuple(tensor.shape)}")
+    return code
 
 
 def _from_core(handle, index, dtype, trailing_shape):
     """Wraps a core-allocated ALLGATHER/ALLTOALL result as a tensor, without a copy."""
     if dtype == torch.bfloat16:
+        # numpy has no bfloat16 that torch.from_numpy accepts: such results travel as
+        # int16 and are reinterpreted (a view, no copy).
         arr = handle.output_array(index, np.int16, trailing_shape)
         return torch.from_numpy(arr).view(torch.bfloat16)
     arr = handle.output_array(index, dtypes.numpy_dtype(TORCH_DTYPE_NAMES[dtype]),
@@ -159,9 +162,9 @@ def _from_core(handle, index, dtype, trailing_shape):
 def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor,
                      process_set):
     name = ops._resolve_name("allreduce", name)
-    arr, code = _as_array(tensor, name)
-    ops._check_reduce_op(op, arr, name)
-    ops._check_scale(prescale_factor, postscale_factor, arr, name)
+    code = _tensor_code(tensor, name)
+    ops._check_reduce_op(op, tensor.dtype == torch.bool, name)
+    ops._check_scale(prescale_factor, postscale_factor, tensor.dtype == torch.bool, name)
     psid = _process_set_id(process_set)
     if output is None:
         output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
@@ -271,9 +274,9 @@ def _grouped_allreduce_async(tensors, outputs, names, op, prescale_factor,
     psid = _process_set_id(process_set)
     specs, keep = [], []
     for tensor, output, name in zip(tensors, outputs, names):
-        arr, code = _as_array(tensor, name)
-        ops._check_reduce_op(op, arr, name)
-        ops._check_scale(prescale_factor, postscale_factor, arr, name)
+        code = _tensor_code(tensor, name)
+        ops._check_reduce_op(op, tensor.dtype == torch.bool, name)
+        ops._check_scale(prescale_factor, postscale_factor, tensor.dtype == torch.bool, name)
         if output is None:
             output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
         specs.append(ops.TensorSpec(ops.ALLREDUCE, name, code, tuple(tensor.shape),
@@ -385,7 +388,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
         InvalidArgumentError, DuplicateNameError, NotInitializedError: refused.
     """
     name = ops._resolve_name("allgather", name)
-    arr, code = _as_array(tensor, name, min_ndim=1)
+    code = _tensor_code(tensor, name, min_ndim=1)
     psid = _process_set_id(process_set)
     dtype, trailing = tensor.dtype, tuple(tensor.shape[1:])
     return ops.enqueue(ops.ALLGATHER, name, code, tuple(tensor.shape), tensor.data_ptr(),
@@ -426,7 +429,7 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 def _broadcast_async(tensor, output, root_rank, name, process_set):
     name = ops._resolve_name("broadcast", name)
-    arr, code = _as_array(tensor, name)
+    code = _tensor_code(tensor, name)
     root = ops._check_rank(root_rank, "root_rank", name)
     psid = _process_set_id(process_set)
     if output is None:
@@ -521,8 +524,8 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         DuplicateNameError, NotInitializedError: refused.
     """
     name = ops._resolve_name("alltoall", name)
-    arr, code = _as_array(tensor, name, min_ndim=1)
-    checked = ops._check_splits(_splits_list(splits), arr, name)
+    code = _tensor_code(tensor, name, min_ndim=1)
+    checked = ops._check_splits(_splits_list(splits), tensor.shape[0], name)
     psid = _process_set_id(process_set)
     dtype, trailing, size = tensor.dtype, tuple(tensor.shape[1:]), runtime.size()
 
@@ -575,9 +578,9 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 
 def _reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, process_set):
     name = ops._resolve_name("reducescatter", name)
-    arr, code = _as_array(tensor, name, min_ndim=1)
-    ops._check_reduce_op(op, arr, name)
-    ops._check_scale(prescale_factor, postscale_factor, arr, name)
+    code = _tensor_code(tensor, name, min_ndim=1)
+    ops._check_reduce_op(op, tensor.dtype == torch.bool, name)
+    ops._check_scale(prescale_factor, postscale_factor, tensor.dtype == torch.bool, name)
     psid = _process_set_id(process_set)
     rows = ops.reducescatter_rows(tensor.shape[0], runtime.size(), runtime.rank())
     output = torch.empty((rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype)

@@ -44,6 +44,9 @@ class _DistributedOptimizer:
         # Units are keyed by index: tuples of tensors must never be compared (a hash
         # collision would call Tensor.__eq__).
         self._unit_of = {p: i for i, unit in enumerate(self._units) for p in unit}
+        # Each unit's tensor names, built once rather than for every step.
+        self._unit_names = [[f"allreduce.{self._parameter_names[p]}" for p in unit]
+                            for unit in self._units]
         self._delay = {p: backward_passes_per_step for p in self._requires_update}
         self._ready = {}      # unit index -> how many of its gradients are final this step
         self._handles = {}    # unit index -> (Handle, [(param, sent tensor, ctx)])
@@ -124,11 +127,13 @@ class _DistributedOptimizer:
                 index = self._unit_of[p]
                 self._ready[index] = self._ready.get(index, 0) + 1
                 if self._ready[index] == len(self._units[index]):
-                    self._handles[index] = self._allreduce_unit_async(self._units[index])
+                    self._handles[index] = self._allreduce_unit_async(index)
         return hook
 
-    def _allreduce_unit_async(self, unit):
-        """Enqueues the in-place allreduce of the gradients of ``unit``'s parameters."""
+    def _allreduce_unit_async(self, index):
+        """Enqueues the in-place allreduce of the gradients of unit ``index``'s
+        parameters."""
+        unit, names = self._units[index], self._unit_names[index]
         sent = []
         for p in unit:
             if p.grad is None:
@@ -142,7 +147,6 @@ class _DistributedOptimizer:
                 grad = grad.contiguous()
             tensor, ctx = self._compression.compress(grad)
             sent.append((p, tensor, ctx))
-        names = [f"allreduce.{self._parameter_names[p]}" for p in unit]
         tensors = [t for _, t, _ in sent]
         if len(unit) == 1:
             handle = mpi_ops._allreduce_async(tensors[0], tensors[0], names[0], self.op,
@@ -169,9 +173,9 @@ class _DistributedOptimizer:
         if runtime.size() == 1 and not self._hook_handles:
             self._synchronized = True
             return
-        for index, unit in enumerate(self._units):
+        for index in range(len(self._units)):
             if index not in self._handles:
-                self._handles[index] = self._allreduce_unit_async(unit)
+                self._handles[index] = self._allreduce_unit_async(index)
         try:
             for handle, sent in self._handles.values():
                 mpi_ops.synchronize(handle)

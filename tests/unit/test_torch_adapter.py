@@ -87,6 +87,17 @@ def test_non_contiguous_is_refused_with_the_fix(thvd):
     thvd.allreduce(x.contiguous(), name="nc.fixed")
 
 
+def test_lazily_negated_view_is_refused_with_the_fix(thvd):
+    # Its memory holds the values before negation: taken by pointer, the core would
+    # reduce the wrong numbers.
+    x = torch._neg_view(torch.arange(4.0))
+    assert x.is_neg()
+    for label, call in _collectives(thvd):
+        with pytest.raises(thvd.InvalidArgumentError, match=f"neg.{label}.*resolve_neg"):
+            call(x, f"neg.{label}")
+    assert torch.equal(thvd.allreduce(x.resolve_neg(), name="neg.fixed"), -torch.arange(4.0))
+
+
 def test_device_tensors_are_refused_until_the_gpu_path_lands(thvd):
     # A CPU build of torch cannot make CUDA tensors; "meta" goes through the same check.
     x = torch.zeros(2, device="meta")
