@@ -11,6 +11,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <vector>
 
 #include "controller.h"
 #include "message.h"
@@ -198,4 +200,28 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_test_controller_free(int64_t id) {
     hvdlite::g_sims.erase(id);
     return Status::OK();
   });
+}
+
+HVDLITE_EXPORT hvdlite_status_t hvdlite_test_allreduce_step(int32_t n, void** ins, void** outs,
+                                                            int64_t elements, const char* prefix) {
+  if (n < 0 || (n > 0 && (!ins || !outs || !prefix))) {
+    return hvdlite::RecordStatus(hvdlite::InvalidArgument("bad arguments"));
+  }
+  // The public entry points, as a C caller would use them: each records its own status.
+  std::vector<hvdlite_handle_t> handles;
+  handles.reserve(n);
+  hvdlite_status_t first = HVDLITE_OK;
+  for (int32_t i = 0; i < n && first == HVDLITE_OK; ++i) {
+    const std::string name = std::string(prefix) + "." + std::to_string(i);
+    hvdlite_handle_t h = 0;
+    first = hvdlite_enqueue_fields(HVDLITE_OP_ALLREDUCE, name.c_str(), HVDLITE_FLOAT32, 1, &elements,
+                                   ins[i], outs[i], HVDLITE_SUM, 1.0, 1.0, 0, 0, -1, &h);
+    if (first == HVDLITE_OK) handles.push_back(h);
+  }
+  for (hvdlite_handle_t h : handles) {
+    hvdlite_status_t s = hvdlite_wait(h, -1.0);
+    if (first == HVDLITE_OK) first = s;
+    hvdlite_release(h);
+  }
+  return first;
 }

@@ -58,6 +58,14 @@ hvdlite_status_t hvdlite_test_controller_pending(int64_t id, int64_t* out);
 /* Forgets a controller. Unknown ids are a no-op. */
 hvdlite_status_t hvdlite_test_controller_free(int64_t id);
 
+/* One step of the "many small tensors" benchmark with no Python in the loop, to tell
+ * the core's cost from the per-call cost of the Python front end: enqueues an allreduce
+ * (Sum) of each float32 buffer ins[i] into outs[i] (`elements` each), named
+ * "<prefix>.<i>", through the public C API, then waits for and releases every handle.
+ * Returns the first failure (after waiting for everything enqueued). */
+hvdlite_status_t hvdlite_test_allreduce_step(int32_t n, void** ins, void** outs,
+                                             int64_t elements, const char* prefix);
+
 /* CDEF-END */
 
 #ifdef __cplusplus
