@@ -153,6 +153,7 @@ def bench_small(b, args):
     assert all(r[0] == base + b.size * i for i, r in enumerate(results))
     assert all(o[0] == base + b.size * i for i, o in enumerate(core_outs))
     t_hvd, t_mpi, t_core = b.interleaved([run_hvd, run_mpi, run_core], args.reps, 1)
+    # Collectives per step of the Python step alone: a few more steps, not timed.
     before = hvd.stats()
     for _ in range(args.reps):
         run_hvd()

@@ -98,8 +98,8 @@ def reap_orphans():
 class Handle:
     """An enqueued op (or group of ops) and the references that keep its buffers alive.
 
-    ``wait()`` returns the result built by the finisher, ``poll()`` says whether the op
-    has ended. Use ``hvdlite.synchronize(handle)`` / ``hvdlite.poll(handle)`` or these
+    ``wait()`` returns the op's result (built by the finisher, or the output given at
+    construction), ``poll()`` says whether the op has ended. Use ``hvdlite.synchronize(handle)`` / ``hvdlite.poll(handle)`` or these
     methods directly.
 
     The native ids are released as soon as the op has ended and its result is built,

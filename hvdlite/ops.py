@@ -127,6 +127,8 @@ def _address(arr):
     return ffi.from_buffer(arr)
 
 
+_OK = lib.HVDLITE_OK
+
 # Names and shapes repeat every training step; their C copies are reused (the core
 # copies both at enqueue, so sharing them between calls is safe). Bounded, so that
 # automatically named tensors cannot grow it without end.
@@ -239,7 +241,7 @@ def enqueue_fields(op, name, dtype_code, shape, input_ptr, output_ptr, reduce_op
                                         _c_shape(shape), _pointer(input_ptr),
                                         _pointer(output_ptr), reduce_op, prescale, postscale,
                                         root_rank, process_set_id, device, out)
-    if status:
+    if status != _OK:
         check(status)
     return Handle([out[0]], finisher, keepalive, name, result)
 

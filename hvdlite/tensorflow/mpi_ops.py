@@ -71,8 +71,8 @@ def _op_name(kind, name, tensor):
 def _check_static(tensor, name, op=None, scales=None, min_ndim=0):
     """Refuses what can be refused before running (also while tracing a graph).
 
-    The checks are those of ``hvdlite.ops``, applied to an empty array of the tensor's
-    dtype; the rest (e.g. shapes) is checked when the op runs.
+    The checks are those of ``hvdlite.ops``, applied to the tensor's dtype; the rest
+    (e.g. shapes) is checked when the op runs.
     """
     label = name or "unnamed"
     tensors.check_dtype(tensor, label)

@@ -117,9 +117,18 @@ Status MpiBackend::Init(int64_t comm_f2c, bool thread_multiple, bool shared_memo
   MPI_Comm_split(Comm(comm_), topo->local_rank, topo->rank, &cross);
   MPI_Comm_rank(cross, &topo->cross_rank);
   MPI_Comm_size(cross, &topo->cross_size);
-  // Every rank decides alike: the sizes are the same everywhere when all share a machine.
-  if (shared_memory && topo->size > 1 && topo->local_size == topo->size) {
-    SetUpSharedMemory(&local, topo->rank);
+  // Every rank decides alike (setting it up is collective): the sizes are the same
+  // everywhere when all share a machine, and HVDLITE_SHM_ALLREDUCE=0 on any rank turns
+  // it off on all.
+  if (topo->size > 1 && topo->local_size == topo->size) {
+    int want = shared_memory ? 1 : 0, all_want = 0;
+    MPI_Allreduce(&want, &all_want, 1, MPI_INT, MPI_MIN, local);
+    if (all_want) {
+      SetUpSharedMemory(&local, topo->rank);
+    } else if (want) {
+      HVDLITE_LOG(WARNING) << "HVDLITE_SHM_ALLREDUCE=0 on another rank: every rank "
+                              "allreduces through MPI";
+    }
   }
   MPI_Comm_free(&local);
   MPI_Comm_free(&cross);

@@ -21,6 +21,7 @@
 
 #include <sys/prctl.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <future>
@@ -35,9 +36,34 @@ constexpr int64_t kFuseAloneBytes = 1 << 20;
 // A burst of requests is gathered until none arrived for this long (a submitting
 // thread adds one every few microseconds, but may lose its core for a while on a
 // busy machine), a thread waits for a result, or a cycle time after the first.
-constexpr std::chrono::microseconds kQuiet(100);
+constexpr std::chrono::microseconds kQuiet(200);
 // How often a rank with nothing in flight still joins the coordination.
 constexpr std::chrono::milliseconds kIdleCycle(20);
+
+// values holds 3 settings per rank; the one at `index` must be equal on every rank.
+Status SameOnEveryRank(const std::vector<int64_t>& values, int index, const char* setting) {
+  const int size = static_cast<int>(values.size() / 3);
+  std::vector<std::pair<int64_t, std::vector<int>>> seen;  // value -> the ranks with it
+  for (int r = 0; r < size; ++r) {
+    const int64_t v = values[3 * r + index];
+    auto it = std::find_if(seen.begin(), seen.end(), [&](const auto& p) { return p.first == v; });
+    if (it == seen.end()) {
+      seen.push_back({v, {r}});
+    } else {
+      it->second.push_back(r);
+    }
+  }
+  if (seen.size() == 1) return Status::OK();
+  std::string msg = std::string(setting) + " must be the same on every rank: ";
+  for (size_t i = 0; i < seen.size(); ++i) {
+    const std::vector<int>& ranks = seen[i].second;
+    msg += i ? "; " : "";
+    msg += ranks.size() == 1 ? "rank " : "ranks ";
+    for (size_t k = 0; k < ranks.size(); ++k) msg += (k ? ", " : "") + std::to_string(ranks[k]);
+    msg += (ranks.size() == 1 ? " has " : " have ") + std::to_string(seen[i].first);
+  }
+  return InvalidArgument(msg);
+}
 
 Status NotInitialized() {
   return Status(HVDLITE_ERR_NOT_INITIALIZED,
@@ -172,12 +198,19 @@ Status Core::Init(int64_t comm_f2c) {
       // Every rank learns whether rank 0 could open the timeline, so a bad path fails
       // init everywhere instead of leaving the others waiting for rank 0. Done
       // whatever the local config says: HVDLITE_TIMELINE may be set on rank 0 only.
-      std::vector<uint64_t> agreed{st.ok() ? 1ull : 0ull};
-      Status agree = mpi_.AndBits(&agreed);
+      // Also every rank's settings that must agree, or the ranks would coordinate with
+      // bit vectors of different lengths or plan different fusions: a hang or wrong
+      // results later, a clear error now.
+      const int64_t mine[3] = {st.ok() ? 1 : 0, config_.cache_capacity, config_.fusion_threshold};
+      std::vector<int64_t> all(3 * topo.size);
+      Status agree = mpi_.Allgatherv(mine, sizeof(mine), all.data(),
+                                     std::vector<int64_t>(topo.size, sizeof(mine)));
       if (st.ok() && !agree.ok()) st = agree;
-      if (st.ok() && agreed[0] == 0) {
+      if (st.ok() && all[0] == 0) {
         st = InvalidArgument("rank 0 cannot write the timeline (HVDLITE_TIMELINE); its error says why");
       }
+      if (st.ok()) st = SameOnEveryRank(all, 1, "HVDLITE_CACHE_CAPACITY");
+      if (st.ok()) st = SameOnEveryRank(all, 2, "HVDLITE_FUSION_THRESHOLD");
       if (!st.ok()) {
         timeline_.Stop();
         mpi_.Shutdown(true);
@@ -713,7 +746,8 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
   const int64_t divisor = average ? std::max(1, first.contributors) : 1;
   const int32_t mpi_op = average ? HVDLITE_SUM : first.reduce_op;
   const bool tl = timeline_.active();
-  std::vector<TensorEntry*> entries = queue_.FindAll(fused, [](const Response* r) -> const std::string& { return r->name; });
+  std::vector<TensorEntry*> entries =
+      queue_.FindAll(fused, [](const Response* r) -> const std::string& { return r->name; });
   std::vector<const std::string*> names;  // timeline tracks
   int64_t total = 0;
   for (const Response* r : fused) {

@@ -64,8 +64,12 @@ Status HandleTable::Wait(hvdlite_handle_t h, double timeout_s) {
   State& state = it->second;
   if (!state.done) {
     ++state.waiters;
-    blocked_.fetch_add(1);
-    if (on_block_) on_block_();
+    // A zero timeout is a poll: it does not count as a thread that submits no more.
+    const bool blocks = timeout_s != 0;
+    if (blocks) {
+      blocked_.fetch_add(1);
+      if (on_block_) on_block_();
+    }
     bool done = true;
     if (timeout_s < 0) {
       done_cv_.wait(lock, [&] { return state.done; });
@@ -74,7 +78,7 @@ Status HandleTable::Wait(hvdlite_handle_t h, double timeout_s) {
                                [&] { return state.done; });
     }
     --state.waiters;
-    blocked_.fetch_sub(1);
+    if (blocks) blocked_.fetch_sub(1);
     if (!done) {
       return Status(HVDLITE_ERR_TIMEOUT, "the op did not finish within " +
                                              std::to_string(timeout_s) + " s; it is still running");

@@ -68,8 +68,8 @@ class HandleTable {
   std::condition_variable done_cv_;
   std::unordered_map<hvdlite_handle_t, State> states_;  // Guarded by mutex_.
   hvdlite_handle_t next_ = 1;                           // Guarded by mutex_.
-  std::atomic<int> blocked_{0};
-  std::function<void()> on_block_;
+  std::atomic<int> blocked_{0};    // threads in Wait with a timeout other than 0
+  std::function<void()> on_block_;  // set once by Core::Get, before any other thread
 };
 
 }  // namespace hvdlite

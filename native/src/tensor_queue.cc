@@ -29,7 +29,7 @@ Status TensorQueue::Add(std::vector<TensorEntry> entries) {
       std::string name = e.request.name;
       entries_.emplace(std::move(name), std::move(e));
     }
-    added_.fetch_add(entries.size(), std::memory_order_relaxed);
+    last_add_ = entries.front().enqueued;
   }
   work_cv_.notify_one();
   return Status::OK();
@@ -60,7 +60,8 @@ std::vector<hvdlite_handle_t> TensorQueue::RemoveAll(const std::vector<TensorEnt
   for (TensorEntry* e : entries) {
     if (!e) continue;
     handles.push_back(e->handle);
-    entries_.erase(e->request.name);
+    const std::string name = e->request.name;  // the key must outlive the erase
+    entries_.erase(name);
   }
   return handles;
 }
@@ -84,16 +85,16 @@ void TensorQueue::WaitForQuiet(Clock::duration quiet, Clock::time_point deadline
                                const std::atomic<int>& blocked) {
   std::unique_lock<std::mutex> lock(mutex_);
   gathering_.store(true);
-  uint64_t seen = added_.load(std::memory_order_relaxed);
-  // Adds do not wake this wait (they notify work_cv_): the submitting thread and this
-  // one would otherwise trade the CPU for every request. A thread that blocks on a
-  // result either sees gathering_ and wakes it (Hurry), or its blocked count is seen
-  // here (both sequentially consistent).
-  while (!quiet_cv_.wait_until(lock, std::min(Clock::now() + quiet, deadline),
-                               [&] { return blocked.load() > 0 || woken_; })) {
-    uint64_t added = added_.load(std::memory_order_relaxed);
-    if (added == seen || Clock::now() >= deadline) break;
-    seen = added;
+  // Until `quiet` after the latest request: Adds move that on without waking this wait
+  // (they notify work_cv_), or the submitting thread and this one would trade the CPU
+  // for every request. A thread that blocks on a result either sees gathering_ and
+  // wakes this wait (Hurry), or its blocked count is seen here (both sequentially
+  // consistent).
+  auto done = [&] { return blocked.load() > 0 || woken_; };
+  while (!done()) {
+    const auto until = std::min(last_add_ + quiet, deadline);
+    if (Clock::now() >= until) break;
+    quiet_cv_.wait_until(lock, until, done);
   }
   gathering_.store(false);
 }

@@ -48,10 +48,13 @@ class TensorQueue {
   // Background thread, after WaitForWork: gathers a burst of submissions (a training
   // step's gradients, a loop of async calls) into one cycle. Returns once no request
   // was added for `quiet`, `blocked` (threads blocked waiting for a result, which
-  // submit nothing meanwhile) is above zero, Wake() is called, or at deadline.
+  // submit nothing meanwhile; any thread of the process counts) is above zero, Wake()
+  // is called, or at deadline.
   void WaitForQuiet(Clock::duration quiet, Clock::time_point deadline,
                     const std::atomic<int>& blocked);
-  // Call after `blocked` went up: ends a WaitForQuiet in progress.
+  // Call after `blocked` went up: ends a WaitForQuiet in progress. Called with the
+  // handle table's mutex held; so nothing may take that mutex while holding this
+  // queue's (nothing does).
   void Hurry();
   void Wake();
   size_t Size();
@@ -63,7 +66,7 @@ class TensorQueue {
   std::vector<Request> pending_;                          // Guarded by mutex_.
   bool woken_ = false;                                    // Guarded by mutex_.
   std::condition_variable quiet_cv_;                      // WaitForQuiet sleeps here
-  std::atomic<uint64_t> added_{0};                        // requests ever added
+  Clock::time_point last_add_;                            // Guarded by mutex_.
   std::atomic<bool> gathering_{false};                    // in WaitForQuiet
 };
 

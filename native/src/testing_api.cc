@@ -218,10 +218,15 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_test_allreduce_step(int32_t n, void** in
                                    ins[i], outs[i], HVDLITE_SUM, 1.0, 1.0, 0, 0, -1, &h);
     if (first == HVDLITE_OK) handles.push_back(h);
   }
+  std::string message = first == HVDLITE_OK ? "" : hvdlite_last_error();
   for (hvdlite_handle_t h : handles) {
     hvdlite_status_t s = hvdlite_wait(h, -1.0);
-    if (first == HVDLITE_OK) first = s;
+    if (first == HVDLITE_OK && s != HVDLITE_OK) {
+      first = s;
+      message = hvdlite_last_error();
+    }
     hvdlite_release(h);
   }
-  return first;
+  // The calls after the first failure recorded their own statuses: record it again.
+  return first == HVDLITE_OK ? first : hvdlite::RecordStatus(Status(first, message));
 }

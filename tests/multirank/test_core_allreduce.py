@@ -254,3 +254,49 @@ def test_cache_too_large_for_shared_coordination_falls_back_to_mpi():
         assert end["coordinator_gathers"] == warm["coordinator_gathers"], (warm, end)
         assert end["cache_hits"] - warm["cache_hits"] == steady, (warm, end)
         assert end["shm_collectives"] == end["collectives"] > 0, end
+
+
+SETTINGS_SCRIPT = r"""
+import json, os, sys
+import numpy as np
+import hvdlite as hvd
+
+rank = int(os.environ["HVDLITE_RANK"])
+setting, value = sys.argv[1], sys.argv[2]
+if rank == 1:
+    os.environ[setting] = value  # read by the core at init
+try:
+    hvd.init()
+except hvd.errors.InvalidArgumentError as e:
+    print("HVDLITE_RESULT", json.dumps({"error": str(e)}))
+    sys.exit(0)
+got = hvd.allreduce(np.full(5, rank + 1.0), name="x", op=hvd.Sum)
+print("HVDLITE_RESULT", json.dumps({"error": None, "sum": got.tolist(), "stats": hvd.stats()}))
+hvd.shutdown()
+"""
+
+
+@pytest.mark.parametrize("setting,value,rest", [
+    # A cache too large for the shared coordination area on one rank only: that rank
+    # would coordinate through MPI while the others wait in shared memory.
+    ("HVDLITE_CACHE_CAPACITY", "200000", "1024"),
+    ("HVDLITE_FUSION_THRESHOLD", "0", str(128 * 1024 * 1024)),
+])
+def test_settings_that_differ_across_ranks_fail_init_on_every_rank(setting, value, rest):
+    job = harness.assert_ok(harness.run_job(3, SETTINGS_SCRIPT, args=[setting, value],
+                                            timeout=120, env=env_for()))
+    for rank in range(3):
+        error = job.result(rank)["error"]
+        assert error is not None, f"rank {rank} initialized with {setting} differing"
+        assert f"{setting} must be the same on every rank" in error, error
+        assert f"ranks 0, 2 have {rest}" in error and f"rank 1 has {value}" in error, error
+
+
+def test_shared_memory_turned_off_on_one_rank_is_off_on_all():
+    job = harness.assert_ok(harness.run_job(
+        3, SETTINGS_SCRIPT, args=["HVDLITE_SHM_ALLREDUCE", "0"], timeout=120,
+        env=env_for(TRANSPORT["shm"])))
+    for rank in range(3):
+        res = job.result(rank)
+        assert res["error"] is None and res["sum"] == [6.0] * 5, res
+        assert res["stats"]["shm_collectives"] == 0, res["stats"]
