@@ -184,7 +184,7 @@ int ShmAllreduce::DeadPeer() const {
   return -1;
 }
 
-Status ShmAllreduce::Barrier() {
+Status ShmAllreduce::Barrier(std::chrono::microseconds spin) {
   Control* c = reinterpret_cast<Control*>(segments_[0]);
   sense_ ^= 1;
   if (c->count.fetch_add(1, std::memory_order_acq_rel) == size_ - 1) {
@@ -196,7 +196,7 @@ Status ShmAllreduce::Barrier() {
     return Status::OK();
   }
   using Clock = std::chrono::steady_clock;
-  const auto spin_end = Clock::now() + std::chrono::microseconds(20);
+  const auto spin_end = Clock::now() + spin;
   for (int i = 0;; ++i) {
     if (c->sense.load(std::memory_order_acquire) == sense_) return Status::OK();
     // A peer in step with us arrives within microseconds.
@@ -219,7 +219,7 @@ Status ShmAllreduce::Barrier() {
 
 Status ShmAllreduce::AndBits(uint64_t* bits, int64_t words) {
   std::memcpy(Bits(rank_, bits_set_), bits, words * sizeof(uint64_t));
-  Status s = Barrier();
+  Status s = Barrier(kCoordinationSpin);
   if (!s.ok()) return s;
   for (int k = 0; k < size_; ++k) {
     if (k == rank_) continue;
@@ -289,13 +289,13 @@ Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, int32_t dtype, 
     } else {
       copy_in(0, n);
     }
-    Status s = Barrier();
+    Status s = Barrier(kChunkSpin);
     if (!s.ok()) return s;
     if (hi > lo) {
       for (int k = 0; k < size_; ++k) parts[k] = k == rank_ && own ? own : In(k, set_) + lo * elem;
       Reduce(Out(rank_, set_) + lo * elem, parts, hi - lo, dtype, reduce_op);
     }
-    if (!(s = Barrier()).ok()) return s;
+    if (!(s = Barrier(kChunkSpin)).ok()) return s;
     for (int k = 0; k < size_; ++k) {
       const int64_t klo = std::min(n, part * k), khi = std::min(n, klo + part);
       const uint8_t* from = Out(k, set_);

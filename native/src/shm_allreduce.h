@@ -25,9 +25,10 @@
 // chunk k+2's slots once it passed chunk k+1's first barrier, by which time every rank
 // has finished reading chunk k's. So two barriers per chunk suffice.
 //
-// The barrier (a counter and a sense flag in rank 0's segment) spins for 20 us, which
-// covers a peer in step, then sleeps on the sense flag as a futex until the last rank
-// to arrive wakes it: a waiting rank takes no CPU from the training threads that share
+// The barrier (a counter and a sense flag in rank 0's segment) spins for a while (20 us
+// between chunks, where a peer in step is there at once; 50 us in the coordination,
+// where ranks arrive as their own threads submit), then sleeps on the sense flag as a
+// futex until the last rank to arrive wakes it: a waiting rank takes no CPU from the training threads that share
 // its cores (spinning or yielding there took up to half a core from them), and a wake
 // costs a few microseconds, not a timer's late tens. Every 100 ms of waiting it checks
 // that the peer processes still exist, so a dead rank ends the wait with an error that
@@ -43,6 +44,7 @@
 // Background thread only.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <vector>
 
@@ -88,7 +90,10 @@ class ShmAllreduce {
   uint64_t* Bits(int rank, int set) const;
   uint8_t* In(int rank, int set) const;
   uint8_t* Out(int rank, int set) const;
-  Status Barrier();
+  // Spins for `spin` before sleeping.
+  Status Barrier(std::chrono::microseconds spin);
+  static constexpr std::chrono::microseconds kChunkSpin{20};
+  static constexpr std::chrono::microseconds kCoordinationSpin{50};
   // The first rank whose process has ended, or -1.
   int DeadPeer() const;
 
