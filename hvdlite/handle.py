@@ -67,12 +67,21 @@ _orphans = []
 _orphans_lock = threading.Lock()
 
 
-def _all_done(ids):
+def _all_done(ids, strict=False):
+    """Whether every native op of ``ids`` has ended (successfully or not).
+
+    strict: raise for a handle the core does not know or a core that was shut down;
+    otherwise those count as ended.
+    """
     done = ffi.new("int32_t *")
     for handle_id in ids:
         status = lib.hvdlite_poll(handle_id, done)
-        if status == lib.HVDLITE_OK and not done[0]:
-            return False
+        if status == lib.HVDLITE_OK:
+            if not done[0]:
+                return False
+        elif strict and status in (lib.HVDLITE_ERR_INVALID_HANDLE,
+                                   lib.HVDLITE_ERR_NOT_INITIALIZED):
+            check(status)
     return True
 
 
@@ -151,18 +160,7 @@ class Handle:
             NotInitializedError: the core was shut down and forgot the handle.
             InvalidHandleError: the native handle is unknown to the core.
         """
-        if self._ended:
-            return True
-        done = ffi.new("int32_t *")
-        for handle_id in self._ids:
-            status = lib.hvdlite_poll(handle_id, done)
-            if status == lib.HVDLITE_OK or status == lib.HVDLITE_ERR_IN_PROGRESS:
-                if not done[0]:
-                    return False
-            elif status in (lib.HVDLITE_ERR_INVALID_HANDLE, lib.HVDLITE_ERR_NOT_INITIALIZED):
-                check(status)
-            # Any other status is the op's own failure: it has ended; wait() raises it.
-        return True
+        return self._ended or _all_done(self._ids, strict=True)
 
     def _wait_native(self, handle_id, deadline):
         """Blocks until one native op ends; returns (status, message).

@@ -141,8 +141,7 @@ def _c_name(name):
     c = _c_names.get(name)
     if c is None:
         c = ffi.new("char[]", name.encode("utf-8"))
-        if len(_c_names) < _C_CACHE_LIMIT:
-            _c_names[name] = c
+        _remember(_c_names, name, c)
     return c
 
 
@@ -151,9 +150,16 @@ def _c_shape(shape):
     c = _c_shapes.get(key)
     if c is None:
         c = ffi.new("int64_t[]", [int(d) for d in key] or [0])
-        if len(_c_shapes) < _C_CACHE_LIMIT:
-            _c_shapes[key] = c
+        _remember(_c_shapes, key, c)
     return c
+
+
+def _remember(cache, key, value):
+    # A full cache starts over, so that names used once (automatic names, say) cannot
+    # keep the ones every step repeats out of it for good.
+    if len(cache) >= _C_CACHE_LIMIT:
+        cache.clear()
+    cache[key] = value
 
 
 def _fill(struct, op, name, dtype, shape, input, output, reduce_op, prescale, postscale,

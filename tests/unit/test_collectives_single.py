@@ -239,3 +239,15 @@ def test_stats_count(hvd):
 def test_allreduce_property(hvd, shape, dtype, seed):
     x = sample(dtype, tuple(shape), seed)
     close(hvd.allreduce(x, op=hvd.Sum), x)
+
+
+def test_names_used_once_do_not_keep_repeated_names_out_of_the_c_cache(hvd):
+    # The C copies of names are cached, bounded; thousands of automatic names must not
+    # fill it for good (every later named tensor would then pay for a new copy).
+    from hvdlite import ops
+    x = np.ones(2, np.float32)
+    for _ in range(ops._C_CACHE_LIMIT + 10):
+        hvd.allreduce(x)  # an automatic name each time
+    hvd.allreduce(x, name="repeated.after.auto")
+    assert "repeated.after.auto" in ops._c_names
+    assert len(ops._c_names) <= ops._C_CACHE_LIMIT
