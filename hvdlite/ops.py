@@ -380,12 +380,15 @@ def predivide_scaling(op, factor):
     return Average, 1.0 / factor, float(factor)
 
 
-def _output_array(out, arr, name):
-    """Checks a caller-given result buffer: same shape and dtype, C-contiguous, writable."""
-    if not isinstance(out, np.ndarray) or out.shape != arr.shape or out.dtype != arr.dtype:
+def _output_array(out, shape, dtype, name):
+    """The result buffer: a new array, or the caller's ``out`` once checked (the shape
+    and dtype given, C-contiguous, writable)."""
+    if out is None:
+        return np.empty(shape, dtype)
+    if not isinstance(out, np.ndarray) or out.shape != tuple(shape) or out.dtype != dtype:
         raise InvalidArgumentError(
-            f"tensor '{name}': out must be a numpy array of shape {arr.shape} and dtype "
-            f"{arr.dtype}")
+            f"tensor '{name}': out must be a numpy array of shape {tuple(shape)} and dtype "
+            f"{dtype}")
     if not out.flags.c_contiguous or not out.flags.writeable:
         raise InvalidArgumentError(f"tensor '{name}': out must be C-contiguous and writable")
     return out
@@ -416,7 +419,7 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
     arr, code = _input_array(array, name)
     _check_reduce_op(op, arr.dtype == np.bool_, name)
     _check_scale(prescale_factor, postscale_factor, arr.dtype == np.bool_, name)
-    out = np.empty(arr.shape, arr.dtype) if out is None else _output_array(out, arr, name)
+    out = _output_array(out, arr.shape, arr.dtype, name)
     return enqueue_fields(ALLREDUCE, name, code, arr.shape, _address(arr), _address(out), op,
                           prescale_factor, postscale_factor, 0, 0, -1, (arr, out), None, out)
 
@@ -439,7 +442,7 @@ def allreduce(array, name=None, op=Average, prescale_factor=1.0, postscale_facto
 
 
 def grouped_allreduce_async(arrays, name=None, op=Average, prescale_factor=1.0,
-                            postscale_factor=1.0):
+                            postscale_factor=1.0, outs=None):
     """Starts allreduces of several arrays that are negotiated and run together.
 
     Args:
@@ -447,37 +450,44 @@ def grouped_allreduce_async(arrays, name=None, op=Average, prescale_factor=1.0,
         name: the group's name; tensor i is named ``"<name>.<i>"``. None names the group
             automatically.
         op, prescale_factor, postscale_factor: as for ``allreduce_async``, for all.
+        outs: one result buffer per array (each as ``allreduce_async``'s ``out``), or
+            None for new arrays.
 
     Returns:
-        A Handle whose result is a list of new arrays, in order.
+        A Handle whose result is the list of results, in order.
 
     Raises:
         InvalidArgumentError, DuplicateNameError, NotInitializedError: as for
             ``allreduce_async``; nothing is enqueued if any array is refused.
     """
     group = _resolve_name("grouped_allreduce", name)
-    specs, keep, outs = [], [], []
+    arrays = list(arrays)
+    if outs is not None and len(outs) != len(arrays):
+        raise InvalidArgumentError(
+            f"group '{group}': {len(outs)} outs for {len(arrays)} arrays")
+    specs, keep, results = [], [], []
     for i, array in enumerate(arrays):
         tensor_name = f"{group}.{i}"
         arr, code = _input_array(array, tensor_name)
         _check_reduce_op(op, arr.dtype == np.bool_, tensor_name)
         _check_scale(prescale_factor, postscale_factor, arr.dtype == np.bool_, tensor_name)
-        out = np.empty(arr.shape, dtype=arr.dtype)
+        out = _output_array(None if outs is None else outs[i], arr.shape, arr.dtype,
+                            tensor_name)
         specs.append(TensorSpec(ALLREDUCE, tensor_name, code, arr.shape, _address(arr),
                                 _address(out), op, prescale_factor, postscale_factor))
         keep += [arr, out]
-        outs.append(out)
-    return enqueue_group(specs, name=group, keepalive=keep, result=outs)
+        results.append(out)
+    return enqueue_group(specs, name=group, keepalive=keep, result=results)
 
 
 def grouped_allreduce(arrays, name=None, op=Average, prescale_factor=1.0,
-                      postscale_factor=1.0):
-    """Reduces several arrays together; returns a list of new arrays.
+                      postscale_factor=1.0, outs=None):
+    """Reduces several arrays together; returns the list of results.
 
     See ``grouped_allreduce_async`` for the arguments and errors.
     """
     return synchronize(grouped_allreduce_async(arrays, name, op, prescale_factor,
-                                               postscale_factor))
+                                               postscale_factor, outs))
 
 
 def allgather_async(array, name=None):
@@ -514,16 +524,17 @@ def allgather(array, name=None):
     return synchronize(allgather_async(array, name))
 
 
-def broadcast_async(array, root_rank, name=None):
+def broadcast_async(array, root_rank, name=None, out=None):
     """Starts sending ``array`` from ``root_rank`` to every rank.
 
     Args:
         array: a C-contiguous array; same shape and dtype on every rank.
         root_rank: the rank whose values everyone receives.
         name: the tensor's name, equal across ranks; None names it automatically.
+        out: an array of the same shape and dtype for the result, or None for a new one.
 
     Returns:
-        A Handle whose result is a new array holding the root's values.
+        A Handle whose result (``out`` or a new array) holds the root's values.
 
     Raises:
         InvalidArgumentError: bad dtype, layout or root_rank out of range.
@@ -532,17 +543,17 @@ def broadcast_async(array, root_rank, name=None):
     name = _resolve_name("broadcast", name)
     arr, code = _input_array(array, name)
     root = _check_rank(root_rank, "root_rank", name)
-    out = np.empty(arr.shape, dtype=arr.dtype)
+    out = _output_array(out, arr.shape, arr.dtype, name)
     return enqueue(BROADCAST, name, code, arr.shape, _address(arr), _address(out),
                    root_rank=root, keepalive=(arr, out), result=out)
 
 
-def broadcast(array, root_rank, name=None):
-    """Returns ``root_rank``'s ``array`` on every rank (a new array).
+def broadcast(array, root_rank, name=None, out=None):
+    """Returns ``root_rank``'s ``array`` on every rank (in ``out`` or a new array).
 
     See ``broadcast_async``; raises HorovodInternalError subclasses if it fails.
     """
-    return synchronize(broadcast_async(array, root_rank, name))
+    return synchronize(broadcast_async(array, root_rank, name, out))
 
 
 def _check_splits(splits, rows, name):
@@ -618,13 +629,15 @@ def reducescatter_rows(rows, size, rank):
 
 
 def reducescatter_async(array, name=None, op=Average, prescale_factor=1.0,
-                        postscale_factor=1.0):
+                        postscale_factor=1.0, out=None):
     """Starts a reduction whose result is scattered by rows among the ranks.
 
     Args:
         array: a C-contiguous array with at least one dimension, same shape everywhere.
         name: the tensor's name, equal across ranks; None names it automatically.
         op, prescale_factor, postscale_factor: as for ``allreduce_async``.
+        out: an array for this rank's rows (shape as described below, same dtype), or
+            None for a new one.
 
     Returns:
         A Handle whose result holds this rank's rows of the reduction: the first
@@ -638,19 +651,21 @@ def reducescatter_async(array, name=None, op=Average, prescale_factor=1.0,
     _check_reduce_op(op, arr.dtype == np.bool_, name)
     _check_scale(prescale_factor, postscale_factor, arr.dtype == np.bool_, name)
     rows = reducescatter_rows(arr.shape[0], runtime.size(), runtime.rank())
-    out = np.empty((rows,) + arr.shape[1:], dtype=arr.dtype)
+    out = _output_array(out, (rows,) + arr.shape[1:], arr.dtype, name)
     return enqueue(REDUCESCATTER, name, code, arr.shape, _address(arr), _address(out),
                    reduce_op=op, prescale=prescale_factor, postscale=postscale_factor,
                    keepalive=(arr, out), result=out)
 
 
-def reducescatter(array, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0):
-    """Reduces ``array`` across ranks and returns this rank's rows (a new array).
+def reducescatter(array, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+                  out=None):
+    """Reduces ``array`` across ranks and returns this rank's rows (in ``out`` or a new
+    array).
 
     See ``reducescatter_async``; raises HorovodInternalError subclasses if it fails.
     """
     return synchronize(reducescatter_async(array, name, op, prescale_factor,
-                                           postscale_factor))
+                                           postscale_factor, out))
 
 
 def _no_tensor_op(op, kind, finisher=None):

@@ -112,59 +112,37 @@ def _trailing(shape, first=None):
 
 
 def _allreduce_now(tensor, name, op, prescale, postscale):
-    arr, code = ops._input_array(tensors.host_array(tensor), name)
-    ops._check_reduce_op(op, arr.dtype == np.bool_, name)
-    ops._check_scale(prescale, postscale, arr.dtype == np.bool_, name)
+    arr = tensors.host_array(tensor)
     out = tensors.empty_aligned(arr.shape, arr.dtype)
-    ops.synchronize(ops.enqueue(
-        ops.ALLREDUCE, name, code, arr.shape, arr.ctypes.data, out.ctypes.data,
-        reduce_op=op, prescale=prescale, postscale=postscale, keepalive=(tensor, arr, out)))
+    ops.allreduce(arr, name, op, prescale, postscale, out=out)
     return tensors.to_tensor(out)
 
 
 def _grouped_allreduce_now(tensor_list, group, op, prescale, postscale):
-    specs, keep, outs = [], [], []
-    for i, tensor in enumerate(tensor_list):
-        tensor_name = f"{group}.{i}"
-        arr, code = ops._input_array(tensors.host_array(tensor), tensor_name)
-        ops._check_reduce_op(op, arr.dtype == np.bool_, tensor_name)
-        ops._check_scale(prescale, postscale, arr.dtype == np.bool_, tensor_name)
-        out = tensors.empty_aligned(arr.shape, arr.dtype)
-        specs.append(ops.TensorSpec(ops.ALLREDUCE, tensor_name, code, arr.shape,
-                                    arr.ctypes.data, out.ctypes.data, op, prescale,
-                                    postscale))
-        keep += [tensor, arr, out]
-        outs.append(out)
-    ops.synchronize(ops.enqueue_group(specs, name=group, keepalive=keep))
+    arrays = [tensors.host_array(tensor) for tensor in tensor_list]
+    outs = [tensors.empty_aligned(arr.shape, arr.dtype) for arr in arrays]
+    ops.grouped_allreduce(arrays, group, op, prescale, postscale, outs=outs)
     return [tensors.to_tensor(out) for out in outs]
 
 
 def _broadcast_now(tensor_list, names, root_rank):
     """Broadcasts several tensors: all enqueued before any wait, so they can fuse."""
-    handles, outs = [], []
-    for tensor, name in zip(tensor_list, names):
-        arr, code = ops._input_array(tensors.host_array(tensor), name)
-        root = ops._check_rank(root_rank, "root_rank", name)
-        out = tensors.empty_aligned(arr.shape, arr.dtype)
-        handles.append(ops.enqueue(ops.BROADCAST, name, code, arr.shape, arr.ctypes.data,
-                                   out.ctypes.data, root_rank=root,
-                                   keepalive=(tensor, arr, out)))
-        outs.append(out)
+    arrays = [tensors.host_array(tensor) for tensor in tensor_list]
+    outs = [tensors.empty_aligned(arr.shape, arr.dtype) for arr in arrays]
+    handles = [ops.broadcast_async(arr, root_rank, name, out=out)
+               for arr, name, out in zip(arrays, names, outs)]
     for handle in handles:
         ops.synchronize(handle)
     return [tensors.to_tensor(out) for out in outs]
 
 
 def _reducescatter_now(tensor, name, op, prescale, postscale):
-    arr, code = ops._input_array(tensors.host_array(tensor), name, min_ndim=1)
-    ops._check_reduce_op(op, arr.dtype == np.bool_, name)
-    ops._check_scale(prescale, postscale, arr.dtype == np.bool_, name)
-    rows = ops.reducescatter_rows(arr.shape[0], runtime.size(), runtime.rank())
-    out = tensors.empty_aligned((rows,) + arr.shape[1:], arr.dtype)
-    ops.synchronize(ops.enqueue(
-        ops.REDUCESCATTER, name, code, arr.shape, arr.ctypes.data, out.ctypes.data,
-        reduce_op=op, prescale=prescale, postscale=postscale, keepalive=(tensor, arr, out)))
-    return tensors.to_tensor(out)
+    arr = tensors.host_array(tensor)
+    out = None
+    if arr.ndim >= 1:  # else ops refuses it, naming the tensor
+        rows = ops.reducescatter_rows(arr.shape[0], runtime.size(), runtime.rank())
+        out = tensors.empty_aligned((rows,) + arr.shape[1:], arr.dtype)
+    return tensors.to_tensor(ops.reducescatter(arr, name, op, prescale, postscale, out=out))
 
 
 # -- allreduce ---------------------------------------------------------------------------

@@ -251,3 +251,23 @@ def test_names_used_once_do_not_keep_repeated_names_out_of_the_c_cache(hvd):
     hvd.allreduce(x, name="repeated.after.auto")
     assert "repeated.after.auto" in ops._c_names
     assert len(ops._c_names) <= ops._C_CACHE_LIMIT
+
+
+def test_results_land_in_the_given_buffers(hvd):
+    x = sample(np.float32, (4, 3))
+    for label, call, shape in [
+            ("bc", lambda out: hvd.broadcast(x, 0, name="out.bc", out=out), x.shape),
+            ("rs", lambda out: hvd.reducescatter(x, name="out.rs", op=hvd.Sum, out=out),
+             x.shape),  # one rank keeps every row
+            ("ar", lambda out: hvd.allreduce(x, name="out.ar", op=hvd.Sum, out=out), x.shape)]:
+        out = np.full(shape, np.nan, np.float32)
+        assert call(out) is out, label
+        assert np.array_equal(out, x), label
+        with pytest.raises(hvd.errors.InvalidArgumentError, match=f"out.{label}.*out must be"):
+            call(np.empty((1, 1), np.float32))
+    outs = [np.empty_like(x), np.empty((2,), np.float64)]
+    got = hvd.grouped_allreduce([x, np.arange(2.0)], name="out.grp", op=hvd.Sum, outs=outs)
+    assert got[0] is outs[0] and got[1] is outs[1]
+    assert np.array_equal(outs[0], x) and np.array_equal(outs[1], np.arange(2.0))
+    with pytest.raises(hvd.errors.InvalidArgumentError, match="1 outs for 2 arrays"):
+        hvd.grouped_allreduce([x, x], name="out.grp2", outs=[np.empty_like(x)])
