@@ -439,10 +439,11 @@ void Core::Loop(int64_t comm_f2c) {
   const auto idle_cycle = std::max<Clock::duration>(cycle, kIdleCycle);
   while (true) {
     bool idle = queue_.Size() == 0 && !local_joined_ && !join_active_;
-    if (queue_.WaitForWork(last_start + (idle ? idle_cycle : cycle))) {
+    if (queue_.WaitForWork(last_start + (idle ? idle_cycle : cycle)) && cycle.count() > 0) {
       // Requests arrived: the rest of a burst (a training step's gradients, a loop of
       // submissions) joins them, so that one cycle negotiates and fuses them all
       // instead of a cycle starting for the first alone while the others queue.
+      // HVDLITE_CYCLE_TIME=0 asks for no waiting at all.
       queue_.WaitForQuiet(kQuiet, Clock::now() + cycle, handles_.blocked());
     }
     last_start = Clock::now();
