@@ -33,6 +33,7 @@ Status TensorQueue::Add(std::vector<TensorEntry> entries) {
       entries_.emplace(std::move(name), std::move(e));
     }
     last_add_ = entries.front().enqueued;
+    adds_.fetch_add(1, std::memory_order_relaxed);
   }
   work_cv_.notify_one();
   return Status::OK();
@@ -96,13 +97,13 @@ void TensorQueue::WaitForQuiet(Clock::duration quiet, Clock::time_point deadline
   auto done = [&] { return blocked.load() > 0 || woken_; };
   // A synchronous caller blocks a few microseconds after its request: wait for that
   // without sleeping (a sleep and a wake-up cost more), unless more requests arrive.
-  const Clock::time_point first = last_add_;
+  const uint64_t adds = adds_.load(std::memory_order_relaxed);
   lock.unlock();
   const auto spin_end = Clock::now() + kSpin;
   for (int i = 0; blocked.load() == 0; ++i) {
-    if (i % 64 == 63) {
-      std::lock_guard<std::mutex> peek(mutex_);
-      if (last_add_ != first || woken_ || Clock::now() >= spin_end) break;
+    if (i % 64 == 63 &&
+        (adds_.load(std::memory_order_relaxed) != adds || Clock::now() >= spin_end)) {
+      break;
     }
   }
   lock.lock();
