@@ -168,10 +168,10 @@ def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor
     psid = _process_set_id(process_set)
     if output is None:
         output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    return ops.enqueue(ops.ALLREDUCE, name, code, tuple(tensor.shape), tensor.data_ptr(),
-                       output.data_ptr(), reduce_op=op, prescale=prescale_factor,
-                       postscale=postscale_factor, process_set_id=psid,
-                       keepalive=(tensor, output), result=output)
+    # The per-gradient path: every argument in order, no keywords.
+    return ops.enqueue_fields(ops.ALLREDUCE, name, code, tensor.shape, tensor.data_ptr(),
+                              output.data_ptr(), op, prescale_factor, postscale_factor, 0,
+                              psid, -1, (tensor, output), None, output)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
