@@ -108,8 +108,8 @@ class Handle:
     """An enqueued op (or group of ops) and the references that keep its buffers alive.
 
     ``wait()`` returns the op's result (built by the finisher, or the output given at
-    construction), ``poll()`` says whether the op has ended. Use ``hvdlite.synchronize(handle)`` / ``hvdlite.poll(handle)`` or these
-    methods directly.
+    construction), ``poll()`` says whether the op has ended. Use
+    ``hvdlite.synchronize(handle)`` / ``hvdlite.poll(handle)`` or these methods directly.
 
     The native ids are released as soon as the op has ended and its result is built,
     except those whose core-owned buffer a result array views (``output_array``): a
@@ -231,16 +231,9 @@ class Handle:
         self._ended = True
         self._finisher = None
         self._keepalive = None
-        owners = self._owners
-        if owners:
-            # Ids viewed by result arrays go with the last of those arrays.
-            for index, handle_id in enumerate(self._ids):
-                if index not in owners:
-                    lib.hvdlite_release(handle_id)
-            self._owners = None
-        else:
-            for handle_id in self._ids:
-                lib.hvdlite_release(handle_id)
+        # Ids viewed by result arrays go with the last of those arrays.
+        owners, self._owners = self._owners or (), None
+        _release_all([h for index, h in enumerate(self._ids) if index not in owners])
 
     # -- helpers for finishers -------------------------------------------------------
 

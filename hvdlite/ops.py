@@ -128,6 +128,7 @@ def _address(arr):
 
 
 _OK = lib.HVDLITE_OK
+_BOOL = lib.HVDLITE_BOOL
 
 # Names and shapes repeat every training step; their C copies are reused (the core
 # copies both at enqueue, so sharing them between calls is safe). Bounded, so that
@@ -335,6 +336,14 @@ def _check_scale(prescale, postscale, is_bool, name):
         raise InvalidArgumentError(f"tensor '{name}': bool tensors cannot be scaled")
 
 
+def _check_reduction(op, prescale, postscale, code, name):
+    """Both checks above, for a tensor of native dtype ``code`` (every reduction makes
+    them together)."""
+    is_bool = code == _BOOL
+    _check_reduce_op(op, is_bool, name)
+    _check_scale(prescale, postscale, is_bool, name)
+
+
 def _check_rank(value, label, name):
     size = runtime.size()
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -417,8 +426,7 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
     """
     name = _resolve_name("allreduce", name)
     arr, code = _input_array(array, name)
-    _check_reduce_op(op, arr.dtype == np.bool_, name)
-    _check_scale(prescale_factor, postscale_factor, arr.dtype == np.bool_, name)
+    _check_reduction(op, prescale_factor, postscale_factor, code, name)
     out = _output_array(out, arr.shape, arr.dtype, name)
     return enqueue_fields(ALLREDUCE, name, code, arr.shape, _address(arr), _address(out), op,
                           prescale_factor, postscale_factor, 0, 0, -1, (arr, out), None, out)
@@ -469,8 +477,7 @@ def grouped_allreduce_async(arrays, name=None, op=Average, prescale_factor=1.0,
     for i, array in enumerate(arrays):
         tensor_name = f"{group}.{i}"
         arr, code = _input_array(array, tensor_name)
-        _check_reduce_op(op, arr.dtype == np.bool_, tensor_name)
-        _check_scale(prescale_factor, postscale_factor, arr.dtype == np.bool_, tensor_name)
+        _check_reduction(op, prescale_factor, postscale_factor, code, tensor_name)
         out = _output_array(None if outs is None else outs[i], arr.shape, arr.dtype,
                             tensor_name)
         specs.append(TensorSpec(ALLREDUCE, tensor_name, code, arr.shape, _address(arr),
@@ -648,8 +655,7 @@ def reducescatter_async(array, name=None, op=Average, prescale_factor=1.0,
     """
     name = _resolve_name("reducescatter", name)
     arr, code = _input_array(array, name, min_ndim=1)
-    _check_reduce_op(op, arr.dtype == np.bool_, name)
-    _check_scale(prescale_factor, postscale_factor, arr.dtype == np.bool_, name)
+    _check_reduction(op, prescale_factor, postscale_factor, code, name)
     rows = reducescatter_rows(arr.shape[0], runtime.size(), runtime.rank())
     out = _output_array(out, (rows,) + arr.shape[1:], arr.dtype, name)
     return enqueue(REDUCESCATTER, name, code, arr.shape, _address(arr), _address(out),

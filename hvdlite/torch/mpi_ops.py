@@ -163,8 +163,7 @@ def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor
                      process_set):
     name = ops._resolve_name("allreduce", name)
     code = _tensor_code(tensor, name)
-    ops._check_reduce_op(op, tensor.dtype == torch.bool, name)
-    ops._check_scale(prescale_factor, postscale_factor, tensor.dtype == torch.bool, name)
+    ops._check_reduction(op, prescale_factor, postscale_factor, code, name)
     psid = _process_set_id(process_set)
     if output is None:
         output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
@@ -275,8 +274,7 @@ def _grouped_allreduce_async(tensors, outputs, names, op, prescale_factor,
     specs, keep = [], []
     for tensor, output, name in zip(tensors, outputs, names):
         code = _tensor_code(tensor, name)
-        ops._check_reduce_op(op, tensor.dtype == torch.bool, name)
-        ops._check_scale(prescale_factor, postscale_factor, tensor.dtype == torch.bool, name)
+        ops._check_reduction(op, prescale_factor, postscale_factor, code, name)
         if output is None:
             output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
         specs.append(ops.TensorSpec(ops.ALLREDUCE, name, code, tuple(tensor.shape),
@@ -579,8 +577,7 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 def _reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, process_set):
     name = ops._resolve_name("reducescatter", name)
     code = _tensor_code(tensor, name, min_ndim=1)
-    ops._check_reduce_op(op, tensor.dtype == torch.bool, name)
-    ops._check_scale(prescale_factor, postscale_factor, tensor.dtype == torch.bool, name)
+    ops._check_reduction(op, prescale_factor, postscale_factor, code, name)
     psid = _process_set_id(process_set)
     rows = ops.reducescatter_rows(tensor.shape[0], runtime.size(), runtime.rank())
     output = torch.empty((rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype)

@@ -40,29 +40,16 @@ constexpr std::chrono::microseconds kQuiet(200);
 // How often a rank with nothing in flight still joins the coordination.
 constexpr std::chrono::milliseconds kIdleCycle(20);
 
-// values holds 3 settings per rank; the one at `index` must be equal on every rank.
+// values holds kSettings values per rank; the one at `index` must be equal on every rank.
+constexpr int kSettings = 3;
 Status SameOnEveryRank(const std::vector<int64_t>& values, int index, const char* setting) {
-  const int size = static_cast<int>(values.size() / 3);
-  std::vector<std::pair<int64_t, std::vector<int>>> seen;  // value -> the ranks with it
-  for (int r = 0; r < size; ++r) {
-    const int64_t v = values[3 * r + index];
-    auto it = std::find_if(seen.begin(), seen.end(), [&](const auto& p) { return p.first == v; });
-    if (it == seen.end()) {
-      seen.push_back({v, {r}});
-    } else {
-      it->second.push_back(r);
-    }
+  std::vector<std::string> per_rank;
+  for (size_t r = index; r < values.size(); r += kSettings) {
+    per_rank.push_back(std::to_string(values[r]));
   }
-  if (seen.size() == 1) return Status::OK();
-  std::string msg = std::string(setting) + " must be the same on every rank: ";
-  for (size_t i = 0; i < seen.size(); ++i) {
-    const std::vector<int>& ranks = seen[i].second;
-    msg += i ? "; " : "";
-    msg += ranks.size() == 1 ? "rank " : "ranks ";
-    for (size_t k = 0; k < ranks.size(); ++k) msg += (k ? ", " : "") + std::to_string(ranks[k]);
-    msg += (ranks.size() == 1 ? " has " : " have ") + std::to_string(seen[i].first);
-  }
-  return InvalidArgument(msg);
+  std::string diff = Disagreement(per_rank);
+  if (diff.empty()) return Status::OK();
+  return InvalidArgument(std::string(setting) + " must be the same on every rank: " + diff);
 }
 
 Status NotInitialized() {
@@ -201,8 +188,9 @@ Status Core::Init(int64_t comm_f2c) {
       // Also every rank's settings that must agree, or the ranks would coordinate with
       // bit vectors of different lengths or plan different fusions: a hang or wrong
       // results later, a clear error now.
-      const int64_t mine[3] = {st.ok() ? 1 : 0, config_.cache_capacity, config_.fusion_threshold};
-      std::vector<int64_t> all(3 * topo.size);
+      const int64_t mine[kSettings] = {st.ok() ? 1 : 0, config_.cache_capacity,
+                                       config_.fusion_threshold};
+      std::vector<int64_t> all(kSettings * topo.size);
       Status agree = mpi_.Allgatherv(mine, sizeof(mine), all.data(),
                                      std::vector<int64_t>(topo.size, sizeof(mine)));
       if (st.ok() && !agree.ok()) st = agree;

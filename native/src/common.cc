@@ -1,5 +1,6 @@
 #include "common.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -48,6 +49,33 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
     s += std::to_string(shape[i]);
   }
   return s + "]";
+}
+
+std::string RankList(const std::vector<int>& ranks) {
+  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s;
+}
+
+std::string Disagreement(const std::vector<std::string>& values,
+                         const std::vector<uint8_t>* counts) {
+  std::vector<std::pair<std::string, std::vector<int>>> groups;  // value -> its ranks
+  for (size_t r = 0; r < values.size(); ++r) {
+    if (counts && !(*counts)[r]) continue;
+    auto g = std::find_if(groups.begin(), groups.end(),
+                          [&](const auto& x) { return x.first == values[r]; });
+    if (g == groups.end()) {
+      groups.push_back({values[r], {static_cast<int>(r)}});
+    } else {
+      g->second.push_back(static_cast<int>(r));
+    }
+  }
+  std::string diff;
+  if (groups.size() <= 1) return diff;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    diff += (i ? "; " : "") + RankList(groups[i].second) + " had " + groups[i].first;
+  }
+  return diff;
 }
 
 int64_t NumElements(const std::vector<int64_t>& shape) {

@@ -35,6 +35,13 @@ const char* OpName(int32_t op);
 bool ValidReduceOp(int32_t reduce_op);
 const char* ReduceOpName(int32_t reduce_op);
 std::string ShapeString(const std::vector<int64_t>& shape);
+// "rank 3" or "ranks 0, 2".
+std::string RankList(const std::vector<int>& ranks);
+// Ranks grouped by the value each had: "" when all agree, else e.g. "ranks 0, 2 had
+// 1024; rank 1 had 200000". values[r] is rank r's value; ranks with counts[r] == 0 are
+// left out (counts null: every rank counts).
+std::string Disagreement(const std::vector<std::string>& values,
+                         const std::vector<uint8_t>* counts = nullptr);
 int64_t NumElements(const std::vector<int64_t>& shape);
 
 // Logging: HVDLITE_LOG(WARNING) << "..."; level from HVDLITE_LOG_LEVEL.

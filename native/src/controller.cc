@@ -6,12 +6,6 @@
 namespace hvdlite {
 namespace {
 
-std::string RankList(const std::vector<int>& ranks) {
-  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
-  return s;
-}
-
 std::string Num(double v) {
   std::ostringstream o;
   o << v;
@@ -72,23 +66,12 @@ std::string Controller::MissingRanks(const PendingTensor& p) const {
 // message listing which ranks had which value.
 static bool Agree(const std::vector<Request>& reqs, const std::vector<uint8_t>& have,
                   const std::function<std::string(const Request&)>& value, std::string* diff) {
-  std::vector<std::pair<std::string, std::vector<int>>> groups;
+  std::vector<std::string> values(reqs.size());
   for (size_t r = 0; r < reqs.size(); ++r) {
-    if (!have[r]) continue;
-    std::string v = value(reqs[r]);
-    auto g = std::find_if(groups.begin(), groups.end(), [&](auto& x) { return x.first == v; });
-    if (g == groups.end()) {
-      groups.push_back({v, {static_cast<int>(r)}});
-    } else {
-      g->second.push_back(static_cast<int>(r));
-    }
+    if (have[r]) values[r] = value(reqs[r]);
   }
-  if (groups.size() <= 1) return true;
-  diff->clear();
-  for (size_t i = 0; i < groups.size(); ++i) {
-    *diff += (i ? "; " : "") + RankList(groups[i].second) + " had " + groups[i].first;
-  }
-  return false;
+  *diff = Disagreement(values, &have);
+  return diff->empty();
 }
 
 Response Controller::Validate(const std::string& name, const PendingTensor& p) const {

@@ -289,7 +289,7 @@ def test_settings_that_differ_across_ranks_fail_init_on_every_rank(setting, valu
         error = job.result(rank)["error"]
         assert error is not None, f"rank {rank} initialized with {setting} differing"
         assert f"{setting} must be the same on every rank" in error, error
-        assert f"ranks 0, 2 have {rest}" in error and f"rank 1 has {value}" in error, error
+        assert f"ranks 0, 2 had {rest}" in error and f"rank 1 had {value}" in error, error
 
 
 def test_shared_memory_turned_off_on_one_rank_is_off_on_all():
