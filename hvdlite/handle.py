@@ -21,6 +21,8 @@ from hvdlite._native import check, error_for, ffi, last_error, lib
 
 # Waits are cut into slices so that Ctrl-C reaches the main thread between them.
 _WAIT_SLICE_S = 1.0
+_OK = lib.HVDLITE_OK
+_TIMEOUT = lib.HVDLITE_ERR_TIMEOUT
 
 
 class NativeHandle:
@@ -134,7 +136,7 @@ class Handle:
         """
         if _orphans:
             reap_orphans()
-        self._ids = [int(h) for h in native_ids]
+        self._ids = list(native_ids)
         self._owners = None  # index -> NativeHandle, for results viewing core memory
         self._finisher = finisher
         self._keepalive = keepalive
@@ -162,22 +164,24 @@ class Handle:
         """
         return self._ended or _all_done(self._ids, strict=True)
 
-    def _wait_native(self, handle_id, deadline):
-        """Blocks until one native op ends; returns (status, message).
+    def _wait_native(self, handle_id, deadline, release):
+        """Blocks until one native op ends; returns (status, message). release: release
+        the native handle as it ends (one call, for ops with nothing left to read).
 
         The wait is cut into slices so that the main thread handles Ctrl-C between them
         (other threads just wake once per slice, which costs nothing measurable).
         """
+        wait = lib.hvdlite_wait_release if release else lib.hvdlite_wait
         while True:
             if deadline is None:
                 timeout = _WAIT_SLICE_S
             else:
                 remaining = deadline - time.monotonic()
                 timeout = min(max(remaining, 0.0), _WAIT_SLICE_S)
-            status = lib.hvdlite_wait(handle_id, timeout)
-            if status == lib.HVDLITE_OK:
+            status = wait(handle_id, timeout)
+            if status == _OK:
                 return status, None
-            if status != lib.HVDLITE_ERR_TIMEOUT:
+            if status != _TIMEOUT:
                 return status, last_error()
             if deadline is not None and time.monotonic() >= deadline:
                 raise error_for(status, f"waiting for {self.name!r} timed out; "
@@ -212,28 +216,34 @@ class Handle:
 
     def _end(self, deadline):
         """Waits for every native op, builds the result and releases the ids (with
-        self._lock held)."""
-        failure = None
-        for handle_id in self._ids:
+        self._lock held). A timeout leaves the ops not yet ended for the next call."""
+        finisher = self._finisher
+        release = finisher is None  # nothing to read after the wait: release with it
+        ids = self._ids
+        while ids:
             # Every op of a group is waited, even after a failure, so that all of them
             # can be released.
-            status, message = self._wait_native(handle_id, deadline)
-            if status != lib.HVDLITE_OK and failure is None:
-                failure = error_for(status, message)
-        if failure is None and self._finisher is not None:
+            status, message = self._wait_native(ids[0], deadline, release)
+            if status != _OK and self._error is None:
+                self._error = error_for(status, message)
+            if release:
+                del ids[0]  # released with its wait
+            else:
+                ids = ids[1:]
+        if self._error is None and finisher is not None:
             try:
-                self._result = self._finisher(self)
+                self._result = finisher(self)
             except errors.HvdliteError as e:
-                failure = e
-        if failure is not None:
+                self._error = e
+        if self._error is not None:
             self._result = None
-        self._error = failure
         self._ended = True
         self._finisher = None
         self._keepalive = None
-        # Ids viewed by result arrays go with the last of those arrays.
-        owners, self._owners = self._owners or (), None
-        _release_all([h for index, h in enumerate(self._ids) if index not in owners])
+        if not release:
+            # Ids viewed by result arrays go with the last of those arrays.
+            owners, self._owners = self._owners or (), None
+            _release_all([h for index, h in enumerate(self._ids) if index not in owners])
 
     # -- helpers for finishers -------------------------------------------------------
 

@@ -165,8 +165,7 @@ def _remember(cache, key, value):
 
 def _fill(struct, op, name, dtype, shape, input, output, reduce_op, prescale, postscale,
           root_rank, splits, process_set_id, device):
-    """Fills one hvdlite_tensor_t, for groups and alltoall's splits (single tensors
-    without splits go field by field through hvdlite_enqueue_fields).
+    """Fills one hvdlite_tensor_t.
 
     Returns the cffi objects the struct points to, which must stay referenced until the
     enqueue call returns (the core copies name, shape and splits at enqueue).
@@ -227,9 +226,10 @@ def enqueue(op, name, dtype_code, shape, input_ptr, output_ptr=None, *, reduce_o
             core; nothing was enqueued.
     """
     if splits is None:
-        return enqueue_fields(op, name, dtype_code, shape, input_ptr, output_ptr, reduce_op,
-                              prescale, postscale, root_rank, process_set_id, device,
-                              keepalive, finisher, result)
+        return enqueue_fields(op, name, dtype_code, tuple(shape), _pointer(input_ptr),
+                              _pointer(output_ptr), reduce_op, prescale, postscale,
+                              root_rank, process_set_id, device, keepalive, finisher,
+                              result)
     out = ffi.new("hvdlite_handle_t *")
     struct = ffi.new("hvdlite_tensor_t *")
     keep = _fill(struct, op, name, dtype_code, shape, input_ptr, output_ptr, reduce_op,
@@ -238,19 +238,36 @@ def enqueue(op, name, dtype_code, shape, input_ptr, output_ptr=None, *, reduce_o
     return Handle([out[0]], finisher, (keepalive, keep), name, result)
 
 
+# A training step submits the same tensors, with the same properties, every step. Each
+# one's hvdlite_tensor_t is filled once and kept here, keyed by those properties, with
+# the objects it points to; a call then hands the core only its buffers
+# (hvdlite_enqueue_buffers). Bounded like the caches above.
+_templates = {}
+
+
+def _new_template(key):
+    op, name, dtype, shape, reduce_op, prescale, postscale, root_rank, process_set_id, device = key
+    struct = ffi.new("hvdlite_tensor_t *")
+    keep = _fill(struct, op, name, dtype, shape, None, None, reduce_op, prescale, postscale,
+                 root_rank, None, process_set_id, device)
+    template = (struct, keep)
+    _remember(_templates, key, template)
+    return template
+
+
 def enqueue_fields(op, name, dtype_code, shape, input_ptr, output_ptr, reduce_op, prescale,
                    postscale, root_rank, process_set_id, device, keepalive, finisher, result):
     """``enqueue`` of one tensor without splits, every argument given in order: the
-    per-tensor path (a training step's gradients), several times cheaper than a
-    struct and keyword arguments."""
-    out = ffi.new("hvdlite_handle_t *")
-    status = lib.hvdlite_enqueue_fields(op, _c_name(name), dtype_code, len(shape),
-                                        _c_shape(shape), _pointer(input_ptr),
-                                        _pointer(output_ptr), reduce_op, prescale, postscale,
-                                        root_rank, process_set_id, device, out)
-    if status != _OK:
-        check(status)
-    return Handle([out[0]], finisher, keepalive, name, result)
+    per-tensor path (a training step's gradients), several times cheaper than a struct
+    filled per call and keyword arguments. ``input_ptr`` and ``output_ptr`` are cffi
+    pointers (``ffi.from_buffer`` of an array, ``ffi.cast("void *", address)``)."""
+    key = (op, name, dtype_code, shape, reduce_op, prescale, postscale, root_rank,
+           process_set_id, device)
+    template = _templates.get(key) or _new_template(key)
+    handle_id = lib.hvdlite_enqueue_buffers(template[0], input_ptr, output_ptr)
+    if handle_id < 0:
+        check(-handle_id)  # the refusal's status, negated
+    return Handle([handle_id], finisher, keepalive, name, result)
 
 
 def enqueue_group(specs, *, name=None, keepalive=(), finisher=None, result=None):
@@ -339,6 +356,9 @@ def _check_scale(prescale, postscale, is_bool, name):
 def _check_reduction(op, prescale, postscale, code, name):
     """Both checks above, for a tensor of native dtype ``code`` (every reduction makes
     them together)."""
+    if (type(op) is int and op in _REDUCE_OP_NAMES and type(prescale) is float
+            and type(postscale) is float and code != _BOOL):
+        return  # the usual case
     is_bool = code == _BOOL
     _check_reduce_op(op, is_bool, name)
     _check_scale(prescale, postscale, is_bool, name)
@@ -428,8 +448,9 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
     arr, code = _input_array(array, name)
     _check_reduction(op, prescale_factor, postscale_factor, code, name)
     out = _output_array(out, arr.shape, arr.dtype, name)
-    return enqueue_fields(ALLREDUCE, name, code, arr.shape, _address(arr), _address(out), op,
-                          prescale_factor, postscale_factor, 0, 0, -1, (arr, out), None, out)
+    return enqueue_fields(ALLREDUCE, name, code, arr.shape, ffi.from_buffer(arr),
+                          ffi.from_buffer(out), op, prescale_factor, postscale_factor, 0, 0,
+                          -1, (arr, out), None, out)
 
 
 def allreduce(array, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,

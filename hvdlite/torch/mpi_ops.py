@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from hvdlite import dtypes, ops, runtime
+from hvdlite._native import ffi
 from hvdlite.errors import InvalidArgumentError
 from hvdlite.torch.compression import Compression
 
@@ -168,9 +169,10 @@ def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor
     if output is None:
         output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     # The per-gradient path: every argument in order, no keywords.
-    return ops.enqueue_fields(ops.ALLREDUCE, name, code, tensor.shape, tensor.data_ptr(),
-                              output.data_ptr(), op, prescale_factor, postscale_factor, 0,
-                              psid, -1, (tensor, output), None, output)
+    return ops.enqueue_fields(ops.ALLREDUCE, name, code, tensor.shape,
+                              ffi.cast("void *", tensor.data_ptr()),
+                              ffi.cast("void *", output.data_ptr()), op, prescale_factor,
+                              postscale_factor, 0, psid, -1, (tensor, output), None, output)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,

@@ -92,15 +92,17 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_enqueue(const hvdlite_tensor_t* tensor, 
   return Guard([&] { return hvdlite::Core::Get().Enqueue(tensor, 1, false, out); });
 }
 
-HVDLITE_EXPORT hvdlite_status_t hvdlite_enqueue_fields(
-    hvdlite_op_t op, const char* name, hvdlite_dtype_t dtype, int32_t ndim, const int64_t* shape,
-    const void* input, void* output, hvdlite_reduce_op_t reduce_op, double prescale_factor,
-    double postscale_factor, int32_t root_rank, int32_t process_set_id, int32_t device,
-    hvdlite_handle_t* out) {
-  hvdlite_tensor_t t{name,      op,        dtype,     ndim,    shape,          input,  output,
-                     reduce_op, prescale_factor, postscale_factor, root_rank, nullptr,
-                     process_set_id, device};
-  return hvdlite_enqueue(&t, out);
+HVDLITE_EXPORT hvdlite_handle_t hvdlite_enqueue_buffers(const hvdlite_tensor_t* tensor,
+                                                        const void* input, void* output) {
+  hvdlite_handle_t h = 0;
+  hvdlite_status_t s = Guard([&] {
+    if (!tensor) return hvdlite::InvalidArgument("tensor is NULL");
+    hvdlite_tensor_t t = *tensor;
+    t.input = input;
+    t.output = output;
+    return hvdlite::Core::Get().Enqueue(&t, 1, false, &h);
+  });
+  return s == HVDLITE_OK ? h : -static_cast<hvdlite_handle_t>(s);
 }
 
 HVDLITE_EXPORT hvdlite_status_t hvdlite_enqueue_group(const hvdlite_tensor_t* tensors, int32_t n,
@@ -120,6 +122,10 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_poll(hvdlite_handle_t handle, int32_t* d
 
 HVDLITE_EXPORT hvdlite_status_t hvdlite_wait(hvdlite_handle_t handle, double timeout_s) {
   return Guard([&] { return hvdlite::Core::Get().handles().Wait(handle, timeout_s); });
+}
+
+HVDLITE_EXPORT hvdlite_status_t hvdlite_wait_release(hvdlite_handle_t handle, double timeout_s) {
+  return Guard([&] { return hvdlite::Core::Get().handles().Wait(handle, timeout_s, true); });
 }
 
 HVDLITE_EXPORT hvdlite_status_t hvdlite_handle_output(hvdlite_handle_t handle, void** data,

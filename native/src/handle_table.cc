@@ -47,21 +47,30 @@ Status HandleTable::Missing(hvdlite_handle_t h) const {
                 "handle " + std::to_string(h) + " is unknown or was already released");
 }
 
+HandleTable::State* HandleTable::Live(hvdlite_handle_t h) {
+  auto it = states_.find(h);
+  return it == states_.end() || it->second.released ? nullptr : &it->second;
+}
+
+void HandleTable::EraseIfUnused(hvdlite_handle_t h, const State& state) {
+  if (state.released && state.waiters == 0) states_.erase(h);
+}
+
 Status HandleTable::Poll(hvdlite_handle_t h, bool* done) {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = states_.find(h);
-  if (it == states_.end()) return Missing(h);
-  *done = it->second.done;
+  State* state = Live(h);
+  if (!state) return Missing(h);
+  *done = state->done;
   return Status::OK();
 }
 
-Status HandleTable::Wait(hvdlite_handle_t h, double timeout_s) {
+Status HandleTable::Wait(hvdlite_handle_t h, double timeout_s, bool release) {
   std::unique_lock<std::mutex> lock(mutex_);
-  auto it = states_.find(h);
-  if (it == states_.end()) return Missing(h);
-  // unordered_map references stay valid while other keys are inserted; only Release
-  // erases, and releasing a handle someone waits on is refused (IN_PROGRESS).
-  State& state = it->second;
+  // unordered_map references stay valid while other keys are inserted; a released
+  // state is erased only once no thread waits on it.
+  State* found = Live(h);
+  if (!found) return Missing(h);
+  State& state = *found;
   if (!state.done) {
     ++state.waiters;
     // A zero timeout is a poll: it does not count as a thread that submits no more.
@@ -84,40 +93,44 @@ Status HandleTable::Wait(hvdlite_handle_t h, double timeout_s) {
                                              std::to_string(timeout_s) + " s; it is still running");
     }
   }
-  return state.status;
+  Status status = state.status;  // the state may go below
+  if (release) state.released = true;
+  EraseIfUnused(h, state);
+  return status;
 }
 
 Status HandleTable::Output(hvdlite_handle_t h, void** data, int64_t* nbytes, int64_t* first_dim) {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = states_.find(h);
-  if (it == states_.end()) return Missing(h);
-  if (!it->second.done) return Status(HVDLITE_ERR_IN_PROGRESS, "the op has not finished");
-  if (!it->second.status.ok()) return it->second.status;
-  *data = it->second.output.data.get();
-  *nbytes = it->second.output.nbytes;
-  *first_dim = it->second.output.first_dim;
+  State* state = Live(h);
+  if (!state) return Missing(h);
+  if (!state->done) return Status(HVDLITE_ERR_IN_PROGRESS, "the op has not finished");
+  if (!state->status.ok()) return state->status;
+  *data = state->output.data.get();
+  *nbytes = state->output.nbytes;
+  *first_dim = state->output.first_dim;
   return Status::OK();
 }
 
 Status HandleTable::RecvSplits(hvdlite_handle_t h, std::vector<int64_t>* splits) {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = states_.find(h);
-  if (it == states_.end()) return Missing(h);
-  if (!it->second.done) return Status(HVDLITE_ERR_IN_PROGRESS, "the op has not finished");
-  if (!it->second.status.ok()) return it->second.status;
-  *splits = it->second.output.recv_splits;
+  State* state = Live(h);
+  if (!state) return Missing(h);
+  if (!state->done) return Status(HVDLITE_ERR_IN_PROGRESS, "the op has not finished");
+  if (!state->status.ok()) return state->status;
+  *splits = state->output.recv_splits;
   return Status::OK();
 }
 
 Status HandleTable::Release(hvdlite_handle_t h) {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = states_.find(h);
-  if (it == states_.end()) return Status::OK();
-  if (!it->second.done) {
+  State* state = Live(h);
+  if (!state) return Status::OK();
+  if (!state->done) {
     return Status(HVDLITE_ERR_IN_PROGRESS, "cannot release handle " + std::to_string(h) +
                                                ": its op is still in flight");
   }
-  states_.erase(it);
+  state->released = true;
+  EraseIfUnused(h, *state);
   return Status::OK();
 }
 

@@ -45,10 +45,13 @@ class HandleTable {
   // at most one wake-up: a fused batch ends at once for its waiters.
   void CompleteAll(const std::vector<hvdlite_handle_t>& handles, const Status& status);
   Status Poll(hvdlite_handle_t h, bool* done);
-  // Returns the op's status, or TIMEOUT with the op still running.
-  Status Wait(hvdlite_handle_t h, double timeout_s);
+  // Returns the op's status, or TIMEOUT with the op still running. release: Release
+  // the handle too once the op has ended.
+  Status Wait(hvdlite_handle_t h, double timeout_s, bool release = false);
   Status Output(hvdlite_handle_t h, void** data, int64_t* nbytes, int64_t* first_dim);
   Status RecvSplits(hvdlite_handle_t h, std::vector<int64_t>* splits);
+  // Forgets an ended handle; while threads still wait on it (woken, not yet
+  // returned), only marks it, and the last of them erases it.
   Status Release(hvdlite_handle_t h);
   // Threads blocked in Wait right now; on_block runs (handle lock held) when a thread
   // is about to block.
@@ -58,11 +61,16 @@ class HandleTable {
  private:
   struct State {
     bool done = false;
+    bool released = false;  // Release was called; unknown to every call from now on
     int waiters = 0;  // threads in Wait on this handle: only they need a wake-up
     Status status;
     OpOutput output;
   };
   Status Missing(hvdlite_handle_t h) const;
+  // The handle's state, or null when it is unknown or released. mutex_ held.
+  State* Live(hvdlite_handle_t h);
+  // Erases a released state once no thread waits on it. mutex_ held.
+  void EraseIfUnused(hvdlite_handle_t h, const State& state);
 
   std::mutex mutex_;
   std::condition_variable done_cv_;

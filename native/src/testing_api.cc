@@ -213,19 +213,22 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_test_allreduce_step(int32_t n, void** in
   hvdlite_status_t first = HVDLITE_OK;
   for (int32_t i = 0; i < n && first == HVDLITE_OK; ++i) {
     const std::string name = std::string(prefix) + "." + std::to_string(i);
-    hvdlite_handle_t h = 0;
-    first = hvdlite_enqueue_fields(HVDLITE_OP_ALLREDUCE, name.c_str(), HVDLITE_FLOAT32, 1, &elements,
-                                   ins[i], outs[i], HVDLITE_SUM, 1.0, 1.0, 0, 0, -1, &h);
-    if (first == HVDLITE_OK) handles.push_back(h);
+    hvdlite_tensor_t t{name.c_str(), HVDLITE_OP_ALLREDUCE, HVDLITE_FLOAT32, 1, &elements,
+                       nullptr, nullptr, HVDLITE_SUM, 1.0, 1.0, 0, nullptr, 0, -1};
+    hvdlite_handle_t h = hvdlite_enqueue_buffers(&t, ins[i], outs[i]);
+    if (h > 0) {
+      handles.push_back(h);
+    } else {
+      first = static_cast<hvdlite_status_t>(-h);
+    }
   }
   std::string message = first == HVDLITE_OK ? "" : hvdlite_last_error();
   for (hvdlite_handle_t h : handles) {
-    hvdlite_status_t s = hvdlite_wait(h, -1.0);
+    hvdlite_status_t s = hvdlite_wait_release(h, -1.0);
     if (first == HVDLITE_OK && s != HVDLITE_OK) {
       first = s;
       message = hvdlite_last_error();
     }
-    hvdlite_release(h);
   }
   // The calls after the first failure recorded their own statuses: record it again.
   return first == HVDLITE_OK ? first : hvdlite::RecordStatus(Status(first, message));

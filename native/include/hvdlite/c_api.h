@@ -152,15 +152,14 @@ hvdlite_status_t hvdlite_mpi_threads_supported(int32_t* out);
 /* Validates and enqueues one tensor; returns a handle at once. */
 hvdlite_status_t hvdlite_enqueue(const hvdlite_tensor_t* tensor, hvdlite_handle_t* out);
 
-/* hvdlite_enqueue of one tensor given field by field, without splits (ALLTOALL takes
- * even splits): the same checks and effect. The per-gradient path of the Python
- * adapters, which spares them building the struct for every tensor. */
-hvdlite_status_t hvdlite_enqueue_fields(hvdlite_op_t op, const char* name, hvdlite_dtype_t dtype,
-                                        int32_t ndim, const int64_t* shape, const void* input,
-                                        void* output, hvdlite_reduce_op_t reduce_op,
-                                        double prescale_factor, double postscale_factor,
-                                        int32_t root_rank, int32_t process_set_id,
-                                        int32_t device, hvdlite_handle_t* out);
+/* hvdlite_enqueue of *tensor with its input and output replaced by these two: the same
+ * checks and effect. The per-step path: a caller that submits the same tensors every
+ * step fills each struct once and passes only that step's buffers (three arguments to
+ * convert per call instead of fourteen, and no out cell). The struct is only read, so
+ * threads may share it. Returns the new handle (> 0), or the refusal's status negated
+ * (nothing was enqueued; the message is in hvdlite_last_error). */
+hvdlite_handle_t hvdlite_enqueue_buffers(const hvdlite_tensor_t* tensor, const void* input,
+                                         void* output);
 
 /* Enqueues n tensors that are negotiated and executed together, never split across
  * cycles. handles receives n entries. All or nothing: on error none is enqueued. */
@@ -173,6 +172,11 @@ hvdlite_status_t hvdlite_poll(hvdlite_handle_t handle, int32_t* done);
 /* Blocks until the op ends or timeout_s passes (timeout_s < 0: no limit). Returns the
  * op's own status; HVDLITE_ERR_TIMEOUT leaves the op running. */
 hvdlite_status_t hvdlite_wait(hvdlite_handle_t handle, double timeout_s);
+
+/* hvdlite_wait, then hvdlite_release once the op has ended (whatever its status but
+ * HVDLITE_ERR_TIMEOUT): one call for an op whose result is in the caller's buffers.
+ * Other threads waiting on the handle still get its status. */
+hvdlite_status_t hvdlite_wait_release(hvdlite_handle_t handle, double timeout_s);
 
 /* Result of an ended ALLGATHER or ALLTOALL: the core-allocated buffer, its size in
  * bytes, and its first dimension (the other dimensions are the input's).
@@ -200,7 +204,8 @@ hvdlite_status_t hvdlite_handle_recv_splits(hvdlite_handle_t handle, int64_t* sp
 /* Forgets an ended handle and frees what the core allocated for it (the
  * hvdlite_handle_output buffer, which must no longer be in use). Any thread; also
  * after hvdlite_shutdown. Releasing an unknown handle is a no-op; releasing one in
- * flight is HVDLITE_ERR_IN_PROGRESS and changes nothing. */
+ * flight is HVDLITE_ERR_IN_PROGRESS and changes nothing. A thread still waiting on an
+ * ended handle gets its status; the handle goes when the last such waiter returns. */
 hvdlite_status_t hvdlite_release(hvdlite_handle_t handle);
 
 hvdlite_status_t hvdlite_stats(hvdlite_stats_t* out);
