@@ -23,6 +23,7 @@ from hvdlite._native import check, error_for, ffi, last_error, lib
 _WAIT_SLICE_S = 1.0
 _OK = lib.HVDLITE_OK
 _TIMEOUT = lib.HVDLITE_ERR_TIMEOUT
+_wait_release = lib.hvdlite_wait_release  # every synchronize(): looked up once
 
 
 class NativeHandle:
@@ -164,29 +165,6 @@ class Handle:
         """
         return self._ended or _all_done(self._ids, strict=True)
 
-    def _wait_native(self, handle_id, deadline, release):
-        """Blocks until one native op ends; returns (status, message). release: release
-        the native handle as it ends (one call, for ops with nothing left to read).
-
-        The wait is cut into slices so that the main thread handles Ctrl-C between them
-        (other threads just wake once per slice, which costs nothing measurable).
-        """
-        wait = lib.hvdlite_wait_release if release else lib.hvdlite_wait
-        while True:
-            if deadline is None:
-                timeout = _WAIT_SLICE_S
-            else:
-                remaining = deadline - time.monotonic()
-                timeout = min(max(remaining, 0.0), _WAIT_SLICE_S)
-            status = wait(handle_id, timeout)
-            if status == _OK:
-                return status, None
-            if status != _TIMEOUT:
-                return status, last_error()
-            if deadline is not None and time.monotonic() >= deadline:
-                raise error_for(status, f"waiting for {self.name!r} timed out; "
-                                        "the op goes on")
-
     def wait(self, timeout=None):
         """Blocks until the op ends and returns its result.
 
@@ -206,26 +184,34 @@ class Handle:
             HvdliteError: another failure reported by the core.
         """
         if not self._ended:
-            deadline = None if timeout is None else time.monotonic() + timeout
             with self._lock:
                 if not self._ended:
-                    self._end(deadline)
+                    self._end(timeout)
         if self._error is not None:
             raise self._error
         return self._result
 
-    def _end(self, deadline):
+    def _end(self, timeout):
         """Waits for every native op, builds the result and releases the ids (with
-        self._lock held). A timeout leaves the ops not yet ended for the next call."""
+        self._lock held). A timeout leaves the ops not yet ended for the next call.
+
+        This is every synchronize() of a training step: the usual case, an op that has
+        ended or ends within the first slice, costs one call into the core.
+        """
         finisher = self._finisher
         release = finisher is None  # nothing to read after the wait: release with it
+        wait = _wait_release if release else lib.hvdlite_wait
+        deadline = None if timeout is None else time.monotonic() + timeout
         ids = self._ids
         while ids:
             # Every op of a group is waited, even after a failure, so that all of them
             # can be released.
-            status, message = self._wait_native(ids[0], deadline, release)
+            status = wait(ids[0], _WAIT_SLICE_S if deadline is None else
+                          min(max(deadline - time.monotonic(), 0.0), _WAIT_SLICE_S))
+            if status == _TIMEOUT:
+                status = self._wait_slices(wait, ids[0], deadline)
             if status != _OK and self._error is None:
-                self._error = error_for(status, message)
+                self._error = error_for(status, last_error())
             if release:
                 del ids[0]  # released with its wait
             else:
@@ -244,6 +230,24 @@ class Handle:
             # Ids viewed by result arrays go with the last of those arrays.
             owners, self._owners = self._owners or (), None
             _release_all([h for index, h in enumerate(self._ids) if index not in owners])
+
+    def _wait_slices(self, wait, handle_id, deadline):
+        """Goes on waiting for one native op after a first slice timed out; returns its
+        status (the message, if any, is the calling thread's last error).
+
+        The wait is cut into slices so that the main thread handles Ctrl-C between them
+        (other threads just wake once per slice, which costs nothing measurable).
+        """
+        while True:
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise error_for(_TIMEOUT, f"waiting for {self.name!r} timed out; "
+                                              "the op goes on")
+            timeout = _WAIT_SLICE_S if deadline is None else min(remaining, _WAIT_SLICE_S)
+            status = wait(handle_id, timeout)
+            if status != _TIMEOUT:
+                return status
 
     # -- helpers for finishers -------------------------------------------------------
 

@@ -200,7 +200,8 @@ Status ShmAllreduce::Barrier(std::chrono::microseconds spin) {
   for (int i = 0;; ++i) {
     if (c->sense.load(std::memory_order_acquire) == sense_) return Status::OK();
     // A peer in step with us arrives within microseconds.
-    if (i % 64 == 63 && Clock::now() >= spin_end) break;
+    if (i % 16 == 15 && Clock::now() >= spin_end) break;
+    CpuRelax();
   }
   const int32_t old_sense = sense_ ^ 1;
   while (true) {

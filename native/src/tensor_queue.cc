@@ -101,10 +101,11 @@ void TensorQueue::WaitForQuiet(Clock::duration quiet, Clock::time_point deadline
   lock.unlock();
   const auto spin_end = Clock::now() + kSpin;
   for (int i = 0; blocked.load() == 0; ++i) {
-    if (i % 64 == 63 &&
+    if (i % 16 == 15 &&
         (adds_.load(std::memory_order_relaxed) != adds || Clock::now() >= spin_end)) {
       break;
     }
+    CpuRelax();
   }
   lock.lock();
   while (!done()) {
