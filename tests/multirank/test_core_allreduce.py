@@ -300,3 +300,61 @@ def test_shared_memory_turned_off_on_one_rank_is_off_on_all():
         res = job.result(rank)
         assert res["error"] is None and res["sum"] == [6.0] * 5, res
         assert res["stats"]["shm_collectives"] == 0, res["stats"]
+
+
+# Two threads of rank 0 wait on one op in flight while rank 1 holds it back: at the C
+# level one plainly and one releasing the handle as the op ends (the released handle is
+# then unknown), at the Python level both through synchronize.
+WAITERS_SCRIPT = r"""
+import json, threading, time
+import numpy as np
+import hvdlite as hvd
+from hvdlite import ops
+from hvdlite._native import ffi, lib
+
+hvd.init()
+rank = hvd.rank()
+x = np.full(4, rank + 1.0, np.float32)
+if rank == 0:
+    o = np.empty_like(x)
+    struct = ffi.new("hvdlite_tensor_t *")
+    keep = ops._fill(struct, ops.ALLREDUCE, "waiters.c", lib.HVDLITE_FLOAT32, x.shape, None,
+                     None, hvd.Sum, 1.0, 1.0, 0, None, 0, -1)
+    native = lib.hvdlite_enqueue_buffers(struct, ffi.from_buffer(x), ffi.from_buffer(o))
+    statuses = {}
+    def wait(label, fn):
+        statuses[label] = fn(native, 60.0)
+    threads = [threading.Thread(target=wait, args=(label, fn)) for label, fn in
+               (("wait", lib.hvdlite_wait), ("wait_release", lib.hvdlite_wait_release))]
+    handle = hvd.allreduce_async(x, name="waiters.py", op=hvd.Sum)
+    got = {}
+    def sync(label):
+        got[label] = hvd.synchronize(handle)
+    threads += [threading.Thread(target=sync, args=(label,)) for label in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    after = lib.hvdlite_wait(native, 0.0)
+    print("HVDLITE_RESULT", json.dumps({
+        "native": native, "statuses": statuses,
+        "after": ffi.string(lib.hvdlite_status_name(after)).decode(), "c_sum": o.tolist(),
+        "same_result": got.get("a") is got.get("b") and got.get("a") is not None,
+        "py_sum": got["a"].tolist() if "a" in got else None}))
+else:
+    time.sleep(1.0)  # rank 0's threads are all blocked by now
+    hvd.allreduce(x, name="waiters.c", op=hvd.Sum)
+    hvd.allreduce(x, name="waiters.py", op=hvd.Sum)
+    print("HVDLITE_RESULT", json.dumps({}))
+hvd.shutdown()
+"""
+
+
+def test_threads_waiting_on_one_op_all_get_its_result():
+    job = harness.assert_ok(harness.run_job(2, WAITERS_SCRIPT, timeout=120, env=env_for()))
+    res = job.result(0)
+    assert res["native"] > 0, res
+    assert res["statuses"] == {"wait": 0, "wait_release": 0}, res
+    assert res["after"] == "HVDLITE_ERR_INVALID_HANDLE", res  # released by wait_release
+    assert res["c_sum"] == [3.0] * 4 and res["py_sum"] == [3.0] * 4, res
+    assert res["same_result"], res

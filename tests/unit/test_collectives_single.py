@@ -271,3 +271,40 @@ def test_results_land_in_the_given_buffers(hvd):
     assert np.array_equal(outs[0], x) and np.array_equal(outs[1], np.arange(2.0))
     with pytest.raises(hvd.errors.InvalidArgumentError, match="1 outs for 2 arrays"):
         hvd.grouped_allreduce([x, x], name="out.grp2", outs=[np.empty_like(x)])
+
+
+def test_a_repeated_call_rechecks_what_changed(hvd):
+    # A name's next call with the same array and argument objects reuses the last call's
+    # checks (the per-step path); an in-place change of the array's shape or dtype, or
+    # other arguments, must go through the checks again.
+    from hvdlite import ops
+    x = np.arange(12, dtype=np.float32)
+    for _ in range(2):
+        assert np.array_equal(hvd.allreduce(x, name="repeat.x", op=hvd.Sum), x)
+    assert ops._repeats["repeat.x"].array() is x
+    x.shape = (3, 4)
+    got = hvd.allreduce(x, name="repeat.x", op=hvd.Sum)
+    assert got.shape == (3, 4) and np.array_equal(got, x)
+    x.dtype = np.int32  # the same bytes, read as int32
+    got = hvd.allreduce(x, name="repeat.x", op=hvd.Sum)
+    assert got.dtype == np.int32 and np.array_equal(got, x)
+    # hvd.Sum is 1, but True is refused as an op even right after a call with Sum.
+    with pytest.raises(hvd.errors.InvalidArgumentError, match="repeat.x.*op True"):
+        hvd.allreduce(x, name="repeat.x", op=True)
+    y = np.ones(3, np.float32)
+    close(hvd.allreduce(y, name="repeat.y", op=hvd.Sum, prescale_factor=2.0), 2 * y)
+    close(hvd.allreduce(y, name="repeat.y", op=hvd.Sum, prescale_factor=2.0), 2 * y)
+    close(hvd.allreduce(y, name="repeat.y", op=hvd.Sum, prescale_factor=3.0), 3 * y)
+    with pytest.raises(hvd.errors.InvalidArgumentError, match="repeat.y.*prescale_factor"):
+        hvd.allreduce(y, name="repeat.y", op=hvd.Sum, prescale_factor="2")
+    # Another array under the name, and the result buffer checked every call.
+    z = np.full(3, 5.0, np.float32)
+    close(hvd.allreduce(z, name="repeat.y", op=hvd.Sum, prescale_factor=3.0), 3 * z)
+    with pytest.raises(hvd.errors.InvalidArgumentError, match="repeat.y.*out must be"):
+        hvd.allreduce(z, name="repeat.y", op=hvd.Sum, prescale_factor=3.0,
+                      out=np.empty(3, np.float64))
+    # The reuse keeps no array alive.
+    alive = weakref.ref(z)
+    del z
+    gc.collect()
+    assert alive() is None
