@@ -126,7 +126,8 @@ class Handle:
         """Wraps native handles returned by hvdlite_enqueue(_group).
 
         Args:
-            native_ids: the native handle ids (one, or one per tensor of a group).
+            native_ids: a new list of the native handle ids (one, or one per tensor of
+                a group), which the Handle keeps and empties as it releases them.
             finisher: ``finisher(handle) -> result``, called once after every native
                 op ended successfully and before the handles are released; it may use
                 :meth:`output`, :meth:`output_array`, :meth:`recv_splits`.
@@ -137,7 +138,7 @@ class Handle:
         """
         if _orphans:
             reap_orphans()
-        self._ids = list(native_ids)
+        self._ids = native_ids
         self._owners = None  # index -> NativeHandle, for results viewing core memory
         self._finisher = finisher
         self._keepalive = keepalive
@@ -193,16 +194,21 @@ class Handle:
 
     def _end(self, timeout):
         """Waits for every native op, builds the result and releases the ids (with
-        self._lock held). A timeout leaves the ops not yet ended for the next call.
-
-        This is every synchronize() of a training step: the usual case, an op that has
-        ended or ends within the first slice, costs one call into the core.
-        """
+        self._lock held). A timeout leaves the ops not yet ended for the next call."""
+        ids = self._ids
         finisher = self._finisher
+        if finisher is None and timeout is None and len(ids) == 1:
+            # The usual case, every synchronize() of a training step: one op whose
+            # result is in the caller's buffers, waited and released in one call.
+            status = _wait_release(ids[0], _WAIT_SLICE_S)
+            if status != _TIMEOUT:
+                del ids[0]
+                self._close(None if status == _OK else error_for(status, last_error()))
+                return
         release = finisher is None  # nothing to read after the wait: release with it
         wait = _wait_release if release else lib.hvdlite_wait
         deadline = None if timeout is None else time.monotonic() + timeout
-        ids = self._ids
+        error = self._error  # from an earlier call that timed out on a later op
         while ids:
             # Every op of a group is waited, even after a failure, so that all of them
             # can be released.
@@ -210,26 +216,31 @@ class Handle:
                           min(max(deadline - time.monotonic(), 0.0), _WAIT_SLICE_S))
             if status == _TIMEOUT:
                 status = self._wait_slices(wait, ids[0], deadline)
-            if status != _OK and self._error is None:
-                self._error = error_for(status, last_error())
+            if status != _OK and error is None:
+                self._error = error = error_for(status, last_error())
             if release:
                 del ids[0]  # released with its wait
             else:
                 ids = ids[1:]
-        if self._error is None and finisher is not None:
+        if error is None and finisher is not None:
             try:
                 self._result = finisher(self)
             except errors.HvdliteError as e:
-                self._error = e
-        if self._error is not None:
-            self._result = None
-        self._ended = True
-        self._finisher = None
-        self._keepalive = None
+                error = e
         if not release:
             # Ids viewed by result arrays go with the last of those arrays.
             owners, self._owners = self._owners or (), None
             _release_all([h for index, h in enumerate(self._ids) if index not in owners])
+        self._close(error)
+
+    def _close(self, error):
+        """Records the outcome once every native op has ended and drops the buffers."""
+        if error is not None:
+            self._error = error
+            self._result = None
+        self._ended = True
+        self._finisher = None
+        self._keepalive = None
 
     def _wait_slices(self, wait, handle_id, deadline):
         """Goes on waiting for one native op after a first slice timed out; returns its

@@ -258,23 +258,38 @@ Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, int32_t dtype, 
   std::vector<int64_t> starts(1, 0);
   for (const Piece& p : pieces) starts.push_back(starts.back() + p.count);
   const int64_t count = starts.back();
-  std::vector<const uint8_t*> parts(size_);
-  for (int64_t done = 0; done < count; done += per_chunk, set_ ^= 1) {
-    const int64_t n = std::min(per_chunk, count - done);
-    const int64_t part = ((n + size_ - 1) / size_ + align - 1) / align * align;
+  const int64_t chunks = (count + per_chunk - 1) / per_chunk;
+  // Chunk c: its first flat element, length, part length and slot set.
+  auto first = [&](int64_t c) { return c * per_chunk; };
+  auto length = [&](int64_t c) { return std::min(per_chunk, count - first(c)); };
+  auto part_of = [&](int64_t c) {
+    const int64_t n = length(c);
+    return ((n + size_ - 1) / size_ + align - 1) / align * align;
+  };
+  const int base_set = set_;
+  auto set_of = [&](int64_t c) { return (base_set + static_cast<int>(c % 2)) % 2; };
+  // Where the reduction reads this rank's own part of chunk c: straight from the
+  // tensor when that part lies in one tensor and needs no prescaling (no other rank
+  // reads it, so it is not copied in: half of the copying, with 2 ranks), else from
+  // the in slot. Null when the part is empty.
+  auto own_part = [&](int64_t c) -> const uint8_t* {
+    const int64_t n = length(c), part = part_of(c);
     const int64_t lo = std::min(n, part * rank_), hi = std::min(n, lo + part);
-    // No other rank reads this rank's own part of its slot: when that part lies in one
-    // tensor and needs no prescaling, the reduction reads it from the tensor itself and
-    // it is not copied in (half of the copying, with 2 ranks).
-    const uint8_t* own = nullptr;
-    if (prescale == 1.0 && hi > lo) {
+    if (hi <= lo) return nullptr;
+    const int64_t done = first(c);
+    if (prescale == 1.0) {
       size_t i = std::upper_bound(starts.begin(), starts.end(), done + lo) - starts.begin() - 1;
       if (i < pieces.size() && pieces[i].in && done + hi <= starts[i + 1]) {
-        own = static_cast<const uint8_t*>(pieces[i].in) + (done + lo - starts[i]) * elem;
+        return static_cast<const uint8_t*>(pieces[i].in) + (done + lo - starts[i]) * elem;
       }
     }
-    uint8_t* slot = In(rank_, set_);
-    auto copy_in = [&](int64_t from, int64_t to) {
+    return In(rank_, set_of(c)) + lo * elem;
+  };
+  auto copy_in = [&](int64_t c) {
+    const int64_t done = first(c), n = length(c), part = part_of(c);
+    const int64_t lo = std::min(n, part * rank_), hi = std::min(n, lo + part);
+    uint8_t* slot = In(rank_, set_of(c));
+    auto copy = [&](int64_t from, int64_t to) {
       ForEachPiece(pieces, starts, done + from, done + to, [&](const Piece& p, int64_t at, int64_t flat, int64_t len) {
         uint8_t* dst = slot + (flat - done) * elem;
         if (p.in) {
@@ -284,22 +299,27 @@ Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, int32_t dtype, 
         }
       });
     };
-    if (own) {
-      copy_in(0, lo);
-      copy_in(hi, n);
+    if (own_part(c) != In(rank_, set_of(c)) + lo * elem) {  // read from the tensor
+      copy(0, lo);
+      copy(hi, n);
     } else {
-      copy_in(0, n);
+      copy(0, n);
     }
-    Status s = Barrier(kChunkSpin);
-    if (!s.ok()) return s;
-    if (hi > lo) {
-      for (int k = 0; k < size_; ++k) parts[k] = k == rank_ && own ? own : In(k, set_) + lo * elem;
-      Reduce(Out(rank_, set_) + lo * elem, parts, hi - lo, dtype, reduce_op);
-    }
-    if (!(s = Barrier(kChunkSpin)).ok()) return s;
+  };
+  std::vector<const uint8_t*> parts(size_);
+  auto reduce = [&](int64_t c) {
+    const int64_t n = length(c), part = part_of(c);
+    const int64_t lo = std::min(n, part * rank_), hi = std::min(n, lo + part);
+    if (hi <= lo) return;
+    const int set = set_of(c);
+    for (int k = 0; k < size_; ++k) parts[k] = k == rank_ ? own_part(c) : In(k, set) + lo * elem;
+    Reduce(Out(rank_, set) + lo * elem, parts, hi - lo, dtype, reduce_op);
+  };
+  auto copy_out = [&](int64_t c) {
+    const int64_t done = first(c), n = length(c), part = part_of(c);
     for (int k = 0; k < size_; ++k) {
       const int64_t klo = std::min(n, part * k), khi = std::min(n, klo + part);
-      const uint8_t* from = Out(k, set_);
+      const uint8_t* from = Out(k, set_of(c));
       ForEachPiece(pieces, starts, done + klo, done + khi, [&](const Piece& p, int64_t at, int64_t flat, int64_t len) {
         if (p.out) {
           ScaledCopy(static_cast<uint8_t*>(p.out) + at * elem, from + (flat - done) * elem, len,
@@ -307,7 +327,17 @@ Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, int32_t dtype, 
         }
       });
     }
+  };
+  if (chunks == 0) return Status::OK();
+  copy_in(0);
+  for (int64_t c = 0; c <= chunks; ++c) {
+    Status s = Barrier(kChunkSpin);
+    if (!s.ok()) return s;
+    if (c < chunks) reduce(c);
+    if (c > 0) copy_out(c - 1);
+    if (c + 1 < chunks) copy_in(c + 1);
   }
+  set_ = set_of(chunks);
   return Status::OK();
 }
 

@@ -3,13 +3,13 @@
 // Each rank owns one segment of shared memory (the MPI backend allocates the segments
 // and hands their addresses over; this file knows nothing of MPI). The tensors of one
 // (fused) allreduce are taken as one flat buffer, which goes through in chunks of
-// kChunkBytes. Per chunk:
+// kChunkBytes. Chunk k takes three steps:
 //
 //   1. every rank copies its chunk, straight from its tensors and prescaled, into its
 //      own "in" slot (all but its own part, when the reduction can read that part
-//      from the tensor itself);                                barrier
+//      from the tensor itself);
 //   2. rank r reduces the r-th part of the chunk, reading every rank's in slot in rank
-//      order, into the same part of its own "out" slot;       barrier
+//      order, into the same part of its own "out" slot;
 //   3. every rank copies each part from its owner's out slot into its tensors'
 //      outputs, postscaled (and divided, for Average) on the way.
 //
@@ -21,9 +21,14 @@
 // moves less data (one copy in, one reduction pass, one copy out) and waits without
 // a blocked peer spinning on a core.
 //
-// Two sets of slots alternate from chunk to chunk (across calls too): a rank may write
-// chunk k+2's slots once it passed chunk k+1's first barrier, by which time every rank
-// has finished reading chunk k's. So two barriers per chunk suffice.
+// The steps are pipelined over one barrier per chunk: after barrier k every rank has
+// copied chunk k in and reduced chunk k-1, so a rank reduces chunk k, copies chunk k-1
+// out and copies chunk k+1 in before the next. Two sets of slots alternate from chunk
+// to chunk (across calls too): chunk k+1's in slot was last read by the reduction of
+// chunk k-1, and chunk k's out slot by the copying out of chunk k-2, both finished by
+// every rank before barrier k. A call of n chunks passes n+1 barriers (two per chunk
+// without the pipeline), and each rank has a chunk's worth of copying to do between
+// them, which evens out a peer's late arrival.
 //
 // The barrier (a counter and a sense flag in rank 0's segment) spins for a while (20 us
 // between chunks, where a peer in step is there at once; 50 us in the coordination,
