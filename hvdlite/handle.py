@@ -24,6 +24,7 @@ _WAIT_SLICE_S = 1.0
 _OK = lib.HVDLITE_OK
 _TIMEOUT = lib.HVDLITE_ERR_TIMEOUT
 _wait_release = lib.hvdlite_wait_release  # every synchronize(): looked up once
+_UNKNOWN = (lib.HVDLITE_ERR_INVALID_HANDLE, lib.HVDLITE_ERR_NOT_INITIALIZED)
 
 
 class NativeHandle:
@@ -70,20 +71,20 @@ _orphans = []
 _orphans_lock = threading.Lock()
 
 
-def _all_done(ids, strict=False):
+def _all_done(ids, strict=None):
     """Whether every native op of ``ids`` has ended (successfully or not).
 
-    strict: raise for a handle the core does not know or a core that was shut down;
-    otherwise those count as ended.
+    strict: None, or a function asked, when the core does not know a handle or was shut
+    down, whether to raise for that; otherwise (and when it says no) that counts as
+    ended.
     """
     done = ffi.new("int32_t *")
     for handle_id in ids:
         status = lib.hvdlite_poll(handle_id, done)
-        if status == lib.HVDLITE_OK:
+        if status == _OK:
             if not done[0]:
                 return False
-        elif strict and status in (lib.HVDLITE_ERR_INVALID_HANDLE,
-                                   lib.HVDLITE_ERR_NOT_INITIALIZED):
+        elif strict is not None and status in _UNKNOWN and strict():
             check(status)
     return True
 
@@ -126,8 +127,7 @@ class Handle:
         """Wraps native handles returned by hvdlite_enqueue(_group).
 
         Args:
-            native_ids: a new list of the native handle ids (one, or one per tensor of
-                a group), which the Handle keeps and empties as it releases them.
+            native_ids: the native handle ids (one, or one per tensor of a group).
             finisher: ``finisher(handle) -> result``, called once after every native
                 op ended successfully and before the handles are released; it may use
                 :meth:`output`, :meth:`output_array`, :meth:`recv_splits`.
@@ -138,7 +138,7 @@ class Handle:
         """
         if _orphans:
             reap_orphans()
-        self._ids = native_ids
+        self._ids = list(native_ids)  # ids the core may still hold: emptied as released
         self._owners = None  # index -> NativeHandle, for results viewing core memory
         self._finisher = finisher
         self._keepalive = keepalive
@@ -154,7 +154,8 @@ class Handle:
 
     @property
     def native_ids(self):
-        """The native handle ids, for adapters that call the C API directly."""
+        """The native handle ids not yet released, for adapters that call the C API
+        directly (all of them until the op ends)."""
         return list(self._ids)
 
     def poll(self):
@@ -164,7 +165,11 @@ class Handle:
             NotInitializedError: the core was shut down and forgot the handle.
             InvalidHandleError: the native handle is unknown to the core.
         """
-        return self._ended or _all_done(self._ids, strict=True)
+        # A waiting thread may be emptying the list (poll walks a copy) and releasing
+        # the ids: an unknown one is an error only if no waiter is at work, as a waiter
+        # holds the lock from its wait until the Handle has ended.
+        return self._ended or _all_done(
+            list(self._ids), lambda: not (self._ended or self._lock.locked()))
 
     def wait(self, timeout=None):
         """Blocks until the op ends and returns its result.
@@ -202,26 +207,23 @@ class Handle:
             # result is in the caller's buffers, waited and released in one call.
             status = _wait_release(ids[0], _WAIT_SLICE_S)
             if status != _TIMEOUT:
-                del ids[0]
+                ids.clear()  # released, whatever else happens here
                 self._close(None if status == _OK else error_for(status, last_error()))
                 return
         release = finisher is None  # nothing to read after the wait: release with it
         wait = _wait_release if release else lib.hvdlite_wait
         deadline = None if timeout is None else time.monotonic() + timeout
-        error = self._error  # from an earlier call that timed out on a later op
-        while ids:
-            # Every op of a group is waited, even after a failure, so that all of them
-            # can be released.
-            status = wait(ids[0], _WAIT_SLICE_S if deadline is None else
-                          min(max(deadline - time.monotonic(), 0.0), _WAIT_SLICE_S))
-            if status == _TIMEOUT:
-                status = self._wait_slices(wait, ids[0], deadline)
-            if status != _OK and error is None:
-                self._error = error = error_for(status, last_error())
-            if release:
-                del ids[0]  # released with its wait
-            else:
-                ids = ids[1:]
+        # Every op of a group is waited, even after a failure, so that all of them can be
+        # released; from the last, so that releasing one is a pop. A finisher still
+        # reads the ids: those are released after it, and waited from a copy.
+        pending = ids if release else list(ids)
+        error = self._error  # from an earlier call that timed out on another op
+        while pending:
+            status = self._wait_slices(wait, pending[-1], deadline)
+            pending.pop()
+            if status != _OK:
+                error = error_for(status, last_error())  # ends as the first op's failure
+                self._error = error
         if error is None and finisher is not None:
             try:
                 self._result = finisher(self)
@@ -230,7 +232,8 @@ class Handle:
         if not release:
             # Ids viewed by result arrays go with the last of those arrays.
             owners, self._owners = self._owners or (), None
-            _release_all([h for index, h in enumerate(self._ids) if index not in owners])
+            _release_all([h for index, h in enumerate(ids) if index not in owners])
+            ids.clear()
         self._close(error)
 
     def _close(self, error):
@@ -243,22 +246,24 @@ class Handle:
         self._keepalive = None
 
     def _wait_slices(self, wait, handle_id, deadline):
-        """Goes on waiting for one native op after a first slice timed out; returns its
-        status (the message, if any, is the calling thread's last error).
+        """Waits for one native op; returns its status (the message, if any, is the
+        calling thread's last error).
 
         The wait is cut into slices so that the main thread handles Ctrl-C between them
         (other threads just wake once per slice, which costs nothing measurable).
         """
         while True:
-            if deadline is not None:
+            if deadline is None:
+                timeout = _WAIT_SLICE_S
+            else:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise error_for(_TIMEOUT, f"waiting for {self.name!r} timed out; "
-                                              "the op goes on")
-            timeout = _WAIT_SLICE_S if deadline is None else min(remaining, _WAIT_SLICE_S)
+                timeout = min(max(remaining, 0.0), _WAIT_SLICE_S)
             status = wait(handle_id, timeout)
             if status != _TIMEOUT:
                 return status
+            if deadline is not None and time.monotonic() >= deadline:
+                raise error_for(_TIMEOUT, f"waiting for {self.name!r} timed out; "
+                                          "the op goes on")
 
     # -- helpers for finishers -------------------------------------------------------
 

@@ -122,16 +122,12 @@ def _pointer(p):
     return ffi.cast("void *", p)
 
 
-def _address(arr):
-    """Returns the array's memory as a cffi pointer (several times cheaper than
-    ``arr.ctypes.data``; the pointer references the array)."""
-    return ffi.from_buffer(arr)
-
-
 _OK = lib.HVDLITE_OK
 _BOOL = lib.HVDLITE_BOOL
 # Looked up once: the per-tensor path calls them for every gradient of every step.
 _enqueue_buffers = lib.hvdlite_enqueue_buffers
+# An array's memory as a cffi pointer (several times cheaper than ``arr.ctypes.data``;
+# the pointer references the array).
 _from_buffer = ffi.from_buffer
 
 # Names and shapes repeat every training step; their C copies are reused (the core
@@ -247,16 +243,37 @@ def enqueue(op, name, dtype_code, shape, input_ptr, output_ptr=None, *, reduce_o
 # the objects it points to; a call then hands the core only its buffers
 # (hvdlite_enqueue_buffers). Bounded like the caches above.
 _templates = {}
+# The out cell of hvdlite_enqueue_buffers, one per thread: allocating one per call would
+# cost more than the enqueue itself.
+_cells = threading.local()
 
 
-def _new_template(key):
-    op, name, dtype, shape, reduce_op, prescale, postscale, root_rank, process_set_id, device = key
-    struct = ffi.new("hvdlite_tensor_t *")
-    keep = _fill(struct, op, name, dtype, shape, None, None, reduce_op, prescale, postscale,
-                 root_rank, None, process_set_id, device)
-    template = (struct, keep)
-    _remember(_templates, key, template)
+def _template(op, name, dtype, shape, reduce_op, prescale, postscale, root_rank,
+              process_set_id, device):
+    """The kept struct of a tensor (with what it points to), filled on first use."""
+    key = (op, name, dtype, shape, reduce_op, prescale, postscale, root_rank, process_set_id,
+           device)
+    template = _templates.get(key)
+    # 0.0 and -0.0 are one key, yet the sign of a zero factor shows in the results.
+    if template is None or not prescale or not postscale:
+        struct = ffi.new("hvdlite_tensor_t *")
+        keep = _fill(struct, op, name, dtype, shape, None, None, reduce_op, prescale,
+                     postscale, root_rank, None, process_set_id, device)
+        template = (struct, keep)
+        _remember(_templates, key, template)
     return template
+
+
+def _submit(template, input_ptr, output_ptr, keepalive, finisher, name, result):
+    """Enqueues a kept struct with these buffers; returns the Handle."""
+    try:
+        cell = _cells.handle
+    except AttributeError:
+        cell = _cells.handle = ffi.new("hvdlite_handle_t *")
+    status = _enqueue_buffers(template[0], input_ptr, output_ptr, cell)
+    if status != _OK:
+        check(status)
+    return Handle([cell[0]], finisher, keepalive, name, result)
 
 
 def enqueue_fields(op, name, dtype_code, shape, input_ptr, output_ptr, reduce_op, prescale,
@@ -265,13 +282,9 @@ def enqueue_fields(op, name, dtype_code, shape, input_ptr, output_ptr, reduce_op
     per-tensor path (a training step's gradients), several times cheaper than a struct
     filled per call and keyword arguments. ``input_ptr`` and ``output_ptr`` are cffi
     pointers (``ffi.from_buffer`` of an array, ``ffi.cast("void *", address)``)."""
-    key = (op, name, dtype_code, shape, reduce_op, prescale, postscale, root_rank,
-           process_set_id, device)
-    template = _templates.get(key) or _new_template(key)
-    handle_id = _enqueue_buffers(template[0], input_ptr, output_ptr)
-    if handle_id < 0:
-        check(-handle_id)  # the refusal's status, negated
-    return Handle([handle_id], finisher, keepalive, name, result)
+    return _submit(_template(op, name, dtype_code, shape, reduce_op, prescale, postscale,
+                             root_rank, process_set_id, device),
+                   input_ptr, output_ptr, keepalive, finisher, name, result)
 
 
 def enqueue_group(specs, *, name=None, keepalive=(), finisher=None, result=None):
@@ -332,8 +345,6 @@ def _input_array(array, name, *, min_ndim=0):
 
 def _check_reduce_op(op, is_bool, name):
     """Refuses an op that is not one of the five, or that bool tensors do not support."""
-    if type(op) is int and op in _REDUCE_OP_NAMES and not is_bool:
-        return  # the usual case
     if (isinstance(op, bool) or not isinstance(op, (int, np.integer))
             or op not in _REDUCE_OP_NAMES):
         raise InvalidArgumentError(
@@ -347,8 +358,6 @@ def _check_reduce_op(op, is_bool, name):
 
 def _check_scale(prescale, postscale, is_bool, name):
     """Refuses scale factors that are not numbers, or any scaling of bool tensors."""
-    if type(prescale) is float and type(postscale) is float and not is_bool:
-        return  # the usual case
     for label, value in (("prescale_factor", prescale), ("postscale_factor", postscale)):
         if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
             raise InvalidArgumentError(
@@ -418,11 +427,9 @@ def _output_array(out, shape, dtype, name):
     and dtype given, C-contiguous, writable)."""
     if out is None:
         return np.empty(shape, dtype)
-    if type(out) is not np.ndarray or out.shape != shape or out.dtype != dtype:
-        if not isinstance(out, np.ndarray) or out.shape != tuple(shape) or out.dtype != dtype:
-            raise InvalidArgumentError(
-                f"tensor '{name}': out must be a numpy array of shape {tuple(shape)} and "
-                f"dtype {dtype}")
+    if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != dtype:
+        raise InvalidArgumentError(
+            f"tensor '{name}': out must be a numpy array of shape {shape} and dtype {dtype}")
     flags = out.flags
     if not (flags.c_contiguous and flags.writeable):
         raise InvalidArgumentError(f"tensor '{name}': out must be C-contiguous and writable")
@@ -468,31 +475,26 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
         DuplicateNameError: a tensor of that name is in flight.
         NotInitializedError: before init() or after shutdown().
     """
-    last = _repeats.get(name)
+    last = _repeats.get(name) if type(name) is str else None
     if (last is not None and last.array() is array and last.op is op
             and last.prescale is prescale_factor and last.postscale is postscale_factor
             and array.dtype is last.dtype and array.shape == last.shape
             and array.flags.c_contiguous):
         out = (np.empty(last.shape, last.dtype) if out is None else
                _output_array(out, last.shape, last.dtype, name))
-        handle_id = _enqueue_buffers(last.template[0], _from_buffer(array), _from_buffer(out))
-        if handle_id < 0:
-            check(-handle_id)  # the refusal's status, negated
-        return Handle([handle_id], None, (array, out), name, out)
+        return _submit(last.template, _from_buffer(array), _from_buffer(out), (array, out),
+                       None, name, out)
     named = name is not None
     name = _resolve_name("allreduce", name)
     arr, code = _input_array(array, name)
     _check_reduction(op, prescale_factor, postscale_factor, code, name)
     out = _output_array(out, arr.shape, arr.dtype, name)
-    handle = enqueue_fields(ALLREDUCE, name, code, arr.shape, ffi.from_buffer(arr),
-                            ffi.from_buffer(out), op, prescale_factor, postscale_factor, 0,
-                            0, -1, (arr, out), None, out)
+    template = _template(ALLREDUCE, name, code, arr.shape, op, prescale_factor,
+                         postscale_factor, 0, 0, -1)
+    handle = _submit(template, _from_buffer(arr), _from_buffer(out), (arr, out), None, name,
+                     out)
     if named and arr is array:
-        template = _templates.get((ALLREDUCE, name, code, arr.shape, op, prescale_factor,
-                                   postscale_factor, 0, 0, -1))
-        if template is not None:
-            _remember(_repeats, name, _Repeat(arr, op, prescale_factor, postscale_factor,
-                                              template))
+        _remember(_repeats, name, _Repeat(arr, op, prescale_factor, postscale_factor, template))
     return handle
 
 
@@ -544,8 +546,8 @@ def grouped_allreduce_async(arrays, name=None, op=Average, prescale_factor=1.0,
         _check_reduction(op, prescale_factor, postscale_factor, code, tensor_name)
         out = _output_array(None if outs is None else outs[i], arr.shape, arr.dtype,
                             tensor_name)
-        specs.append(TensorSpec(ALLREDUCE, tensor_name, code, arr.shape, _address(arr),
-                                _address(out), op, prescale_factor, postscale_factor))
+        specs.append(TensorSpec(ALLREDUCE, tensor_name, code, arr.shape, _from_buffer(arr),
+                                _from_buffer(out), op, prescale_factor, postscale_factor))
         keep += [arr, out]
         results.append(out)
     return enqueue_group(specs, name=group, keepalive=keep, result=results)
@@ -583,7 +585,7 @@ def allgather_async(array, name=None):
     def finish(handle):
         return handle.output_array(0, arr.dtype, trailing)
 
-    return enqueue(ALLGATHER, name, code, arr.shape, _address(arr), None,
+    return enqueue(ALLGATHER, name, code, arr.shape, _from_buffer(arr), None,
                    keepalive=(arr,), finisher=finish)
 
 
@@ -615,7 +617,7 @@ def broadcast_async(array, root_rank, name=None, out=None):
     arr, code = _input_array(array, name)
     root = _check_rank(root_rank, "root_rank", name)
     out = _output_array(out, arr.shape, arr.dtype, name)
-    return enqueue(BROADCAST, name, code, arr.shape, _address(arr), _address(out),
+    return enqueue(BROADCAST, name, code, arr.shape, _from_buffer(arr), _from_buffer(out),
                    root_rank=root, keepalive=(arr, out), result=out)
 
 
@@ -679,7 +681,7 @@ def alltoall_async(array, splits=None, name=None):
     def finish(handle):
         return handle.output_array(0, arr.dtype, trailing), handle.recv_splits(0, size)
 
-    return enqueue(ALLTOALL, name, code, arr.shape, _address(arr), None, splits=checked,
+    return enqueue(ALLTOALL, name, code, arr.shape, _from_buffer(arr), None, splits=checked,
                    keepalive=(arr,), finisher=finish)
 
 
@@ -722,7 +724,7 @@ def reducescatter_async(array, name=None, op=Average, prescale_factor=1.0,
     _check_reduction(op, prescale_factor, postscale_factor, code, name)
     rows = reducescatter_rows(arr.shape[0], runtime.size(), runtime.rank())
     out = _output_array(out, (rows,) + arr.shape[1:], arr.dtype, name)
-    return enqueue(REDUCESCATTER, name, code, arr.shape, _address(arr), _address(out),
+    return enqueue(REDUCESCATTER, name, code, arr.shape, _from_buffer(arr), _from_buffer(out),
                    reduce_op=op, prescale=prescale_factor, postscale=postscale_factor,
                    keepalive=(arr, out), result=out)
 
@@ -741,7 +743,7 @@ def reducescatter(array, name=None, op=Average, prescale_factor=1.0, postscale_f
 def _no_tensor_op(op, kind, finisher=None):
     # BARRIER and JOIN carry no data; a one-byte scalar gives the core a valid pointer.
     dummy = np.zeros((), dtype=np.uint8)
-    return enqueue(op, auto_name(kind), dtypes.native_code("uint8"), (), _address(dummy),
+    return enqueue(op, auto_name(kind), dtypes.native_code("uint8"), (), _from_buffer(dummy),
                    None, keepalive=(dummy,), finisher=finisher)
 
 

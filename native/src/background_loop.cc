@@ -672,7 +672,8 @@ void Core::Execute(const std::vector<Response>& ready) {
         const Response& c = ready[j];
         int64_t b = NumElements(c.shape) * ElementSize(c.dtype);
         if (c.op != HVDLITE_OP_ALLREDUCE || !c.error.empty() || b >= kFuseAloneBytes || c.dtype != r.dtype ||
-            c.reduce_op != r.reduce_op || c.prescale != r.prescale || c.postscale != r.postscale ||
+            c.reduce_op != r.reduce_op || !SameFactor(c.prescale, r.prescale) ||
+            !SameFactor(c.postscale, r.postscale) ||
             c.contributors != r.contributors || bytes + b > config_.fusion_threshold) {
           break;
         }

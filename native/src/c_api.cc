@@ -92,17 +92,16 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_enqueue(const hvdlite_tensor_t* tensor, 
   return Guard([&] { return hvdlite::Core::Get().Enqueue(tensor, 1, false, out); });
 }
 
-HVDLITE_EXPORT hvdlite_handle_t hvdlite_enqueue_buffers(const hvdlite_tensor_t* tensor,
-                                                        const void* input, void* output) {
-  hvdlite_handle_t h = 0;
-  hvdlite_status_t s = Guard([&] {
+HVDLITE_EXPORT hvdlite_status_t hvdlite_enqueue_buffers(const hvdlite_tensor_t* tensor,
+                                                        const void* input, void* output,
+                                                        hvdlite_handle_t* out) {
+  return Guard([&] {
     if (!tensor) return hvdlite::InvalidArgument("tensor is NULL");
     hvdlite_tensor_t t = *tensor;
     t.input = input;
     t.output = output;
-    return hvdlite::Core::Get().Enqueue(&t, 1, false, &h);
+    return hvdlite::Core::Get().Enqueue(&t, 1, false, out);
   });
-  return s == HVDLITE_OK ? h : -static_cast<hvdlite_handle_t>(s);
 }
 
 HVDLITE_EXPORT hvdlite_status_t hvdlite_enqueue_group(const hvdlite_tensor_t* tensors, int32_t n,

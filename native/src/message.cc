@@ -109,7 +109,8 @@ Status ReadHeader(Reader* r, uint64_t* count, const char* what) {
 
 bool Request::SameParams(const Request& o) const {
   return name == o.name && op == o.op && dtype == o.dtype && shape == o.shape &&
-         reduce_op == o.reduce_op && prescale == o.prescale && postscale == o.postscale &&
+         reduce_op == o.reduce_op && SameFactor(prescale, o.prescale) &&
+         SameFactor(postscale, o.postscale) &&
          root_rank == o.root_rank && splits == o.splits && process_set == o.process_set &&
          device == o.device && group == o.group && group_size == o.group_size;
 }

@@ -259,39 +259,40 @@ Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, int32_t dtype, 
   for (const Piece& p : pieces) starts.push_back(starts.back() + p.count);
   const int64_t count = starts.back();
   const int64_t chunks = (count + per_chunk - 1) / per_chunk;
-  // Chunk c: its first flat element, length, part length and slot set.
-  auto first = [&](int64_t c) { return c * per_chunk; };
-  auto length = [&](int64_t c) { return std::min(per_chunk, count - first(c)); };
-  auto part_of = [&](int64_t c) {
-    const int64_t n = length(c);
-    return ((n + size_ - 1) / size_ + align - 1) / align * align;
-  };
   const int base_set = set_;
-  auto set_of = [&](int64_t c) { return (base_set + static_cast<int>(c % 2)) % 2; };
-  // Where the reduction reads this rank's own part of chunk c: straight from the
-  // tensor when that part lies in one tensor and needs no prescaling (no other rank
-  // reads it, so it is not copied in: half of the copying, with 2 ranks), else from
-  // the in slot. Null when the part is empty.
-  auto own_part = [&](int64_t c) -> const uint8_t* {
-    const int64_t n = length(c), part = part_of(c);
-    const int64_t lo = std::min(n, part * rank_), hi = std::min(n, lo + part);
-    if (hi <= lo) return nullptr;
-    const int64_t done = first(c);
-    if (prescale == 1.0) {
-      size_t i = std::upper_bound(starts.begin(), starts.end(), done + lo) - starts.begin() - 1;
-      if (i < pieces.size() && pieces[i].in && done + hi <= starts[i + 1]) {
-        return static_cast<const uint8_t*>(pieces[i].in) + (done + lo - starts[i]) * elem;
+
+  // Chunk c: flat elements [done, done + n), rank k's part [k * part, (k + 1) * part)
+  // of it (clipped to n), its slot set, and where the reduction reads this rank's own
+  // part: straight from the tensor when that part lies in one tensor and needs no
+  // prescaling (no other rank reads it, so it is not copied in: half of the copying,
+  // with 2 ranks), else from the in slot.
+  struct Chunk {
+    int64_t done, n, part, lo, hi;
+    int set;
+    const uint8_t* own_in_tensor;  // null: read from the in slot
+  };
+  auto chunk = [&](int64_t c) {
+    Chunk k;
+    k.done = c * per_chunk;
+    k.n = std::min(per_chunk, count - k.done);
+    k.part = ((k.n + size_ - 1) / size_ + align - 1) / align * align;
+    k.lo = std::min(k.n, k.part * rank_);
+    k.hi = std::min(k.n, k.lo + k.part);
+    k.set = (base_set + static_cast<int>(c % 2)) % 2;
+    k.own_in_tensor = nullptr;
+    if (prescale == 1.0 && k.hi > k.lo) {
+      size_t i = std::upper_bound(starts.begin(), starts.end(), k.done + k.lo) - starts.begin() - 1;
+      if (i < pieces.size() && pieces[i].in && k.done + k.hi <= starts[i + 1]) {
+        k.own_in_tensor = static_cast<const uint8_t*>(pieces[i].in) + (k.done + k.lo - starts[i]) * elem;
       }
     }
-    return In(rank_, set_of(c)) + lo * elem;
+    return k;
   };
-  auto copy_in = [&](int64_t c) {
-    const int64_t done = first(c), n = length(c), part = part_of(c);
-    const int64_t lo = std::min(n, part * rank_), hi = std::min(n, lo + part);
-    uint8_t* slot = In(rank_, set_of(c));
+  auto copy_in = [&](const Chunk& k) {
+    uint8_t* slot = In(rank_, k.set);
     auto copy = [&](int64_t from, int64_t to) {
-      ForEachPiece(pieces, starts, done + from, done + to, [&](const Piece& p, int64_t at, int64_t flat, int64_t len) {
-        uint8_t* dst = slot + (flat - done) * elem;
+      ForEachPiece(pieces, starts, k.done + from, k.done + to, [&](const Piece& p, int64_t at, int64_t flat, int64_t len) {
+        uint8_t* dst = slot + (flat - k.done) * elem;
         if (p.in) {
           ScaledCopy(dst, static_cast<const uint8_t*>(p.in) + at * elem, len, dtype, prescale, 1);
         } else {
@@ -299,45 +300,46 @@ Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, int32_t dtype, 
         }
       });
     };
-    if (own_part(c) != In(rank_, set_of(c)) + lo * elem) {  // read from the tensor
-      copy(0, lo);
-      copy(hi, n);
+    if (k.own_in_tensor) {
+      copy(0, k.lo);
+      copy(k.hi, k.n);
     } else {
-      copy(0, n);
+      copy(0, k.n);
     }
   };
   std::vector<const uint8_t*> parts(size_);
-  auto reduce = [&](int64_t c) {
-    const int64_t n = length(c), part = part_of(c);
-    const int64_t lo = std::min(n, part * rank_), hi = std::min(n, lo + part);
-    if (hi <= lo) return;
-    const int set = set_of(c);
-    for (int k = 0; k < size_; ++k) parts[k] = k == rank_ ? own_part(c) : In(k, set) + lo * elem;
-    Reduce(Out(rank_, set) + lo * elem, parts, hi - lo, dtype, reduce_op);
+  auto reduce = [&](const Chunk& k) {
+    if (k.hi <= k.lo) return;
+    for (int r = 0; r < size_; ++r) parts[r] = In(r, k.set) + k.lo * elem;
+    if (k.own_in_tensor) parts[rank_] = k.own_in_tensor;
+    Reduce(Out(rank_, k.set) + k.lo * elem, parts, k.hi - k.lo, dtype, reduce_op);
   };
-  auto copy_out = [&](int64_t c) {
-    const int64_t done = first(c), n = length(c), part = part_of(c);
-    for (int k = 0; k < size_; ++k) {
-      const int64_t klo = std::min(n, part * k), khi = std::min(n, klo + part);
-      const uint8_t* from = Out(k, set_of(c));
-      ForEachPiece(pieces, starts, done + klo, done + khi, [&](const Piece& p, int64_t at, int64_t flat, int64_t len) {
+  auto copy_out = [&](const Chunk& k) {
+    for (int r = 0; r < size_; ++r) {
+      const int64_t rlo = std::min(k.n, k.part * r), rhi = std::min(k.n, rlo + k.part);
+      const uint8_t* from = Out(r, k.set);
+      ForEachPiece(pieces, starts, k.done + rlo, k.done + rhi, [&](const Piece& p, int64_t at, int64_t flat, int64_t len) {
         if (p.out) {
-          ScaledCopy(static_cast<uint8_t*>(p.out) + at * elem, from + (flat - done) * elem, len,
+          ScaledCopy(static_cast<uint8_t*>(p.out) + at * elem, from + (flat - k.done) * elem, len,
                      dtype, postscale, divisor);
         }
       });
     }
   };
   if (chunks == 0) return Status::OK();
-  copy_in(0);
+  Chunk previous{}, current = chunk(0);
+  copy_in(current);
   for (int64_t c = 0; c <= chunks; ++c) {
     Status s = Barrier(kChunkSpin);
     if (!s.ok()) return s;
-    if (c < chunks) reduce(c);
-    if (c > 0) copy_out(c - 1);
-    if (c + 1 < chunks) copy_in(c + 1);
+    const Chunk next = c + 1 < chunks ? chunk(c + 1) : Chunk{};
+    if (c < chunks) reduce(current);
+    if (c > 0) copy_out(previous);
+    if (c + 1 < chunks) copy_in(next);
+    previous = current;
+    current = next;
   }
-  set_ = set_of(chunks);
+  set_ = (base_set + static_cast<int>(chunks % 2)) % 2;
   return Status::OK();
 }
 

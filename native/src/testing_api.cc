@@ -215,12 +215,9 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_test_allreduce_step(int32_t n, void** in
     const std::string name = std::string(prefix) + "." + std::to_string(i);
     hvdlite_tensor_t t{name.c_str(), HVDLITE_OP_ALLREDUCE, HVDLITE_FLOAT32, 1, &elements,
                        nullptr, nullptr, HVDLITE_SUM, 1.0, 1.0, 0, nullptr, 0, -1};
-    hvdlite_handle_t h = hvdlite_enqueue_buffers(&t, ins[i], outs[i]);
-    if (h > 0) {
-      handles.push_back(h);
-    } else {
-      first = static_cast<hvdlite_status_t>(-h);
-    }
+    hvdlite_handle_t h = 0;
+    first = hvdlite_enqueue_buffers(&t, ins[i], outs[i], &h);
+    if (first == HVDLITE_OK) handles.push_back(h);
   }
   std::string message = first == HVDLITE_OK ? "" : hvdlite_last_error();
   for (hvdlite_handle_t h : handles) {

@@ -304,7 +304,8 @@ def test_shared_memory_turned_off_on_one_rank_is_off_on_all():
 
 # Two threads of rank 0 wait on one op in flight while rank 1 holds it back: at the C
 # level one plainly and one releasing the handle as the op ends (the released handle is
-# then unknown), at the Python level both through synchronize.
+# then unknown), at the Python level both through synchronize. Rank 1 submits only once
+# every waiting thread has reached its call ("go" is a collective of its own).
 WAITERS_SCRIPT = r"""
 import json, threading, time
 import numpy as np
@@ -320,29 +321,39 @@ if rank == 0:
     struct = ffi.new("hvdlite_tensor_t *")
     keep = ops._fill(struct, ops.ALLREDUCE, "waiters.c", lib.HVDLITE_FLOAT32, x.shape, None,
                      None, hvd.Sum, 1.0, 1.0, 0, None, 0, -1)
-    native = lib.hvdlite_enqueue_buffers(struct, ffi.from_buffer(x), ffi.from_buffer(o))
-    statuses = {}
-    def wait(label, fn):
-        statuses[label] = fn(native, 60.0)
-    threads = [threading.Thread(target=wait, args=(label, fn)) for label, fn in
-               (("wait", lib.hvdlite_wait), ("wait_release", lib.hvdlite_wait_release))]
+    cell = ffi.new("hvdlite_handle_t *")
+    status = lib.hvdlite_enqueue_buffers(struct, ffi.from_buffer(x), ffi.from_buffer(o), cell)
+    native = cell[0]
     handle = hvd.allreduce_async(x, name="waiters.py", op=hvd.Sum)
-    got = {}
-    def sync(label):
+    statuses, got, started = {}, {}, []
+    def wait(label, fn, at_call):
+        at_call.set()
+        statuses[label] = fn(native, 60.0)
+    def sync(label, at_call):
+        at_call.set()
         got[label] = hvd.synchronize(handle)
-    threads += [threading.Thread(target=sync, args=(label,)) for label in ("a", "b")]
+    threads = []
+    for target, args in [(wait, ("wait", lib.hvdlite_wait)),
+                         (wait, ("wait_release", lib.hvdlite_wait_release)),
+                         (sync, ("a",)), (sync, ("b",))]:
+        started.append(threading.Event())
+        threads.append(threading.Thread(target=target, args=args + (started[-1],)))
     for t in threads:
         t.start()
+    for event in started:
+        event.wait(60)
+    time.sleep(0.2)  # from their call into the wait: microseconds
+    hvd.allreduce(np.zeros(1, np.float32), name="go", op=hvd.Sum)
     for t in threads:
         t.join(90)
     after = lib.hvdlite_wait(native, 0.0)
     print("HVDLITE_RESULT", json.dumps({
-        "native": native, "statuses": statuses,
+        "enqueued": status, "native": native, "statuses": statuses,
         "after": ffi.string(lib.hvdlite_status_name(after)).decode(), "c_sum": o.tolist(),
         "same_result": got.get("a") is got.get("b") and got.get("a") is not None,
         "py_sum": got["a"].tolist() if "a" in got else None}))
 else:
-    time.sleep(1.0)  # rank 0's threads are all blocked by now
+    hvd.allreduce(np.zeros(1, np.float32), name="go", op=hvd.Sum)
     hvd.allreduce(x, name="waiters.c", op=hvd.Sum)
     hvd.allreduce(x, name="waiters.py", op=hvd.Sum)
     print("HVDLITE_RESULT", json.dumps({}))
@@ -353,7 +364,7 @@ hvd.shutdown()
 def test_threads_waiting_on_one_op_all_get_its_result():
     job = harness.assert_ok(harness.run_job(2, WAITERS_SCRIPT, timeout=120, env=env_for()))
     res = job.result(0)
-    assert res["native"] > 0, res
+    assert res["enqueued"] == 0 and res["native"] > 0, res
     assert res["statuses"] == {"wait": 0, "wait_release": 0}, res
     assert res["after"] == "HVDLITE_ERR_INVALID_HANDLE", res  # released by wait_release
     assert res["c_sum"] == [3.0] * 4 and res["py_sum"] == [3.0] * 4, res

@@ -308,3 +308,39 @@ def test_a_repeated_call_rechecks_what_changed(hvd):
     del z
     gc.collect()
     assert alive() is None
+
+
+def test_poll_while_another_thread_waits_never_fails(hvd):
+    # The waiting thread releases the native ids as they end, before the Handle has
+    # ended: a poll in between must see ended ops, not unknown handles, and must not
+    # skip an op of a group still in flight.
+    import threading
+    x = np.ones(1024, np.float32)
+    for i in range(200):
+        if i % 2:
+            handle = hvd.grouped_allreduce_async([x, x, x, x], name=f"pollwait.g{i}",
+                                                 op=hvd.Sum)
+        else:
+            handle = hvd.allreduce_async(x, name=f"pollwait.{i}", op=hvd.Sum)
+        waiter = threading.Thread(target=hvd.synchronize, args=(handle,))
+        waiter.start()
+        while not hvd.poll(handle):
+            pass
+        results = handle.wait()  # ended: returns at once with every result in place
+        waiter.join()
+        for r in results if isinstance(results, list) else [results]:
+            assert np.array_equal(r, x), i
+
+
+def test_zero_scale_factors_keep_their_sign(hvd):
+    # 0.0 and -0.0 compare equal: the kept C structs must not mix them up.
+    x = np.ones(4, np.float32)
+    assert not np.signbit(hvd.allreduce(x, name="zero.sign", op=hvd.Sum,
+                                        postscale_factor=0.0)).any()
+    assert np.signbit(hvd.allreduce(x, name="zero.sign", op=hvd.Sum,
+                                    postscale_factor=-0.0)).all()
+
+
+def test_unhashable_name_is_refused_clearly(hvd):
+    with pytest.raises(hvd.errors.InvalidArgumentError, match="name must be a str"):
+        hvd.allreduce(np.ones(2, np.float32), name=["a"])

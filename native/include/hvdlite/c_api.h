@@ -154,12 +154,11 @@ hvdlite_status_t hvdlite_enqueue(const hvdlite_tensor_t* tensor, hvdlite_handle_
 
 /* hvdlite_enqueue of *tensor with its input and output replaced by these two: the same
  * checks and effect. The per-step path: a caller that submits the same tensors every
- * step fills each struct once and passes only that step's buffers (three arguments to
- * convert per call instead of fourteen, and no out cell). The struct is only read, so
- * threads may share it. Returns the new handle (> 0), or the refusal's status negated
- * (nothing was enqueued; the message is in hvdlite_last_error). */
-hvdlite_handle_t hvdlite_enqueue_buffers(const hvdlite_tensor_t* tensor, const void* input,
-                                         void* output);
+ * step fills each struct once and passes only that step's buffers (four arguments to
+ * convert per call instead of fourteen). The struct is only read, so threads may share
+ * it. */
+hvdlite_status_t hvdlite_enqueue_buffers(const hvdlite_tensor_t* tensor, const void* input,
+                                         void* output, hvdlite_handle_t* out);
 
 /* Enqueues n tensors that are negotiated and executed together, never split across
  * cycles. handles receives n entries. All or nothing: on error none is enqueued. */
