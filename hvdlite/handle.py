@@ -202,14 +202,6 @@ class Handle:
         self._lock held). A timeout leaves the ops not yet ended for the next call."""
         ids = self._ids
         finisher = self._finisher
-        if finisher is None and timeout is None and len(ids) == 1:
-            # The usual case, every synchronize() of a training step: one op whose
-            # result is in the caller's buffers, waited and released in one call.
-            status = _wait_release(ids[0], _WAIT_SLICE_S)
-            if status != _TIMEOUT:
-                ids.clear()  # released, whatever else happens here
-                self._close(None if status == _OK else error_for(status, last_error()))
-                return
         release = finisher is None  # nothing to read after the wait: release with it
         wait = _wait_release if release else lib.hvdlite_wait
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -234,10 +226,6 @@ class Handle:
             owners, self._owners = self._owners or (), None
             _release_all([h for index, h in enumerate(ids) if index not in owners])
             ids.clear()
-        self._close(error)
-
-    def _close(self, error):
-        """Records the outcome once every native op has ended and drops the buffers."""
         if error is not None:
             self._error = error
             self._result = None

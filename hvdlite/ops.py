@@ -480,8 +480,7 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
             and last.prescale is prescale_factor and last.postscale is postscale_factor
             and array.dtype is last.dtype and array.shape == last.shape
             and array.flags.c_contiguous):
-        out = (np.empty(last.shape, last.dtype) if out is None else
-               _output_array(out, last.shape, last.dtype, name))
+        out = _output_array(out, last.shape, last.dtype, name)
         return _submit(last.template, _from_buffer(array), _from_buffer(out), (array, out),
                        None, name, out)
     named = name is not None

@@ -12,12 +12,12 @@
 
 namespace hvdlite {
 
-// What one rank asks for one tensor. Everything but rank and wait_ms must agree
-// across ranks (allgather/alltoall: all but the first dimension and the splits).
 // Scale factors are the same when their bits are: 0.0 and -0.0 compare equal, yet scale
 // to zeros of different signs.
 inline bool SameFactor(double a, double b) { return a == b && std::signbit(a) == std::signbit(b); }
 
+// What one rank asks for one tensor. Everything but rank and wait_ms must agree
+// across ranks (allgather/alltoall: all but the first dimension and the splits).
 struct Request {
   int32_t rank = 0;
   std::string name;
