@@ -165,8 +165,8 @@ def bench_small(b, args):
     assert all(o[0] == base + b.size * i for i, o in enumerate(hvd_outs))
     assert all(o[0] == base + b.size * i for i, o in enumerate(core_outs))
     del results
-    t_hvd, t_new, t_mpi, t_core = b.interleaved([run_hvd, run_hvd_new_arrays, run_mpi, run_core],
-                                                args.reps, 1)
+    fns = [run_hvd, run_hvd_new_arrays, run_mpi, run_core]
+    t_hvd, t_new, t_mpi, t_core = b.interleaved(fns, args.reps, b.iterations(fns, args.rep_seconds))
     # Collectives per step of the Python step alone: a few more steps, not timed.
     before = hvd.stats()
     for _ in range(args.reps):

@@ -114,12 +114,27 @@ class TensorSpec:
     device: int = -1
 
 
+# Pointers by address: a framework's tensors keep their memory from step to step, and a
+# cast costs several times a lookup. A pointer references nothing, so an entry for
+# memory since freed is harmless. Bounded like the caches below.
+_pointers = {}
+
+
+def pointer_at(address):
+    """``ffi.cast("void *", address)``, kept for the next call with that address."""
+    p = _pointers.get(address)
+    if p is None:
+        p = ffi.cast("void *", address)
+        _remember(_pointers, address, p)
+    return p
+
+
 def _pointer(p):
     if p is None:
         return ffi.NULL
     if isinstance(p, ffi.CData):
         return p
-    return ffi.cast("void *", p)
+    return pointer_at(p)
 
 
 _OK = lib.HVDLITE_OK
@@ -430,28 +445,44 @@ def _output_array(out, shape, dtype, name):
     if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != dtype:
         raise InvalidArgumentError(
             f"tensor '{name}': out must be a numpy array of shape {shape} and dtype {dtype}")
-    flags = out.flags
-    if not (flags.c_contiguous and flags.writeable):
+    if not _writable_contiguous(out.flags):
         raise InvalidArgumentError(f"tensor '{name}': out must be C-contiguous and writable")
     return out
 
 
+def _writable_contiguous(flags):
+    return flags.c_contiguous and flags.writeable
+
+
 # The per-step path. A training loop calls allreduce_async with the same array, name and
 # arguments every step: what a name's last call checked and built (the dtype, the C
-# struct) still holds while the array is the same object, with the same dtype and shape,
-# and the arguments are the same objects. Weak references: no array is kept alive here.
+# struct, the buffers' addresses) still holds while the array (and the out array) are
+# the same objects, with the same dtype and shape, and the arguments are the same
+# objects. An array object's memory cannot move while its shape stays (numpy refuses
+# to reassign ``ndarray.data``; a resize to another size changes the shape), so the
+# addresses are kept as plain pointers, which reference nothing: the Handle keeps the
+# arrays alive while the core uses them, and the entry here only weak references.
 # Bounded like the caches above.
 _repeats = {}
 
 
 class _Repeat:
-    __slots__ = ("array", "op", "prescale", "postscale", "dtype", "shape", "template")
+    __slots__ = ("array", "out", "op", "prescale", "postscale", "dtype", "shape", "template",
+                 "input_ptr", "output_ptr")
 
-    def __init__(self, array, op, prescale, postscale, template):
+    def __init__(self, array, out, op, prescale, postscale, template):
         self.array = weakref.ref(array)
         self.op, self.prescale, self.postscale = op, prescale, postscale
         self.dtype, self.shape = array.dtype, array.shape
         self.template = template
+        self.input_ptr = ffi.cast("void *", _from_buffer(array))
+        self.keep_output(out)
+
+    def keep_output(self, out):
+        """Remembers ``out`` (checked) as the result buffer; returns its pointer."""
+        self.out = weakref.ref(out)
+        self.output_ptr = ffi.cast("void *", _from_buffer(out))
+        return self.output_ptr
 
 
 def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
@@ -480,9 +511,17 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
             and last.prescale is prescale_factor and last.postscale is postscale_factor
             and array.dtype is last.dtype and array.shape == last.shape
             and array.flags.c_contiguous):
-        out = _output_array(out, last.shape, last.dtype, name)
-        return _submit(last.template, _from_buffer(array), _from_buffer(out), (array, out),
-                       None, name, out)
+        if out is None:
+            out = np.empty(last.shape, last.dtype)
+            output_ptr = _from_buffer(out)
+        elif (last.out() is out and out.dtype is last.dtype and out.shape == last.shape
+              and _writable_contiguous(out.flags)):
+            output_ptr = last.output_ptr
+        else:
+            out = _output_array(out, last.shape, last.dtype, name)
+            output_ptr = last.keep_output(out)
+        return _submit(last.template, last.input_ptr, output_ptr, (array, out), None, name,
+                       out)
     named = name is not None
     name = _resolve_name("allreduce", name)
     arr, code = _input_array(array, name)
@@ -493,7 +532,8 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
     handle = _submit(template, _from_buffer(arr), _from_buffer(out), (arr, out), None, name,
                      out)
     if named and arr is array:
-        _remember(_repeats, name, _Repeat(arr, op, prescale_factor, postscale_factor, template))
+        _remember(_repeats, name, _Repeat(arr, out, op, prescale_factor, postscale_factor,
+                                          template))
     return handle
 
 

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from hvdlite import dtypes, ops, runtime
-from hvdlite._native import ffi
 from hvdlite.errors import InvalidArgumentError
 from hvdlite.torch.compression import Compression
 
@@ -170,8 +169,8 @@ def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor
         output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     # The per-gradient path: every argument in order, no keywords.
     return ops.enqueue_fields(ops.ALLREDUCE, name, code, tensor.shape,
-                              ffi.cast("void *", tensor.data_ptr()),
-                              ffi.cast("void *", output.data_ptr()), op, prescale_factor,
+                              ops.pointer_at(tensor.data_ptr()),
+                              ops.pointer_at(output.data_ptr()), op, prescale_factor,
                               postscale_factor, 0, psid, -1, (tensor, output), None, output)
 
 

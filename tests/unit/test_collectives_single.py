@@ -303,11 +303,37 @@ def test_a_repeated_call_rechecks_what_changed(hvd):
     with pytest.raises(hvd.errors.InvalidArgumentError, match="repeat.y.*out must be"):
         hvd.allreduce(z, name="repeat.y", op=hvd.Sum, prescale_factor=3.0,
                       out=np.empty(3, np.float64))
+    # The result buffer's address is reused only for the same out object, still of the
+    # same shape, dtype and layout, and writable.
+    first, second = np.zeros(3, np.float32), np.zeros(3, np.float32)
+    for out in (first, first, second):
+        assert hvd.allreduce(z, name="repeat.y", op=hvd.Sum, prescale_factor=3.0,
+                             out=out) is out
+    close(first, 3 * z)
+    close(second, 3 * z)
+    first[:] = 0
+    assert hvd.allreduce(z, name="repeat.y", op=hvd.Sum, prescale_factor=3.0) is not second
+    close(hvd.allreduce(z, name="repeat.y", op=hvd.Sum, prescale_factor=3.0, out=first),
+          3 * z)
+    # In-place changes of the remembered out (first): each refused.
+    for change, undo, message in [
+            (lambda: setattr(first.flags, "writeable", False),
+             lambda: setattr(first.flags, "writeable", True), "writable"),
+            (lambda: setattr(first, "shape", (1, 3)),
+             lambda: setattr(first, "shape", (3,)), "out must be"),
+            (lambda: setattr(first, "dtype", np.int32),
+             lambda: setattr(first, "dtype", np.float32), "out must be")]:
+        change()
+        with pytest.raises(hvd.errors.InvalidArgumentError, match="repeat.y.*" + message):
+            hvd.allreduce(z, name="repeat.y", op=hvd.Sum, prescale_factor=3.0, out=first)
+        undo()
+        assert hvd.allreduce(z, name="repeat.y", op=hvd.Sum, prescale_factor=3.0,
+                             out=first) is first
     # The reuse keeps no array alive.
-    alive = weakref.ref(z)
-    del z
+    alive = [weakref.ref(a) for a in (z, first, second)]
+    del z, first, second, out
     gc.collect()
-    assert alive() is None
+    assert all(a() is None for a in alive)
 
 
 def test_poll_while_another_thread_waits_never_fails(hvd):
