@@ -467,7 +467,7 @@ bool Core::RunCycle() {
   counters_.cycles++;
   timeline_.MarkCycle();
   auto now = Clock::now();
-  std::vector<Request> fresh;
+  std::vector<const TensorEntry*> fresh;
   queue_.PopPending(&fresh);
   const bool tl = timeline_.active();
   std::vector<const std::string*> cached_names;  // timeline: rank 0 ready, cache path
@@ -476,13 +476,14 @@ bool Core::RunCycle() {
     std::vector<const std::string*> names;
     for (int32_t op = 0; op < HVDLITE_OP_JOIN; ++op) {
       names.clear();
-      for (const Request& q : fresh) {
-        if (q.op == op) names.push_back(&q.name);
+      for (const TensorEntry* e : fresh) {
+        if (e->request.op == op) names.push_back(&e->request.name);
       }
       timeline_.BeginNegotiationAll(names, kNegotiateActivity[op]);
     }
   }
-  for (Request& q : fresh) {
+  for (const TensorEntry* e : fresh) {
+    const Request& q = e->request;
     if (q.op == HVDLITE_OP_JOIN) local_joined_ = true;
     int64_t slot = -1;
     auto lookup = ResponseCache::Lookup::kMiss;
@@ -493,12 +494,12 @@ bool Core::RunCycle() {
     if (lookup == ResponseCache::Lookup::kHit) {
       // Cached: the other ranks' readiness reaches rank 0 only as one "all ranks
       // ready" bit, marked when the bit vector comes back.
-      if (tl) cached_names.push_back(&q.name);  // q stays in fresh, unmoved
+      if (tl) cached_names.push_back(&q.name);
       cached_pending_[slot] = now;
       continue;
     }
     if (lookup == ResponseCache::Lookup::kChanged) invalid_slots_.insert(slot);
-    uncached_.push_back(std::move(q));
+    uncached_.push_back(q);
   }
   timeline_.InstantAll(cached_names, "rank 0 ready", "\"cached\": true");
   // A cached tensor waiting long on this rank goes back through the coordinator,

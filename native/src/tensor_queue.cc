@@ -28,9 +28,8 @@ Status TensorQueue::Add(std::vector<TensorEntry> entries) {
       if (entries_.count(e.request.name)) return InFlight(e.request);
     }
     for (TensorEntry& e : entries) {
-      pending_.push_back(e.request);
       std::string name = e.request.name;
-      entries_.emplace(std::move(name), std::move(e));
+      pending_.push_back(&entries_.emplace(std::move(name), std::move(e)).first->second);
     }
     last_add_ = entries.front().enqueued;
     adds_.fetch_add(1, std::memory_order_relaxed);
@@ -39,10 +38,11 @@ Status TensorQueue::Add(std::vector<TensorEntry> entries) {
   return Status::OK();
 }
 
-void TensorQueue::PopPending(std::vector<Request>* out) {
+void TensorQueue::PopPending(std::vector<const TensorEntry*>* out) {
   std::lock_guard<std::mutex> lock(mutex_);
   out->swap(pending_);
   pending_.clear();
+  pending_.reserve(out->size());  // the next burst is likely as long
   woken_ = false;
 }
 

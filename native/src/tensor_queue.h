@@ -32,7 +32,9 @@ class TensorQueue {
  public:
   // All or nothing: refuses the batch if any name is already in flight.
   Status Add(std::vector<TensorEntry> entries);
-  void PopPending(std::vector<Request>* out);
+  // The entries added since the last call, in order. They stay valid until removed,
+  // which only the background thread does (or TakeAll once it has ended).
+  void PopPending(std::vector<const TensorEntry*>* out);
   TensorEntry* Find(const std::string& name);
   // Find for a list of names under one lock (null for a name not in flight).
   template <typename NameOf, typename T>
@@ -63,7 +65,7 @@ class TensorQueue {
   std::mutex mutex_;
   std::condition_variable work_cv_;
   std::unordered_map<std::string, TensorEntry> entries_;  // Guarded by mutex_.
-  std::vector<Request> pending_;                          // Guarded by mutex_.
+  std::vector<const TensorEntry*> pending_;               // Guarded by mutex_.
   bool woken_ = false;                                    // Guarded by mutex_.
   std::condition_variable quiet_cv_;                      // WaitForQuiet sleeps here
   Clock::time_point last_add_;                            // Guarded by mutex_.
