@@ -28,6 +28,7 @@ _LAZY = {
         "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
         "barrier", "join", "poll", "synchronize")},
     "Handle": "hvdlite.handle",
+    "OpHandle": "hvdlite.handle",
 }
 
 __all__ = sorted(_LAZY) + ["errors", "__version__"]

@@ -28,7 +28,7 @@ import numpy as np
 from hvdlite import dtypes, runtime
 from hvdlite._native import check, ffi, lib
 from hvdlite.errors import InvalidArgumentError
-from hvdlite.handle import Handle
+from hvdlite.handle import Handle, OpHandle
 
 # Reduction ops (values read from the library).
 Average = lib.HVDLITE_AVERAGE
@@ -288,6 +288,8 @@ def _submit(template, input_ptr, output_ptr, keepalive, finisher, name, result):
     status = _enqueue_buffers(template[0], input_ptr, output_ptr, cell)
     if status != _OK:
         check(status)
+    if finisher is None:
+        return OpHandle(cell[0], keepalive, name, result)
     return Handle([cell[0]], finisher, keepalive, name, result)
 
 

@@ -336,6 +336,52 @@ def test_a_repeated_call_rechecks_what_changed(hvd):
     assert all(a() is None for a in alive)
 
 
+def test_threads_waiting_on_one_op_handle_all_get_its_result(hvd):
+    # An allreduce's OpHandle has no lock: threads that wait together, or reach the
+    # core just after another thread released the id, all get the same result (never an
+    # unknown-handle error), and polls meanwhile see the op pending or ended.
+    import threading
+    from hvdlite import handle as handle_module
+    x = np.arange(256, dtype=np.float32)
+    late = []
+    published = handle_module.OpHandle._published
+
+    def counting(self, handle_id):
+        late.append(handle_id)
+        return published(self, handle_id)
+
+    handle_module.OpHandle._published = counting
+    try:
+        for i in range(300):
+            handle = hvd.allreduce_async(x, name=f"opwait.{i}", op=hvd.Sum)
+            assert isinstance(handle, hvd.OpHandle)
+            start = threading.Barrier(5)
+            results, failures = [], []
+
+            def waiter(poll):
+                start.wait()
+                try:
+                    if poll:
+                        while not hvd.poll(handle):
+                            pass
+                    results.append(hvd.synchronize(handle))
+                except Exception as e:  # reported below with the iteration
+                    failures.append(e)
+
+            threads = [threading.Thread(target=waiter, args=(k % 2,)) for k in range(4)]
+            for t in threads:
+                t.start()
+            start.wait()
+            for t in threads:
+                t.join(timeout=30)
+            assert not failures, (i, failures)
+            assert len(results) == 4 and all(r is results[0] for r in results), i
+            assert np.array_equal(results[0], x) and handle.native_ids == []
+    finally:
+        handle_module.OpHandle._published = published
+    print(f"{len(late)} of 1200 waits found the id released by another thread")
+
+
 def test_poll_while_another_thread_waits_never_fails(hvd):
     # The waiting thread releases the native ids as they end, before the Handle has
     # ended: a poll in between must see ended ops, not unknown handles, and must not
