@@ -25,9 +25,6 @@ _OK = lib.HVDLITE_OK
 _TIMEOUT = lib.HVDLITE_ERR_TIMEOUT
 _wait_release = lib.hvdlite_wait_release  # every synchronize(): looked up once
 _UNKNOWN = (lib.HVDLITE_ERR_INVALID_HANDLE, lib.HVDLITE_ERR_NOT_INITIALIZED)
-# How long a thread that found a released id waits for the releasing thread to publish
-# the outcome before it takes the id for unknown (OpHandle._published).
-_PUBLISH_WAIT_S = 1.0
 
 
 class NativeHandle:
@@ -334,22 +331,23 @@ class Handle:
             pass
 
 
-class OpHandle:
-    """The handle of one native op whose result is known when it is enqueued: an
+class OpHandle(Handle):
+    """The Handle of one native op whose result is known when it is enqueued: an
     allreduce into a given (or new) array, the per-tensor path of every training step.
 
-    Same interface as Handle (``wait``, ``poll``, ``native_ids``, ``name``), kept lean
-    for that path: a step of 200 small allreduces makes 200 of them, and Handle's
-    generality there (the id list, a lock per handle, the general end) measured 15-25%
-    of the step.
+    Same interface as Handle, kept lean for that path: a step of 200 small allreduces
+    makes 200 of them, and Handle's generality there (the id list, a lock per handle,
+    the general end) measured 15-25% of the step. It has no finisher, so none of the
+    finisher helpers (output, output_array, recv_splits) apply.
 
-    No lock: the core lets several threads wait on one native op, and every thread that
-    sees it end publishes the same outcome (the error first, the id's 0 last). A thread
-    that reaches the core just after another released the id finds it unknown; it then
-    waits the moment until that thread has published.
+    No lock: the core lets several threads wait on one native op, and a thread that
+    reaches it just after another released it still gets its status (the core keeps the
+    statuses of recent releases), so every waiting thread publishes the same outcome
+    (the error first, the id's 0 last). That also recovers an outcome a wait lost when
+    Ctrl-C arrived between the core's release and the publishing.
     """
 
-    __slots__ = ("_id", "_keepalive", "_result", "_error", "name", "__weakref__")
+    __slots__ = ("_id",)
 
     def __init__(self, handle_id, keepalive, name, result):
         """Wraps the native handle of one enqueued op.
@@ -370,52 +368,39 @@ class OpHandle:
 
     def __repr__(self):
         state = "pending" if self._id else "ended"
-        return f"<hvdlite.OpHandle {self.name!r} {state} ids={self.native_ids}>"
+        return f"<hvdlite.Handle {self.name!r} {state} ids={self.native_ids}>"
 
     @property
     def native_ids(self):
-        """The native handle id while the op has not ended (see Handle.native_ids)."""
         handle_id = self._id
         return [handle_id] if handle_id else []
 
     def poll(self):
-        """Returns True once the op has ended (successfully or not); never blocks.
-
-        Raises:
-            NotInitializedError, InvalidHandleError: as Handle.poll.
-        """
         handle_id = self._id
-        return not handle_id or _all_done((handle_id,), lambda: not self._published(handle_id))
+        return not handle_id or _all_done((handle_id,), lambda: True)
 
     def wait(self, timeout=None):
-        """Blocks until the op ends and returns its result; see Handle.wait."""
         handle_id = self._id
         if handle_id:
             deadline = None if timeout is None else time.monotonic() + timeout
             status = _wait_slices(_wait_release, handle_id, deadline, self.name)
-            if status != lib.HVDLITE_ERR_INVALID_HANDLE or not self._published(handle_id):
-                if status != _OK:
-                    if self._error is None:
-                        self._error = error_for(status, last_error())
-                    self._result = None
-                self._keepalive = None
-                self._id = 0
+            if status != _OK:
+                if self._error is None:
+                    self._error = error_for(status, last_error())
+                self._result = None
+            self._keepalive = None
+            self._id = 0
         if self._error is not None:
             raise self._error
         return self._result
 
-    def _published(self, handle_id):
-        """Whether another thread, which released ``handle_id`` in the core, has
-        published the op's outcome (waiting up to _PUBLISH_WAIT_S for it: that thread
-        needs only the GIL)."""
-        delay, waited = 1e-5, 0.0
-        while self._id == handle_id:
-            if waited >= _PUBLISH_WAIT_S:
-                return False
-            time.sleep(delay)
-            waited += delay
-            delay = min(2 * delay, 1e-3)
-        return True
+    def output(self, index=0):
+        raise errors.InvalidArgumentError(
+            f"{self.name!r}: the op wrote its result into the output given at enqueue; "
+            "the core holds none for it")
+
+    def recv_splits(self, index, count):
+        self.output(index)
 
     def __del__(self):
         # Possibly run by the garbage collector at any point: never raise from here.

@@ -460,11 +460,13 @@ def _writable_contiguous(flags):
 # arguments every step: what a name's last call checked and built (the dtype, the C
 # struct, the buffers' addresses) still holds while the array (and the out array) are
 # the same objects, with the same dtype and shape, and the arguments are the same
-# objects. An array object's memory cannot move while its shape stays (numpy refuses
-# to reassign ``ndarray.data``; a resize to another size changes the shape), so the
-# addresses are kept as plain pointers, which reference nothing: the Handle keeps the
-# arrays alive while the core uses them, and the entry here only weak references.
-# Bounded like the caches above.
+# objects. The addresses are kept as plain pointers, which reference nothing: the
+# Handle keeps the arrays alive while the core uses them, and the entry here only weak
+# references. That an array object keeps its memory rests on numpy: it refuses to
+# reassign ``ndarray.data`` and to resize an array that has a weak reference (so an
+# array, or out array, once used here cannot be resized in place). The one way left,
+# ``ndarray.__setstate__`` on a live array (pickle only calls it on new ones), is not
+# supported between two calls under one name. Bounded like the caches above.
 _repeats = {}
 
 

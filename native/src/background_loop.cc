@@ -467,7 +467,7 @@ bool Core::RunCycle() {
   counters_.cycles++;
   timeline_.MarkCycle();
   auto now = Clock::now();
-  std::vector<const TensorEntry*> fresh;
+  std::vector<TensorEntry*>& fresh = fresh_;  // a member: its capacity is kept
   queue_.PopPending(&fresh);
   const bool tl = timeline_.active();
   std::vector<const std::string*> cached_names;  // timeline: rank 0 ready, cache path

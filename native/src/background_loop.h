@@ -83,6 +83,7 @@ class Core {
   std::unique_ptr<ResponseCache> cache_;
   std::unique_ptr<Controller> controller_;
   FusionBuffer fusion_;
+  std::vector<TensorEntry*> fresh_;  // this cycle's new entries (TensorQueue::PopPending)
   std::vector<Request> uncached_;
   std::map<int64_t, Clock::time_point> cached_pending_;  // slot -> when it was enqueued
   std::set<int64_t> invalid_slots_;

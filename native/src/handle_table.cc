@@ -52,14 +52,32 @@ HandleTable::State* HandleTable::Live(hvdlite_handle_t h) {
   return it == states_.end() || it->second.released ? nullptr : &it->second;
 }
 
+Status HandleTable::Recent(hvdlite_handle_t h) const {
+  auto it = states_.find(h);
+  if (it != states_.end()) return it->second.status;  // released, waiters still leaving
+  for (size_t i = 0; i < kRecentReleases; ++i) {
+    if (recent_ids_[i] == h) return recent_statuses_[i];
+  }
+  return Missing(h);
+}
+
 void HandleTable::EraseIfUnused(hvdlite_handle_t h, const State& state) {
-  if (state.released && state.waiters == 0) states_.erase(h);
+  if (!state.released || state.waiters > 0) return;
+  recent_ids_[recent_next_] = h;
+  recent_statuses_[recent_next_] = state.status;
+  recent_next_ = (recent_next_ + 1) % kRecentReleases;
+  states_.erase(h);
 }
 
 Status HandleTable::Poll(hvdlite_handle_t h, bool* done) {
   std::lock_guard<std::mutex> lock(mutex_);
   State* state = Live(h);
-  if (!state) return Missing(h);
+  if (!state) {
+    Status recent = Recent(h);
+    if (recent.code() == HVDLITE_ERR_INVALID_HANDLE) return recent;
+    *done = true;  // released, so it had ended
+    return Status::OK();
+  }
   *done = state->done;
   return Status::OK();
 }
@@ -69,7 +87,7 @@ Status HandleTable::Wait(hvdlite_handle_t h, double timeout_s, bool release) {
   // unordered_map references stay valid while other keys are inserted; a released
   // state is erased only once no thread waits on it.
   State* found = Live(h);
-  if (!found) return Missing(h);
+  if (!found) return Recent(h);
   State& state = *found;
   if (!state.done) {
     ++state.waiters;

@@ -51,8 +51,10 @@ class HandleTable {
   Status Output(hvdlite_handle_t h, void** data, int64_t* nbytes, int64_t* first_dim);
   Status RecvSplits(hvdlite_handle_t h, std::vector<int64_t>* splits);
   // Forgets an ended handle; while threads still wait on it (woken, not yet
-  // returned), only marks it, and the last of them erases it.
+  // returned), only marks it, and the last of them erases it. Its status stays known
+  // to Wait and Poll for the next kRecentReleases releases (see Recent).
   Status Release(hvdlite_handle_t h);
+  static constexpr size_t kRecentReleases = 4096;
   // Threads blocked in Wait right now; on_block runs (handle lock held) when a thread
   // is about to block.
   const std::atomic<int>& blocked() const { return blocked_; }
@@ -67,6 +69,11 @@ class HandleTable {
     OpOutput output;
   };
   Status Missing(hvdlite_handle_t h) const;
+  // The status of a released handle, as Wait reports it: its op's status while it is
+  // among the recent releases, else Missing. A thread that reaches a handle just after
+  // another released it (two threads waiting on one op), or a caller whose wait was
+  // interrupted after the release, still learns how the op ended. mutex_ held.
+  Status Recent(hvdlite_handle_t h) const;
   // The handle's state, or null when it is unknown or released. mutex_ held.
   State* Live(hvdlite_handle_t h);
   // Erases a released state once no thread waits on it. mutex_ held.
@@ -75,6 +82,11 @@ class HandleTable {
   std::mutex mutex_;
   std::condition_variable done_cv_;
   std::unordered_map<hvdlite_handle_t, State> states_;  // Guarded by mutex_.
+  // The last kRecentReleases released handles and their statuses, a ring written at
+  // recent_next_ (ids apart from statuses: Recent scans the ids). Guarded by mutex_.
+  std::vector<hvdlite_handle_t> recent_ids_ = std::vector<hvdlite_handle_t>(kRecentReleases, 0);
+  std::vector<Status> recent_statuses_ = std::vector<Status>(kRecentReleases);
+  size_t recent_next_ = 0;
   hvdlite_handle_t next_ = 1;                           // Guarded by mutex_.
   std::atomic<int> blocked_{0};    // threads in Wait with a timeout other than 0
   std::function<void()> on_block_;  // set once by Core::Get, before any other thread

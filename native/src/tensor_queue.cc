@@ -1,5 +1,6 @@
 #include "tensor_queue.h"
 
+#include <algorithm>
 #include <unordered_set>
 
 namespace hvdlite {
@@ -38,12 +39,21 @@ Status TensorQueue::Add(std::vector<TensorEntry> entries) {
   return Status::OK();
 }
 
-void TensorQueue::PopPending(std::vector<const TensorEntry*>* out) {
+void TensorQueue::PopPending(std::vector<TensorEntry*>* out) {
+  out->clear();
   std::lock_guard<std::mutex> lock(mutex_);
   out->swap(pending_);
-  pending_.clear();
-  pending_.reserve(out->size());  // the next burst is likely as long
+  for (TensorEntry* e : *out) e->popped = true;
   woken_ = false;
+}
+
+void TensorQueue::EraseLocked(const std::string& name) {
+  auto it = entries_.find(name);
+  if (it == entries_.end()) return;
+  if (!it->second.popped) {
+    pending_.erase(std::find(pending_.begin(), pending_.end(), &it->second));
+  }
+  entries_.erase(it);
 }
 
 TensorEntry* TensorQueue::Find(const std::string& name) {
@@ -54,7 +64,7 @@ TensorEntry* TensorQueue::Find(const std::string& name) {
 
 void TensorQueue::Remove(const std::string& name) {
   std::lock_guard<std::mutex> lock(mutex_);
-  entries_.erase(name);
+  EraseLocked(name);
 }
 
 std::vector<hvdlite_handle_t> TensorQueue::RemoveAll(const std::vector<TensorEntry*>& entries) {
@@ -65,7 +75,7 @@ std::vector<hvdlite_handle_t> TensorQueue::RemoveAll(const std::vector<TensorEnt
     if (!e) continue;
     handles.push_back(e->handle);
     const std::string name = e->request.name;  // the key must outlive the erase
-    entries_.erase(name);
+    EraseLocked(name);
   }
   return handles;
 }

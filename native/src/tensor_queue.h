@@ -26,15 +26,19 @@ struct TensorEntry {
   void* output = nullptr;
   hvdlite_handle_t handle = 0;
   Clock::time_point enqueued;
+  bool popped = false;  // handed out by PopPending (else still in pending_). Queue mutex.
 };
 
 class TensorQueue {
  public:
   // All or nothing: refuses the batch if any name is already in flight.
   Status Add(std::vector<TensorEntry> entries);
-  // The entries added since the last call, in order. They stay valid until removed,
-  // which only the background thread does (or TakeAll once it has ended).
-  void PopPending(std::vector<const TensorEntry*>* out);
+  // The entries added since the last call, in order (out's old contents are dropped;
+  // its capacity serves the next burst). They stay valid until removed, which only the
+  // background thread does (or TakeAll once it has ended); an entry removed before it
+  // was popped (a response can name a tensor this rank submitted after the cycle's
+  // pop) leaves the pending list with it.
+  void PopPending(std::vector<TensorEntry*>* out);
   TensorEntry* Find(const std::string& name);
   // Find for a list of names under one lock (null for a name not in flight).
   template <typename NameOf, typename T>
@@ -62,10 +66,13 @@ class TensorQueue {
   size_t Size();
 
  private:
+  // Erases the entry of `name` (if any), from the pending list too. mutex_ held.
+  void EraseLocked(const std::string& name);
+
   std::mutex mutex_;
   std::condition_variable work_cv_;
   std::unordered_map<std::string, TensorEntry> entries_;  // Guarded by mutex_.
-  std::vector<const TensorEntry*> pending_;               // Guarded by mutex_.
+  std::vector<TensorEntry*> pending_;                     // Guarded by mutex_.
   bool woken_ = false;                                    // Guarded by mutex_.
   std::condition_variable quiet_cv_;                      // WaitForQuiet sleeps here
   Clock::time_point last_add_;                            // Guarded by mutex_.

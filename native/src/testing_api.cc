@@ -16,6 +16,7 @@
 
 #include "controller.h"
 #include "message.h"
+#include "tensor_queue.h"
 
 #define HVDLITE_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -229,4 +230,26 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_test_allreduce_step(int32_t n, void** in
   }
   // The calls after the first failure recorded their own statuses: record it again.
   return first == HVDLITE_OK ? first : hvdlite::RecordStatus(Status(first, message));
+}
+
+HVDLITE_EXPORT hvdlite_status_t hvdlite_test_queue_remove_pending(int64_t* pending_after) {
+  using namespace hvdlite;
+  return Guard([&] {
+    if (!pending_after) return InvalidArgument("pending_after is NULL");
+    TensorQueue queue;
+    std::vector<TensorEntry*> taken;
+    queue.PopPending(&taken);  // a cycle starts with nothing pending
+    std::vector<TensorEntry> added(1);
+    added[0].request.name = "x";
+    added[0].request.shape = {1, 2, 3};
+    added[0].handle = 7;
+    Status s = queue.Add(std::move(added));  // submitted during that cycle
+    if (!s.ok()) return s;
+    TensorEntry* entry = queue.Find("x");  // a response names it: executed, removed
+    if (!entry) return Status(HVDLITE_ERR_INTERNAL, "the added entry is not found");
+    queue.RemoveAll({entry});
+    queue.PopPending(&taken);  // the next cycle
+    *pending_after = static_cast<int64_t>(taken.size());
+    return Status::OK();
+  });
 }

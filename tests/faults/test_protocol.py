@@ -390,3 +390,13 @@ def test_coordinator_groups_are_all_or_nothing(core):
             sim.close()
 
     check()
+
+
+def test_an_entry_removed_before_its_cycle_leaves_the_pending_list(core):
+    # The background thread reads the pending entries in place; one that a response
+    # removed before a cycle took it must not be handed to that cycle (it would be
+    # freed memory).
+    ffi, lib = core
+    pending_after = ffi.new("int64_t *", -1)
+    assert lib.hvdlite_test_queue_remove_pending(pending_after) == lib.HVDLITE_OK
+    assert pending_after[0] == 0

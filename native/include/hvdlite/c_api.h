@@ -165,7 +165,8 @@ hvdlite_status_t hvdlite_enqueue_buffers(const hvdlite_tensor_t* tensor, const v
 hvdlite_status_t hvdlite_enqueue_group(const hvdlite_tensor_t* tensors, int32_t n,
                                        hvdlite_handle_t* handles);
 
-/* *done = 1 once the op has ended (successfully or not). */
+/* *done = 1 once the op has ended (successfully or not); also for a recently released
+ * handle (see hvdlite_release). */
 hvdlite_status_t hvdlite_poll(hvdlite_handle_t handle, int32_t* done);
 
 /* Blocks until the op ends or timeout_s passes (timeout_s < 0: no limit). Returns the
@@ -174,7 +175,8 @@ hvdlite_status_t hvdlite_wait(hvdlite_handle_t handle, double timeout_s);
 
 /* hvdlite_wait, then hvdlite_release once the op has ended (whatever its status but
  * HVDLITE_ERR_TIMEOUT): one call for an op whose result is in the caller's buffers.
- * Other threads waiting on the handle still get its status. */
+ * Other threads waiting on the handle, or coming to it just after, still get its
+ * status. */
 hvdlite_status_t hvdlite_wait_release(hvdlite_handle_t handle, double timeout_s);
 
 /* Result of an ended ALLGATHER or ALLTOALL: the core-allocated buffer, its size in
@@ -204,7 +206,12 @@ hvdlite_status_t hvdlite_handle_recv_splits(hvdlite_handle_t handle, int64_t* sp
  * hvdlite_handle_output buffer, which must no longer be in use). Any thread; also
  * after hvdlite_shutdown. Releasing an unknown handle is a no-op; releasing one in
  * flight is HVDLITE_ERR_IN_PROGRESS and changes nothing. A thread still waiting on an
- * ended handle gets its status; the handle goes when the last such waiter returns. */
+ * ended handle gets its status; the handle goes when the last such waiter returns.
+ * The op's status is kept for the last 4096 releases: hvdlite_wait (and
+ * hvdlite_wait_release) on such a handle return it at once and hvdlite_poll says done,
+ * so a thread that reaches a handle just after another released it, or a caller whose
+ * wait was cut short after the release, still learns how the op ended. Anything else
+ * on a released handle is HVDLITE_ERR_INVALID_HANDLE. */
 hvdlite_status_t hvdlite_release(hvdlite_handle_t handle);
 
 hvdlite_status_t hvdlite_stats(hvdlite_stats_t* out);

@@ -66,6 +66,13 @@ hvdlite_status_t hvdlite_test_controller_free(int64_t id);
 hvdlite_status_t hvdlite_test_allreduce_step(int32_t n, void** ins, void** outs,
                                              int64_t elements, const char* prefix);
 
+/* The tensor queue alone (no MPI, no background thread): a cycle takes the pending
+ * list, a tensor is added, and a response removes its entry before the next cycle
+ * takes the list (a joined rank, a stall, a failed group can do that). *pending_after
+ * receives how many entries that next cycle is handed: 0, as the removed entry must
+ * have left the pending list with it. */
+hvdlite_status_t hvdlite_test_queue_remove_pending(int64_t* pending_after);
+
 /* CDEF-END */
 
 #ifdef __cplusplus
