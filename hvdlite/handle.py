@@ -363,12 +363,9 @@ class OpHandle(Handle):
         self._id = handle_id  # 0 once the op has ended and the id was released
         self._keepalive = keepalive
         self.name = name
+        self._ended = False
         self._result = result
         self._error = None
-
-    def __repr__(self):
-        state = "pending" if self._id else "ended"
-        return f"<hvdlite.Handle {self.name!r} {state} ids={self.native_ids}>"
 
     @property
     def native_ids(self):
@@ -389,6 +386,7 @@ class OpHandle(Handle):
                     self._error = error_for(status, last_error())
                 self._result = None
             self._keepalive = None
+            self._ended = True
             self._id = 0
         if self._error is not None:
             raise self._error
