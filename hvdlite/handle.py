@@ -24,7 +24,8 @@ _WAIT_SLICE_S = 1.0
 _OK = lib.HVDLITE_OK
 _TIMEOUT = lib.HVDLITE_ERR_TIMEOUT
 _wait_release = lib.hvdlite_wait_release  # every synchronize(): looked up once
-_UNKNOWN = (lib.HVDLITE_ERR_INVALID_HANDLE, lib.HVDLITE_ERR_NOT_INITIALIZED)
+_INVALID = lib.HVDLITE_ERR_INVALID_HANDLE
+_UNKNOWN = (_INVALID, lib.HVDLITE_ERR_NOT_INITIALIZED)
 
 
 class NativeHandle:
@@ -381,6 +382,10 @@ class OpHandle(Handle):
         if handle_id:
             deadline = None if timeout is None else time.monotonic() + timeout
             status = _wait_slices(_wait_release, handle_id, deadline, self.name)
+            if status == _INVALID and self._id != handle_id:
+                # Another thread ended it meanwhile (its release left the core's
+                # recent ones before this thread got there): its outcome stands.
+                return self.wait()
             if status != _OK:
                 if self._error is None:
                     self._error = error_for(status, last_error())

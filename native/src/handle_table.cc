@@ -53,6 +53,7 @@ HandleTable::State* HandleTable::Live(hvdlite_handle_t h) {
 }
 
 Status HandleTable::Recent(hvdlite_handle_t h) const {
+  if (h <= 0 || h >= next_) return Missing(h);  // never handed out (the ring starts at 0s)
   auto it = states_.find(h);
   if (it != states_.end()) return it->second.status;  // released, waiters still leaving
   for (size_t i = 0; i < kRecentReleases; ++i) {

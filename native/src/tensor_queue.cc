@@ -51,7 +51,8 @@ void TensorQueue::EraseLocked(const std::string& name) {
   auto it = entries_.find(name);
   if (it == entries_.end()) return;
   if (!it->second.popped) {
-    pending_.erase(std::find(pending_.begin(), pending_.end(), &it->second));
+    auto pending = std::find(pending_.begin(), pending_.end(), &it->second);
+    if (pending != pending_.end()) pending_.erase(pending);
   }
   entries_.erase(it);
 }

@@ -384,6 +384,37 @@ def test_a_wait_cut_short_after_the_release_still_gets_the_outcome(hvd):
         handle.output()
 
 
+def test_an_unknown_handle_never_reads_as_ended(hvd):
+    # Id 0 is never handed out; the core's ring of recent releases starts filled with
+    # zeros and must not answer for it (a failed enqueue leaves a caller's handle at 0).
+    from hvdlite._native import ffi, lib
+    done = ffi.new("int32_t *")
+    for handle_id in (0, -1, 1 << 40):
+        assert lib.hvdlite_wait(handle_id, 0.0) == lib.HVDLITE_ERR_INVALID_HANDLE
+        assert lib.hvdlite_wait_release(handle_id, 0.0) == lib.HVDLITE_ERR_INVALID_HANDLE
+        assert lib.hvdlite_poll(handle_id, done) == lib.HVDLITE_ERR_INVALID_HANDLE
+
+
+def test_a_late_waiter_keeps_the_outcome_another_thread_published(hvd, monkeypatch):
+    # A thread that read the id before another thread ended the op, and reached the core
+    # only after that release left the recent ones, gets "unknown handle": the outcome
+    # the other thread published stands.
+    from hvdlite import handle as handle_module
+    from hvdlite._native import lib
+    x = np.ones(4, np.float32)
+    handle = hvd.allreduce_async(x, name="late.waiter", op=hvd.Sum)
+    stale = handle.native_ids[0]
+    result = handle.wait()  # the other thread: ends and publishes
+
+    def reaches_the_core_late(wait, handle_id, deadline, name):
+        handle._id = 0  # what the other thread published meanwhile
+        return lib.HVDLITE_ERR_INVALID_HANDLE
+
+    monkeypatch.setattr(handle_module, "_wait_slices", reaches_the_core_late)
+    handle._id = stale  # this thread's read, from before
+    assert handle.wait() is result and handle.wait() is result
+
+
 def test_poll_while_another_thread_waits_never_fails(hvd):
     # The waiting thread releases the native ids as they end, before the Handle has
     # ended: a poll in between must see ended ops, not unknown handles, and must not
