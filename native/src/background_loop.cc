@@ -696,14 +696,17 @@ void Core::Execute(const std::vector<Response>& ready) {
         if (ready[k].op != HVDLITE_OP_JOIN) names.push_back(&ready[k].name);
       }
       timeline_.EndAll(names);
-      if (ready[begin].error.empty()) {
+      if (ready[begin].error.empty() && !names.empty()) {
+        // A collective's ops are of one kind: one call for them all.
+        const size_t fused = end - begin;
+        std::vector<const Response*> ops;
         for (size_t k = begin; k < end; ++k) {
-          const Response& r = ready[k];
-          if (r.op == HVDLITE_OP_JOIN) continue;
-          const size_t fused = end - begin;
-          timeline_.BeginOp(r.name, kOpActivity[r.op], TimelineArgsKey(r, fused),
-                            [&] { return TimelineArgs(r, fused, topo_.rank, topo_.size); });
+          if (ready[k].op != HVDLITE_OP_JOIN) ops.push_back(&ready[k]);
         }
+        timeline_.BeginOps(
+            names, kOpActivity[ops[0]->op],
+            [&](size_t n) { return TimelineArgsKey(*ops[n], fused); },
+            [&](size_t n) { return TimelineArgs(*ops[n], fused, topo_.rank, topo_.size); });
       }
       begin = end;
     }

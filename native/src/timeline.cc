@@ -199,22 +199,41 @@ void Timeline::EndAll(const std::vector<const std::string*>& tensors) {
   if (active()) PushAll(tensors, 'E', nullptr);
 }
 
-void Timeline::BeginOp(const std::string& tensor, const char* activity, uint64_t args_key,
-                       const std::function<std::string()>& make_args) {
-  if (!active()) return;
+void Timeline::BeginOps(const std::vector<const std::string*>& tensors, const char* activity,
+                        const std::function<uint64_t(size_t)>& args_key,
+                        const std::function<std::string(size_t)>& make_args) {
+  if (!active() || tensors.empty()) return;
   int64_t ts = Now();
-  Produce([&](Event* e) {
-    Track* track = nullptr;
-    int tid = Admit(tensor, 'B', false, &track);
-    if (tid < 0) return false;
-    if (!track->has_args || track->args_key != args_key) {
-      track->args = make_args();
-      track->args_key = args_key;
-      track->has_args = true;
+  bool notify = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stop_) return;
+    const std::string* run_args = nullptr;  // the args of the event being gathered
+    Event run{'B', 0, activity, "", ts, {}};
+    auto flush = [&] {
+      if (run.tids.empty()) return;
+      run.args = *run_args;
+      queue_.push_back(std::move(run));
+      run = Event{'B', 0, activity, "", ts, {}};
+    };
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      Track* track = nullptr;
+      int tid = Admit(*tensors[i], 'B', false, &track);
+      if (tid < 0) continue;
+      const uint64_t key = args_key(i);
+      if (!track->has_args || track->args_key != key) {
+        track->args = make_args(i);
+        track->args_key = key;
+        track->has_args = true;
+      }
+      if (run_args && *run_args != track->args) flush();
+      run_args = &track->args;
+      run.tids.push_back(tid);
     }
-    *e = {'B', tid, activity, track->args, ts, {}};
-    return true;
-  });
+    flush();
+    notify = queue_.size() >= kMaxQueued / 2;
+  }
+  if (notify) cv_.notify_one();
 }
 
 void Timeline::BeginNegotiationAll(const std::vector<const std::string*>& tensors,

@@ -50,11 +50,14 @@ class Timeline {
   // the first of rank 0's own request and any rank's request reaching the coordinator
   // opens it.
   void BeginNegotiation(const std::string& tensor, const std::string& activity);
-  // Begin of an operation span whose args depend only on args_key (a digest of what
-  // they show): make_args() formats them the first time the track sees that key, and
-  // the repeats of later steps reuse the text.
-  void BeginOp(const std::string& tensor, const char* activity, uint64_t args_key,
-               const std::function<std::string()>& make_args);
+  // Begin of an operation span on each of `tensors` (the ops of one collective) at one
+  // moment. Tensor i's args depend only on args_key(i), a digest of what they show:
+  // make_args(i) formats them the first time its track sees that key, and the repeats
+  // of later steps reuse the text. Neighbours with the same args share one queued
+  // event (one line per track in the file, as for EndAll).
+  void BeginOps(const std::vector<const std::string*>& tensors, const char* activity,
+                const std::function<uint64_t(size_t)>& args_key,
+                const std::function<std::string(size_t)>& make_args);
   void End(const std::string& tensor);
   // End on many tracks at one moment (a fused collective): one queued event, one line
   // per track in the file.
