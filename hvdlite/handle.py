@@ -72,12 +72,12 @@ _orphans = []
 _orphans_lock = threading.Lock()
 
 
-def _all_done(ids, strict=None):
+def _all_done(ids, strict=False):
     """Whether every native op of ``ids`` has ended (successfully or not).
 
-    strict: None, or a function asked, when the core does not know a handle or was shut
-    down, whether to raise for that; otherwise (and when it says no) that counts as
-    ended.
+    strict: raise for a handle the core does not know or a core that was shut down;
+    otherwise those count as ended. (A handle another thread released a moment ago is
+    known: the core keeps the statuses of recent releases.)
     """
     done = ffi.new("int32_t *")
     for handle_id in ids:
@@ -85,7 +85,7 @@ def _all_done(ids, strict=None):
         if status == _OK:
             if not done[0]:
                 return False
-        elif strict is not None and status in _UNKNOWN and strict():
+        elif strict and status in _UNKNOWN:
             check(status)
     return True
 
@@ -199,11 +199,8 @@ class Handle:
             NotInitializedError: the core was shut down and forgot the handle.
             InvalidHandleError: the native handle is unknown to the core.
         """
-        # A waiting thread may be emptying the list (poll walks a copy) and releasing
-        # the ids: an unknown one is an error only if no waiter is at work, as a waiter
-        # holds the lock from its wait until the Handle has ended.
-        return self._ended or _all_done(
-            list(self._ids), lambda: not (self._ended or self._lock.locked()))
+        # A waiting thread may be emptying the list: poll walks a copy.
+        return self._ended or _all_done(list(self._ids), strict=True)
 
     def wait(self, timeout=None):
         """Blocks until the op ends and returns its result.
@@ -375,7 +372,7 @@ class OpHandle(Handle):
 
     def poll(self):
         handle_id = self._id
-        return not handle_id or _all_done((handle_id,), lambda: True)
+        return not handle_id or _all_done((handle_id,), strict=True)
 
     def wait(self, timeout=None):
         handle_id = self._id

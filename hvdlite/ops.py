@@ -515,12 +515,12 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
             and last.prescale is prescale_factor and last.postscale is postscale_factor
             and array.dtype is last.dtype and array.shape == last.shape
             and array.flags.c_contiguous):
-        if out is None:
-            out = np.empty(last.shape, last.dtype)
-            output_ptr = _from_buffer(out)
-        elif (last.out() is out and out.dtype is last.dtype and out.shape == last.shape
-              and _writable_contiguous(out.flags)):
+        if (out is not None and last.out() is out and out.dtype is last.dtype
+                and out.shape == last.shape and _writable_contiguous(out.flags)):
             output_ptr = last.output_ptr
+        elif out is None:  # a new array each call: nothing to keep
+            out = _output_array(None, last.shape, last.dtype, name)
+            output_ptr = _from_buffer(out)
         else:
             out = _output_array(out, last.shape, last.dtype, name)
             output_ptr = last.keep_output(out)

@@ -467,8 +467,7 @@ bool Core::RunCycle() {
   counters_.cycles++;
   timeline_.MarkCycle();
   auto now = Clock::now();
-  std::vector<TensorEntry*>& fresh = fresh_;  // a member: its capacity is kept
-  queue_.PopPending(&fresh);
+  queue_.PopPending(&fresh_);
   const bool tl = timeline_.active();
   std::vector<const std::string*> cached_names;  // timeline: rank 0 ready, cache path
   if (tl) {
@@ -476,13 +475,13 @@ bool Core::RunCycle() {
     std::vector<const std::string*> names;
     for (int32_t op = 0; op < HVDLITE_OP_JOIN; ++op) {
       names.clear();
-      for (const TensorEntry* e : fresh) {
+      for (const TensorEntry* e : fresh_) {
         if (e->request.op == op) names.push_back(&e->request.name);
       }
       timeline_.BeginNegotiationAll(names, kNegotiateActivity[op]);
     }
   }
-  for (const TensorEntry* e : fresh) {
+  for (const TensorEntry* e : fresh_) {
     const Request& q = e->request;
     if (q.op == HVDLITE_OP_JOIN) local_joined_ = true;
     int64_t slot = -1;
@@ -631,9 +630,8 @@ bool Core::RunCycle() {
 
 void Core::Finish(TensorEntry* e, const Status& s, OpOutput out) {
   if (!e) return;
-  std::string name = e->request.name;
   hvdlite_handle_t h = e->handle;
-  queue_.Remove(name);  // e is gone from here on
+  queue_.Remove(e->request.name);  // e is gone from here on
   if (s.ok()) {
     counters_.tensors++;
   } else {

@@ -50,6 +50,7 @@ void TensorQueue::PopPending(std::vector<TensorEntry*>* out) {
 void TensorQueue::EraseLocked(const std::string& name) {
   auto it = entries_.find(name);
   if (it == entries_.end()) return;
+  // `name` may be the entry's own: not used after the erase.
   if (!it->second.popped) {
     auto pending = std::find(pending_.begin(), pending_.end(), &it->second);
     if (pending != pending_.end()) pending_.erase(pending);
@@ -75,8 +76,7 @@ std::vector<hvdlite_handle_t> TensorQueue::RemoveAll(const std::vector<TensorEnt
   for (TensorEntry* e : entries) {
     if (!e) continue;
     handles.push_back(e->handle);
-    const std::string name = e->request.name;  // the key must outlive the erase
-    EraseLocked(name);
+    EraseLocked(e->request.name);
   }
   return handles;
 }

@@ -133,10 +133,9 @@ void Timeline::Produce(Make make) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stop_) return;
-    Event e;
-    if (!make(&e)) return;
-    queue_.push_back(std::move(e));
-    notify = queue_.size() == kMaxQueued / 2;
+    const size_t before = queue_.size();
+    make();
+    notify = before < kMaxQueued / 2 && queue_.size() >= kMaxQueued / 2;
   }
   if (notify) cv_.notify_one();
 }
@@ -144,27 +143,23 @@ void Timeline::Produce(Make make) {
 void Timeline::Push(const std::string& tensor, char phase, std::string name, std::string args,
                     bool only_if_idle) {
   int64_t ts = Now();
-  Produce([&](Event* e) {
+  Produce([&] {
     int tid = Admit(tensor, phase, only_if_idle);
-    if (tid < 0) return false;
-    *e = {phase, tid, std::move(name), std::move(args), ts, {}};
-    return true;
+    if (tid >= 0) queue_.push_back({phase, tid, std::move(name), std::move(args), ts, {}});
   });
 }
 
 void Timeline::PushAll(const std::vector<const std::string*>& tensors, char phase,
                        const char* name, const char* args, bool only_if_idle) {
   int64_t ts = Now();
-  Produce([&](Event* e) {
+  Produce([&] {
     std::vector<int> tids;
     tids.reserve(tensors.size());
     for (const std::string* t : tensors) {
       int tid = Admit(*t, phase, only_if_idle);
       if (tid >= 0) tids.push_back(tid);
     }
-    if (tids.empty()) return false;
-    *e = {phase, 0, name ? name : "", args, ts, std::move(tids)};
-    return true;
+    if (!tids.empty()) queue_.push_back({phase, 0, name ? name : "", args, ts, std::move(tids)});
   });
 }
 
@@ -185,13 +180,12 @@ std::vector<int> Timeline::OpenTracks(const std::vector<const std::string*>& ten
 void Timeline::Complete(const std::vector<int>& tids, const char* activity, int64_t start_us,
                         int64_t end_us) {
   if (tids.empty() || !active()) return;
-  Produce([&](Event* e) {
+  Produce([&] {
     if (queue_.size() >= kMaxQueued) {
       ++dropped_;
-      return false;
+      return;
     }
-    *e = {'X', 0, activity, "", start_us, tids, end_us - start_us};
-    return true;
+    queue_.push_back({'X', 0, activity, "", start_us, tids, end_us - start_us});
   });
 }
 
@@ -204,10 +198,7 @@ void Timeline::BeginOps(const std::vector<const std::string*>& tensors, const ch
                         const std::function<std::string(size_t)>& make_args) {
   if (!active() || tensors.empty()) return;
   int64_t ts = Now();
-  bool notify = false;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (stop_) return;
+  Produce([&] {
     const std::string* run_args = nullptr;  // the args of the event being gathered
     Event run{'B', 0, activity, "", ts, {}};
     auto flush = [&] {
@@ -231,9 +222,7 @@ void Timeline::BeginOps(const std::vector<const std::string*>& tensors, const ch
       run.tids.push_back(tid);
     }
     flush();
-    notify = queue_.size() >= kMaxQueued / 2;
-  }
-  if (notify) cv_.notify_one();
+  });
 }
 
 void Timeline::BeginNegotiationAll(const std::vector<const std::string*>& tensors,

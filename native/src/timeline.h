@@ -105,8 +105,8 @@ class Timeline {
   int Admit(const std::string& tensor, char phase, bool only_if_idle, Track** track = nullptr);
   void Push(const std::string& tensor, char phase, std::string name, std::string args,
             bool only_if_idle = false);
-  // Under the lock, unless stopped: make(&event) fills the event to queue, or returns
-  // false for none; the writer is woken when the queue reaches half its bound.
+  // Under the lock, unless stopped: make() queues the events (none, one or several);
+  // the writer is woken when the queue reaches half its bound.
   template <typename Make>
   void Produce(Make make);
   void PushAll(const std::vector<const std::string*>& tensors, char phase, const char* name,
