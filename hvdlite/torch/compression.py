@@ -1,6 +1,9 @@
-"""``hvd.Compression`` for PyTorch: none, fp16 and bf16 (see ``hvdlite.compression``)."""
+"""``hvd.Compression`` for PyTorch: the cast compressors none, fp16 and bf16 (see
+``hvdlite.compression``) and the reducers top-k, quantize and PowerSGD (see
+``hvdlite.reducers``)."""
 import torch
 
+from hvdlite import reducers
 from hvdlite.compression import CastCompressor, Compressor, NoneCompressor
 
 __all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor"]
@@ -25,8 +28,16 @@ class BF16Compressor(_TorchCast):
 
 
 class Compression:
-    """The compressors, by the names Horovod scripts use."""
+    """The compressors, by the names Horovod scripts use, and the reducers.
+
+    ``none``, ``fp16`` and ``bf16`` are Horovod's cast compressors. ``topk(ratio)``,
+    ``quantize(bits)`` and ``powersgd(rank)`` make a reducer with state of its own (its
+    error-feedback residuals): give each DistributedOptimizer its own.
+    """
 
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+    topk = reducers.TopK
+    quantize = reducers.Quantize
+    powersgd = reducers.PowerSGD
