@@ -3,8 +3,7 @@
 ``hvdlite.reducers``)."""
 import torch
 
-from hvdlite import reducers
-from hvdlite.compression import CastCompressor, Compressor, NoneCompressor
+from hvdlite.compression import CastCompressor, Compressor, NoneCompressor, ReducerChoices
 
 __all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor"]
 
@@ -27,17 +26,10 @@ class BF16Compressor(_TorchCast):
     wire_dtype = torch.bfloat16
 
 
-class Compression:
-    """The compressors, by the names Horovod scripts use, and the reducers.
-
-    ``none``, ``fp16`` and ``bf16`` are Horovod's cast compressors. ``topk(ratio)``,
-    ``quantize(bits)`` and ``powersgd(rank)`` make a reducer with state of its own (its
-    error-feedback residuals): give each DistributedOptimizer its own.
-    """
+class Compression(ReducerChoices):
+    """The compressors, by the names Horovod scripts use (``none``, ``fp16``, ``bf16``),
+    and the reducers ``topk(ratio)``, ``quantize(bits)``, ``powersgd(rank)``."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
-    topk = reducers.TopK
-    quantize = reducers.Quantize
-    powersgd = reducers.PowerSGD

@@ -64,6 +64,14 @@ class _OnCpuArrays(Reducer):
                 for us, (_, kinds) in zip(updates, tokens)]
 
 
+def reduce_through(reducer, grads, names):
+    """Averages torch gradients through a framework-free reducer, in one go; returns the
+    updates (for callers outside the optimizer, e.g. Keras on the torch backend)."""
+    on_cpu = _reducer_for(reducer, mpi_ops.Average, [1.0, 1.0], mpi_ops.global_process_set)
+    (updates,) = on_cpu.finish_all([on_cpu.start(names, grads)])
+    return updates
+
+
 def _reducer_for(compression, op, scale, process_set):
     """The optimizer's reducer: ``compression`` itself when it is one, else the
     compressed allreduce of a cast compressor."""

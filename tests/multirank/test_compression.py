@@ -19,8 +19,7 @@ pytestmark = pytest.mark.timeout(300)
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "torch_scripts", "compression.py")
 sys.path.insert(0, os.path.join(HERE, "torch_scripts"))
-from compression import SHAPES, STEPS, gradient  # noqa: E402
-
+from compression import SHAPES, STEPS, gradient  # noqa: E402 - the rank script's seeds
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
 def job(request, native):
@@ -114,3 +113,37 @@ def test_training_converges_with_every_reducer(job):
         assert run["last"] < 0.5 * run["first"], (label, run)
     for label in ("topk", "quantize8", "powersgd"):
         assert train[label]["last"] < 3 * train["none"]["last"] + 0.05, (label, train)
+
+
+TF_SCRIPT = os.path.join(HERE, "tf_scripts", "compression.py")
+
+
+def seeded_gradients(step, rank):  # as the TF rank script makes them
+    rng = np.random.default_rng([step, rank])
+    return (rng.standard_normal((8, 6)).astype(np.float32),
+            rng.standard_normal(6).astype(np.float32))
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_tensorflow_tape_and_keras_use_the_reducers(native, size):
+    pytest.importorskip("tensorflow")
+    result = assert_ok(run_job(size, TF_SCRIPT, timeout=240))
+    bodies = [result.result(rank) for rank in range(size)]
+    for key in bodies[0]:
+        for rank in range(1, size):
+            assert bodies[rank][key] == bodies[0][key], key  # the same update everywhere
+    # Top-k's first step against numpy.
+    for i, label in enumerate(("w", "b")):
+        total = np.zeros(seeded_gradients(0, 0)[i].size, np.float32)
+        for rank in range(size):
+            g = seeded_gradients(0, rank)[i].reshape(-1)
+            top = np.argsort(-np.abs(g), kind="stable")[:math.ceil(0.25 * g.size)]
+            np.add.at(total, top, g[top])
+        np.testing.assert_allclose(np.asarray(bodies[0]["eager_topk"][0][i]).reshape(-1),
+                                   total / size, rtol=1e-6, atol=1e-7, err_msg=label)
+    # PowerSGD inside tf.function: the vector b is averaged exactly.
+    mean_b = np.mean([seeded_gradients(0, r)[1] for r in range(size)], axis=0)
+    np.testing.assert_allclose(bodies[0]["function_powersgd"][0][1], mean_b, rtol=1e-5)
+    for key in ("keras_topk", "keras_powersgd"):
+        run = bodies[0][key]
+        assert run["last"] < 0.5 * run["first"], (key, run)
