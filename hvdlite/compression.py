@@ -67,3 +67,24 @@ class ReducerChoices:
     topk = reducers.TopK
     quantize = reducers.Quantize
     powersgd = reducers.PowerSGD
+
+    @classmethod
+    def parse(cls, text):
+        """The compressor or a new reducer named by ``text``, for command lines:
+        ``none``, ``fp16``, ``bf16`` (where the adapter has it), ``topk:RATIO``,
+        ``quantize:BITS``, ``powersgd:RANK``.
+
+        Raises:
+            ValueError: an unknown name or a bad number.
+        """
+        name, _, arg = text.partition(":")
+        make = {"topk": (cls.topk, float), "quantize": (cls.quantize, int),
+                "powersgd": (cls.powersgd, int)}.get(name)
+        if make is not None:
+            if not arg:
+                raise ValueError(f"compression '{text}': say {name}:NUMBER")
+            return make[0](make[1](arg))
+        compressor = getattr(cls, name, None) if not arg else None
+        if not (isinstance(compressor, type) and issubclass(compressor, Compressor)):
+            raise ValueError(f"unknown compression '{text}'")
+        return compressor

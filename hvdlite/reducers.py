@@ -91,7 +91,7 @@ class TopK(Reducer):
                 index = np.argpartition(np.abs(acc), acc.size - k)[acc.size - k:]
             else:
                 index = np.arange(acc.size)
-            index = np.sort(index).astype(np.int64)
+            index = np.sort(index).astype(np.int32 if acc.size < 2**31 else np.int64)
             values = acc[index]
             acc[index] = 0.0
             self._residuals[name] = acc

@@ -62,3 +62,17 @@ def test_bad_reducer_arguments_are_refused():
         reducers.Quantize(3)
     with pytest.raises(ValueError, match="rank"):
         reducers.PowerSGD(0)
+
+
+def test_compression_names_for_command_lines():
+    torch = pytest.importorskip("torch")  # noqa: F841
+    from hvdlite.torch import Compression
+
+    assert Compression.parse("fp16") is Compression.fp16
+    assert Compression.parse("none") is Compression.none
+    assert Compression.parse("topk:0.01").ratio == 0.01
+    assert Compression.parse("quantize:4").bits == 4
+    assert Compression.parse("powersgd:4").rank == 4
+    for bad in ("gzip", "topk", "fp16:2", "quantize:x"):
+        with pytest.raises(ValueError):
+            Compression.parse(bad)
