@@ -313,16 +313,20 @@ class JobSupervisor:
     def _check_deadlines(self, now, started):
         if self.result is None and len(self.ranks) < self.num_ranks \
                 and now - started > self.start_timeout:
-            missing = sorted(set(range(self.num_ranks)) - set(self.ranks))
             self._fail(1, f"only {len(self.ranks)} of {self.num_ranks} ranks started within "
-                          f"{self.start_timeout:g} s (--start-timeout); missing ranks: "
-                          f"{_short_list(missing)}{self._hosts_of(missing)}")
+                          f"{self.start_timeout:g} s (--start-timeout); "
+                          f"{self._missing_ranks()}")
         if self.kill_time is not None:
             if self.term_time is None and now - self.kill_time > KILL_GRACE_S:
                 self._terminate_group(signal.SIGTERM)
             elif self.term_time is not None and not self.killed_group \
                     and now - self.term_time > TERM_GRACE_S:
                 self._terminate_group(signal.SIGKILL)
+
+    def _missing_ranks(self) -> str:
+        """``missing ranks: 2, 3 on host h2`` for the ranks that have not said hello."""
+        missing = sorted(set(range(self.num_ranks)) - set(self.ranks))
+        return f"missing ranks: {_short_list(missing)}{self._hosts_of(missing)}"
 
     def _hosts_of(self, ranks) -> str:
         """`` on host h2`` / `` on hosts h2, h3`` for ranks placed there, or ``""``."""
@@ -428,7 +432,13 @@ class JobSupervisor:
         conn.sock.close()
         if conn.rank is not None and not conn.exited:
             conn.exited = True
-            if self.kill_time is None:
+            if self.kill_time is None and len(self.ranks) < self.num_ranks:
+                # mpiexec gave up starting the job (a host it could not set up) and
+                # ended the ranks it had started.
+                self._fail(1, f"the job did not start: only {len(self.ranks)} of "
+                              f"{self.num_ranks} ranks started before rank {conn.rank} was "
+                              f"ended; {self._missing_ranks()}", rank=conn.rank)
+            elif self.kill_time is None:
                 self._fail(1, f"lost contact with rank {conn.rank} (its wrapper ended without "
                               f"an exit status); ending the other ranks", rank=conn.rank)
         else:
@@ -466,7 +476,7 @@ class JobSupervisor:
         if self.result is None and len(self.ranks) < self.num_ranks:
             self._fail(exit_code_for(code) or 1,
                        f"mpiexec {describe_returncode(code)} before all ranks started "
-                       f"({len(self.ranks)} of {self.num_ranks})")
+                       f"({len(self.ranks)} of {self.num_ranks}); {self._missing_ranks()}")
 
     def _finish(self) -> JobResult:
         # Pick up output that mpiexec wrote just before it ended.
