@@ -121,6 +121,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             out = out + _channel_view(bias.to(dtype), x.dim())
         ctx.save_for_backward(x, weight, mean, invstd)
         ctx.total = float(total)
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return out.to(input.dtype)
 
     @staticmethod
@@ -144,8 +145,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             grad_input = ((dy - _channel_view(mean_dy, ndim)
                            - xhat * _channel_view(mean_dy_xhat, ndim))
                           * _channel_view(scale, ndim)).to(grad_output.dtype)
-        if weight is not None and need_weight:
+        # needs_input_grad is False for a weight or bias that is None.
+        if need_weight:
             grad_weight = sum_dy_xhat.to(weight.dtype)
-        if bias is not None and need_bias:
-            grad_bias = sum_dy.to(bias.dtype)
+        if need_bias:
+            grad_bias = sum_dy.to(ctx.bias_dtype)
         return grad_input, grad_weight, grad_bias, None, None, None, None
