@@ -686,24 +686,26 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
 
 class _ReducescatterFunction(torch.autograd.Function):
     """reducescatter whose backward is Horovod's: the allgather of the gradient rows,
-    multiplied by size() for Sum (for Average, the rows as they are); the scale factors
-    do not enter it."""
+    times size() for Sum and times the scale factors."""
 
     @staticmethod
     def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
-        ctx.op = op
+        ctx.scale = None
+        if op in (Sum, Average):
+            ctx.scale = prescale_factor * postscale_factor * (
+                runtime.size() if op == Sum else 1)
         ctx.process_set = process_set
         return ops.synchronize(_reducescatter_async(tensor, name, op, prescale_factor,
                                                     postscale_factor, process_set))
 
     @staticmethod
     def backward(ctx, grad_output):
-        if ctx.op not in (Sum, Average):
+        if ctx.scale is None:
             raise RuntimeError("reducescatter is differentiable only for op=Sum or Average")
         grad = ops.synchronize(allgather_async(grad_output.contiguous(), None,
                                                ctx.process_set))
-        if ctx.op == Sum:
-            grad = grad * runtime.size()
+        if ctx.scale != 1.0:
+            grad = grad * ctx.scale
         return grad, None, None, None, None, None
 
 
@@ -712,7 +714,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
     """Reduces ``tensor`` across ranks and returns this rank's rows; differentiable.
 
     The gradient is Horovod's (for Sum and Average only): the allgather of the incoming
-    gradients, times size() for Sum; prescale and postscale factors do not enter it. See
+    gradients, times size() for Sum and times the scale factors. See
     ``reducescatter_async`` for the arguments.
     """
     compressed, ctx = compression.compress(tensor)

@@ -8,8 +8,8 @@ rebuild, so the gradient reaching op's output on rank k is W_k. Horovod's defini
   scale factors.
 * allgather: the W_k averaged over ranks, this rank's rows.
 * broadcast: the W_k averaged over ranks on the root, zero elsewhere.
-* reducescatter: the W_k stacked in rank order (allgather), times size for Sum; scale
-  factors do not enter.
+* reducescatter: the W_k stacked in rank order (allgather), times size for Sum and
+  times the scale factors.
 * alltoall: each gradient row goes back to the rank it came from.
 """
 import torch
@@ -104,9 +104,13 @@ for dtype in (torch.float32, torch.float64):
                 grad_of(lambda t: hvd.reducescatter(t, op=hvd.Sum), xr), N * stacked, tol)
         c.close(f"reducescatter Average {label}",
                 grad_of(lambda t: hvd.reducescatter(t, op=hvd.Average), xr), stacked, tol)
-        c.close(f"reducescatter Sum prescale {label}",
-                grad_of(lambda t: hvd.reducescatter(t, op=hvd.Sum, prescale_factor=2.0), xr),
-                N * stacked, tol)
+        c.close(f"reducescatter Sum scaled {label}",
+                grad_of(lambda t: hvd.reducescatter(t, op=hvd.Sum, prescale_factor=2.0,
+                                                    postscale_factor=0.25), xr),
+                N * 0.5 * stacked, tol)
+        c.close(f"reducescatter Average scaled {label}",
+                grad_of(lambda t: hvd.reducescatter(t, op=hvd.Average, prescale_factor=3.0),
+                        xr), 3.0 * stacked, tol)
 
         # alltoall with splits: rank r sends (r + j) % 2 + 1 rows to rank j.
         def splits_of(k):
