@@ -149,7 +149,8 @@ def _preload_mpi(build_info):
         build_info: the parsed ``_build_info.json`` (empty when there is none).
 
     Returns:
-        The path that was loaded, or None when the dynamic loader is left to find it.
+        (the path that was loaded, its MPI_Get_library_version text), or (None, None)
+        when the dynamic loader is left to find it.
 
     Raises:
         ImportError: $HVDLITE_MPI_LIB names a file that cannot be loaded.
@@ -161,15 +162,54 @@ def _preload_mpi(build_info):
         if not os.path.isfile(path):
             continue
         try:
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            handle = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError as e:
             if path == env:
                 raise ImportError(f"hvdlite: cannot load HVDLITE_MPI_LIB={path}: {e}") from e
             # A broken candidate is not fatal: a later one (or the loader) may work.
             _log.debug("hvdlite: could not preload %s: %s", path, e)
             continue
-        return path
-    return None
+        return path, _version_text(handle)
+    return None, None
+
+
+def _version_text(handle):
+    """MPI_Get_library_version of an opened libmpi (allowed before MPI_Init), or None."""
+    try:
+        function = handle.MPI_Get_library_version
+    except AttributeError:
+        return None
+    buf = ctypes.create_string_buffer(8192)  # MPICH's MPI_MAX_LIBRARY_VERSION_STRING
+    length = ctypes.c_int(0)
+    if function(buf, ctypes.byref(length)) != 0:
+        return None
+    return buf.value.decode("utf-8", "replace")
+
+
+def _refuse_other_implementation(info, version_text, core_path, mpi_path):
+    """Raises ImportError when ``version_text`` is another implementation than the build's.
+
+    Args:
+        info: the core's build info (its MPI implementation, version, soname, prefix).
+        version_text: what the libmpi at ``mpi_path`` says of itself; None skips the check.
+        core_path: the core's path, for the message.
+        mpi_path: the libmpi's path, None when the dynamic loader found it.
+    """
+    built = info.get("mpi_implementation")
+    if not built or built == "unknown" or not version_text:
+        return
+    text = version_text.strip()
+    loaded = implementation_of(text)
+    if loaded in (built, "unknown"):
+        return
+    where = info.get("mpi_prefix") or "the mpich wheel"
+    first_line = " ".join(text.splitlines()[0].split()) if text else ""
+    raise ImportError(
+        f"hvdlite: {core_path} was built against {built} {info.get('mpi_version') or ''} "
+        f"({info.get('mpi_soname') or 'libmpi'} from {where}), but the MPI library loaded "
+        f"at run time is {loaded} ({first_line}; from {mpi_path or 'the dynamic loader'}). "
+        "Rebuild hvdlite against this MPI, or make the build's libmpi the one found "
+        "(HVDLITE_MPI_LIB=<its libmpi.so>)")
 
 
 def _library_path():
@@ -193,7 +233,10 @@ def _load():
             "`python setup.py build_native` or reinstall with `pip install .`"
             + (" (HVDLITE_LIBRARY is set)" if os.environ.get("HVDLITE_LIBRARY") else ""))
     build_info = _build_info(path)
-    mpi = _preload_mpi(build_info)
+    mpi, mpi_version = _preload_mpi(build_info)
+    # Refused before the core is opened: another implementation's libmpi may not even
+    # have the symbols it needs, and the error would not say why.
+    _refuse_other_implementation(build_info, mpi_version, path, mpi)
     try:
         lib = ffi.dlopen(path)
     except OSError as e:
@@ -264,23 +307,7 @@ def mpi_library_version():
     return _string(buf)
 
 
-def _check_implementation():
-    """Refuses a libmpi of another implementation than the core was compiled against."""
-    built = build_info.get("mpi_implementation")
-    if not built or built == "unknown":
-        return
-    text = mpi_library_version().strip()
-    loaded = implementation_of(text)
-    if loaded in (built, "unknown"):
-        return
-    where = build_info.get("mpi_prefix") or "the mpich wheel"
-    first_line = text.splitlines()[0].strip() if text else ""
-    raise ImportError(
-        f"hvdlite: {library_path} was built against {built} "
-        f"{build_info.get('mpi_version') or ''} ({build_info.get('mpi_soname') or 'libmpi'} "
-        f"from {where}), but the MPI library loaded at run time is {loaded} ({first_line}; "
-        f"from {mpi_library_path or 'the dynamic loader'}). Rebuild hvdlite against this "
-        "MPI, or make the build's libmpi the one found (HVDLITE_MPI_LIB=<its libmpi.so>)")
-
-
-_check_implementation()
+# The libmpi the core is bound to may not be the one preloaded (none was, or the
+# loader chose): it names itself through the core.
+_refuse_other_implementation(build_info, mpi_library_version(), library_path,
+                             mpi_library_path)
