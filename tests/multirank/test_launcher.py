@@ -304,12 +304,17 @@ def test_missing_program_fails_clearly():
 
 def test_start_timeout_ends_a_job_that_never_starts(tmp_path):
     # An "mpiexec" that never starts any rank: the launcher gives up after
-    # --start-timeout and ends it (checked by pid).
+    # --start-timeout and ends it (checked by pid). It names itself as the build's MPI.
+    from hvdlite.runner import mpi_command
+
     fake = tmp_path / "fake-mpiexec"
     pid_file = tmp_path / "fake.pid"
+    version = ("mpirun (Open MPI) fake"
+               if mpi_command.read_build_info().get("mpi_implementation") == "Open MPI"
+               else "HYDRA build details: Version: fake")
     fake.write_text(textwrap.dedent(f"""\
         #!/bin/sh
-        if [ "$1" = "--version" ]; then echo "HYDRA build details: Version: fake"; exit 0; fi
+        if [ "$1" = "--version" ]; then echo "{version}"; exit 0; fi
         echo $$ > {pid_file}
         exec sleep 300
     """))

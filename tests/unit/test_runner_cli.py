@@ -158,7 +158,17 @@ def test_openmpi_multi_host_command_line():
     assert argv == ["/opt/ompi/bin/mpirun", "-np", "3", "-H", "node1:2,node2:1",
                     "--bind-to", "none", "--map-by", "slot",
                     "-x", "PATH", "-x", "PYTHONPATH", "-x", "HVDLITE_CACHE_CAPACITY=64",
-                    *_wrapper("python", "train.py")]
+                    "-x", "OMPI_MCA_op=^avx", *_wrapper("python", "train.py")]
+
+
+def test_openmpi_ranks_leave_out_the_saturating_avx_op_unless_the_user_chose():
+    argv = _job_argv(OPENMPI, "-np", "2", "prog")
+    assert argv[argv.index("OMPI_MCA_op=^avx") - 1] == "-x"
+    for args, env in ((["--mpi-args", "--mca op avx"], None),
+                      ([], {"PATH": "/usr/bin", "OMPI_MCA_op": "avx"})):
+        argv = _job_argv(OPENMPI, *args, "-np", "2", "prog", env=env)
+        assert not any(a.startswith("OMPI_MCA_op=") for a in argv), argv
+    assert not any("OMPI_MCA_op" in a for a in _job_argv(HYDRA, "-np", "2", "prog"))
 
 
 def test_openmpi_single_host_oversubscribes_and_allows_root():
