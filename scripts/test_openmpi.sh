@@ -40,13 +40,20 @@ fi
 cp -r tests examples pyproject.toml "$WORK"/
 "$VENV/bin/hvdliterun" --check-build | sed -n '/^Native library:/,/^$/p;/^MPI:/,/^$/p'
 cd "$WORK"
-HVDLITE_REQUIRE_NATIVE=1 OMP_NUM_THREADS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/unit/test_runner_cli.py tests/unit/test_collectives_single.py \
-    tests/unit/test_bad_arguments.py tests/unit/test_errors_mapping.py \
-    tests/unit/test_runtime_lifecycle.py tests/unit/test_mpi_build.py \
+# The allreduce matrix runs fused and cached on both paths (the plain ones run in the
+# main suite); the soak is shortened; tests/faults/test_protocol.py (the wire format,
+# in one process, no MPI) runs in the main suite only.
+HVDLITE_SOAK_OPS=${HVDLITE_SOAK_OPS:-5000} HVDLITE_REQUIRE_NATIVE=1 OMP_NUM_THREADS=1 \
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+    tests/unit/test_mpi_build.py tests/unit/test_runner_cli.py \
+    tests/unit/test_collectives_single.py tests/unit/test_bad_arguments.py \
+    tests/unit/test_errors_mapping.py tests/unit/test_runtime_lifecycle.py \
     tests/multirank/test_harness_self.py tests/multirank/test_core_allreduce.py \
     tests/multirank/test_core_errors.py tests/multirank/test_core_example.py \
     tests/multirank/test_collectives.py tests/multirank/test_shm_allreduce.py \
-    tests/multirank/test_launcher.py tests/faults \
+    tests/multirank/test_launcher.py tests/faults/test_mismatch.py \
+    tests/faults/test_rank_death.py tests/faults/test_refused_arguments.py \
+    tests/faults/test_soak.py tests/faults/test_straggler.py \
+    -k "not (test_every_op_dtype_against_numpy and (fusion_off or cache_off))" \
     --deselect tests/unit/test_bad_arguments.py::test_gradient_predivide_is_refused_with_ops_other_than_average \
     --deselect tests/unit/test_runtime_lifecycle.py::test_init_with_mpi4py_comm "$@"
