@@ -88,6 +88,11 @@ def command_arguments(options, host_list: str) -> List[str]:
     argv += ["--bind-to", "none", "--map-by", "slot"]
     if options.run_as_root:
         argv += ["--allow-run-as-root"]
+    if options.remote_start:
+        argv += ["--mca", "plm_rsh_agent", options.remote_start]
+    if options.network_interface:
+        argv += ["--mca", "btl_tcp_if_include", options.network_interface,
+                 "--mca", "oob_tcp_if_include", options.network_interface]
     # -x NAME passes the launcher's value, -x NAME=VALUE a value of our own: Open MPI
     # forwards nothing to remote hosts that is not named.
     for name in options.forward_env:
