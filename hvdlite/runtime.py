@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 
+from hvdlite import _native
 from hvdlite import peer_faults
 from hvdlite._native import check, ffi, lib
 
@@ -217,6 +218,4 @@ def version():
 
 def mpi_library_version():
     """Returns the linked MPI library's version string."""
-    buf = ffi.new("char[]", 8192)
-    check(lib.hvdlite_mpi_library_version(buf, len(buf)))
-    return ffi.string(buf).decode("utf-8", "replace")
+    return _native.mpi_library_version()

@@ -40,6 +40,8 @@ _TAG = re.compile(r"^\[(\d+)(?:@[^\]]*)?\](?:<(stdout|stderr)>)?:(.*)$")
 # that is itself an MPI rank (or singleton) must not inherit them.
 _MPI_ENV_PREFIXES = ("PMI_", "PMIX_", "MPIR_", "HYDRA_", "HYDI_", "MPICH_INTERFACE",
                      "OMPI_", "HVDLITE_RANK", "HVDLITE_SIZE")
+# ... except the user's own say-so that Open MPI may run as root (CI runs as root).
+_KEPT_MPI_ENV = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
 
 
 @dataclass
@@ -101,7 +103,8 @@ def job_command(np, script, args=(), launcher_args=()):
 
 def job_env(env=None):
     """Returns the environment for a job: this one, minus MPI leftovers, plus ``env``."""
-    merged = {k: v for k, v in os.environ.items() if not k.startswith(_MPI_ENV_PREFIXES)}
+    merged = {k: v for k, v in os.environ.items()
+              if k in _KEPT_MPI_ENV or not k.startswith(_MPI_ENV_PREFIXES)}
     import hvdlite  # the copy under test: ranks must import the same one
 
     parent = os.path.dirname(os.path.dirname(os.path.abspath(hvdlite.__file__)))
