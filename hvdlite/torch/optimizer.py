@@ -277,7 +277,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             negotiated and run together.
         sparse_as_dense: sparse gradients are reduced as dense tensors either way (they
             are written back sparse unless this is True).
-        process_set: the global process set.
+        process_set: the ProcessSet whose members average the gradients (Average
+            divides by its size); every member wraps its optimizer alike.
 
     Returns:
         The distributed optimizer.

@@ -90,6 +90,16 @@ std::vector<hvdlite_handle_t> TensorQueue::TakeAll() {
   return handles;
 }
 
+std::vector<std::pair<hvdlite_handle_t, std::string>> TensorQueue::TakeSet(int32_t process_set) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::pair<hvdlite_handle_t, std::string>> taken;
+  for (const auto& kv : entries_) {
+    if (kv.second.request.process_set == process_set) taken.emplace_back(kv.second.handle, kv.first);
+  }
+  for (const auto& t : taken) EraseLocked(t.second);
+  return taken;
+}
+
 bool TensorQueue::WaitForWork(Clock::time_point deadline) {
   std::unique_lock<std::mutex> lock(mutex_);
   work_cv_.wait_until(lock, deadline, [&] { return !pending_.empty() || woken_; });

@@ -48,6 +48,8 @@ class TensorQueue {
   std::vector<hvdlite_handle_t> RemoveAll(const std::vector<TensorEntry*>& entries);
   // Removes everything; returns the handles that were in flight.
   std::vector<hvdlite_handle_t> TakeAll();
+  // Removes the entries of one process set; returns their handles and names.
+  std::vector<std::pair<hvdlite_handle_t, std::string>> TakeSet(int32_t process_set);
   // Background thread: sleeps until new requests arrive, Wake() is called, or
   // deadline. Returns whether requests are pending.
   bool WaitForWork(Clock::time_point deadline);
