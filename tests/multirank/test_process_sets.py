@@ -380,3 +380,52 @@ def test_torch_optimizer_and_broadcasts_in_a_set(np_):
     pytest.importorskip("torch")
     result = run_job(np_, TORCH, timeout=JOB_TIMEOUT)
     _assert_checks(result, np_, least=2)
+
+
+TENSORFLOW = PRELUDE + r'''
+import tensorflow as tf
+import hvdlite.tensorflow as hvd
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+members = list(range(1, size))
+ps = hvd.add_process_set(members)
+if ps.included():
+    n = len(members)
+    x = tf.constant(data(rank, (2, 3)))
+    want = sum(data(r, (2, 3)) for r in members)
+    close("eager sum", hvd.allreduce(x, op=hvd.Sum, process_set=ps).numpy(), want)
+    close("in tf.function", tf.function(
+        lambda t: hvd.allreduce(t, process_set=ps))(x).numpy(), want / n)
+    close("allgather", hvd.allgather(tf.constant(data(rank, (rank, 2))), process_set=ps).numpy(),
+          np.concatenate([data(r, (r, 2)) for r in members]))
+    close("broadcast", hvd.broadcast(x, members[-1], process_set=ps).numpy(),
+          data(members[-1], (2, 3)))
+    got, recv = hvd.alltoall(tf.constant(data(rank, (n, 2))), process_set=ps)
+    close("alltoall", got.numpy(),
+          np.concatenate([data(r, (n, 2))[members.index(rank):members.index(rank) + 1]
+                          for r in members]))
+    close("reducescatter", hvd.reducescatter(tf.constant(data(rank, (n, 2))), op=hvd.Sum,
+                                             process_set=ps).numpy(),
+          sum(data(r, (n, 2)) for r in members)[members.index(rank):members.index(rank) + 1])
+    # DistributedGradientTape in the set: the members' average gradient.
+    w = tf.Variable(tf.constant(data(rank, (3,))))
+    hvd.broadcast_variables([w], root_rank=members[0], process_set=ps)
+    close("broadcast_variables", w.numpy(), data(members[0], (3,)))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(w * float(rank + 1))
+    tape = hvd.DistributedGradientTape(tape, process_set=ps)
+    (g,) = tape.gradient(loss, [w])
+    close("tape", g.numpy(), np.full(3, sum(r + 1 for r in members) / n))
+    hvd.barrier(process_set=ps)
+else:
+    expect_error("outside", ValueError, ["not a member of process set"],
+                 lambda: hvd.allreduce(tf.ones(2), process_set=ps))
+close("global", hvd.allreduce(tf.constant([1.0]), op=hvd.Sum).numpy(), [float(size)])
+report()
+'''
+
+
+def test_tensorflow_ops_in_a_set():
+    pytest.importorskip("tensorflow")
+    result = run_job(3, TENSORFLOW, timeout=JOB_TIMEOUT)
+    _assert_checks(result, 3, least=2)
