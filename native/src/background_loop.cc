@@ -585,18 +585,20 @@ bool Core::RunCycle() {
   timeline_.MarkCycle();
   const auto now = Clock::now();
   // One value for every set this cycle: all ranks then stop after the same cycle (each
-  // hears of it in set 0's round at the latest). Whether this rank has ops in flight
-  // is read before the pop, like the idle test of Loop.
+  // hears of it in set 0's round at the latest). The ops in flight are counted before
+  // the pop, like the idle test of Loop.
   RoundFlags mine;
   mine.shutdown = shutdown_requested_;
-  mine.active = queue_.Size() > 0;
+  queue_.CountBySet(&in_flight_, &in_flight_by_set_);
   queue_.PopPending(&fresh_);
   Distribute();
   RoundFlags heard;
   for (ProcessSetState* set = sets_.NextMember(-1); set; set = sets_.NextMember(set->id())) {
+    auto here = in_flight_by_set_.find(set->id());
+    mine.elsewhere = in_flight_ > (here == in_flight_by_set_.end() ? 0 : here->second);
     if (!set->RunCycle(now, mine, &heard)) return false;
   }
-  peers_active_ = heard.active;
+  peers_active_ = heard.elsewhere;
   return !heard.shutdown;
 }
 
@@ -693,7 +695,7 @@ bool ProcessSetState::Coordinate(Clock::time_point now, const RoundFlags& mine, 
   if (!uncached_.empty() || wants_round) flags |= 1;
   if (mine.shutdown) flags |= 2;
   if (local_joined_) flags |= 4;
-  if (mine.active) flags |= 8;
+  if (mine.elsewhere) flags |= 8;
   // BAND over inverted flags is an OR over ranks.
   bits[0] = ~flags;
   for (auto& kv : cached_pending_) {
@@ -709,7 +711,7 @@ bool ProcessSetState::Coordinate(Clock::time_point now, const RoundFlags& mine, 
   bool any_joined = flags & 4;
   *any_uncached = flags & 1;
   if (flags & 2) heard->shutdown = true;
-  if (flags & 8) heard->active = true;
+  if (flags & 8) heard->elsewhere = true;
 
   auto to_uncached = [&](int64_t slot) {
     const Response& r = cache_->Get(slot);

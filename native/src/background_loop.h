@@ -79,7 +79,9 @@ class Core {
 
   // Background thread only.
   std::vector<TensorEntry*> fresh_;  // this cycle's new entries (TensorQueue::PopPending)
-  bool peers_active_ = false;        // a rank of some set had ops in flight last cycle
+  int64_t in_flight_ = 0;            // this cycle's count of ops in flight, and per set
+  std::map<int32_t, int64_t> in_flight_by_set_;
+  bool peers_active_ = false;        // RoundFlags::elsewhere heard last cycle
 };
 
 }  // namespace hvdlite

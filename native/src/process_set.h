@@ -61,10 +61,12 @@ class ProcessSetTable;
 // heard from any of its sets this cycle.
 struct RoundFlags {
   bool shutdown = false;  // asks to stop the job
-  // Has ops in flight. A rank that hears it from any set cycles at the cycle time
-  // instead of the idle time: every rank takes part in set 0's round each cycle, so
-  // an idle rank's pace would hold back the rounds of sets it is not in.
-  bool active = false;
+  // Has ops in flight in another set than the round's. A rank that hears it cycles at
+  // the cycle time instead of the idle time: every rank takes part in set 0's round
+  // each cycle, so an idle rank's pace would hold back the rounds of the sets it is not
+  // in. (Ops of the round's own set cannot complete without this rank's requests
+  // anyway, so they leave its pace alone, as in a job with the global set only.)
+  bool elsewhere = false;
 };
 
 // What every set's world shares with the rest of the core; all owned by Core.

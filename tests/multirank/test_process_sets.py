@@ -171,36 +171,60 @@ def test_collectives_in_a_set_match_numpy(np_, shm):
 
 
 # Sets that overlap in a chain: {0, 1}, {1, 2}, ({2, 3} at 4 ranks). A rank in two sets
-# submits its ops in the order opposite to the sets' ids, and the first rank of the
-# chain submits only once every other set's op has completed (a file per set says so),
-# so the op of set {0, 1} is in flight, unmatched, on rank 1 while the later sets must
-# complete: a core that served one set at a time, or took sets in submission order,
-# would hang here (the job's timeout).
-IN_FLIGHT = PRELUDE + r'''
+# submits its ops in the order opposite to the sets' ids, and rank 0 (the first of the
+# chain) waits until every later set's op has completed (a file per set says so: a
+# causal wait, not a timed one), so the op of {0, 1} is in flight, unmatched, on rank 1
+# while the later sets must complete: a core that served one set at a time, or took the
+# sets in submission order, would hang (the job's timeout). Then every rank adds and
+# removes a set while that op is still unmatched, and only then does rank 0 submit it.
+IN_FLIGHT = PRELUDE + r"""
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
 signal_dir = sys.argv[1]
 chain = [hvd.add_process_set([k, k + 1]) for k in range(size - 1)]
-mine = [ps for ps in chain if ps.included()]
+mine = sorted([ps for ps in chain if ps.included()], key=lambda ps: -ps.process_set_id)
 handles = {}
-if rank == 0:
-    # Wait (causally, not for a time) until every other set's op has completed.
-    others = [ps.process_set_id for ps in chain[1:]]
-    while not all(os.path.exists(os.path.join(signal_dir, f"done.{i}")) for i in others):
-        time.sleep(0.01)
-for ps in sorted(mine, key=lambda ps: -ps.process_set_id):
+
+
+def submit(ps):
     for step in range(3):
         handles[(ps.process_set_id, step)] = hvd.allreduce_async(
             np.full(4, rank + 1.0), name=f"chain.{ps.process_set_id}.{step}", op=hvd.Sum,
             process_set=ps)
-for ps in sorted(mine, key=lambda ps: -ps.process_set_id):
+
+
+def finish(ps):
     for step in range(3):
-        got = hvd.synchronize(handles[(ps.process_set_id, step)])
-        close(f"set {ps.ranks} step {step}", got, np.full(4, float(sum(r + 1 for r in ps.ranks))))
-    if ps is not chain[0] and rank == ps.ranks[-1]:
-        open(os.path.join(signal_dir, f"done.{ps.process_set_id}"), "w").close()
+        close(f"set {ps.ranks} step {step}", hvd.synchronize(handles[(ps.process_set_id, step)]),
+              np.full(4, float(sum(r + 1 for r in ps.ranks))))
+
+
+if rank == 0:
+    later = [ps.process_set_id for ps in chain[1:]]
+    while not all(os.path.exists(os.path.join(signal_dir, f"done.{i}")) for i in later):
+        time.sleep(0.01)
+else:
+    for ps in mine:
+        submit(ps)
+    for ps in mine:
+        if ps is chain[0]:
+            continue  # rank 1's op of {0, 1} stays unmatched
+        finish(ps)
+        if rank == ps.ranks[-1]:
+            open(os.path.join(signal_dir, f"done.{ps.process_set_id}"), "w").close()
+check("{0, 1} still in flight on rank 1",
+      rank != 1 or not hvd.poll(handles[(chain[0].process_set_id, 0)]))
+extra = hvd.add_process_set([0, size - 1])
+if extra.included():
+    close("extra", hvd.allreduce(np.array([rank + 1.0]), op=hvd.Sum, process_set=extra),
+          [float(1 + size)])
+hvd.remove_process_set(extra)
+if rank == 0:
+    submit(chain[0])
+if chain[0].included():
+    finish(chain[0])
 report()
-'''
+"""
 
 
 @pytest.mark.parametrize("np_", [3, 4])
