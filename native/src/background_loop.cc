@@ -41,6 +41,11 @@ constexpr int64_t kFuseAloneBytes = 1 << 20;
 constexpr std::chrono::microseconds kQuiet(200);
 // How often a rank with nothing in flight still joins the coordination.
 constexpr std::chrono::milliseconds kIdleCycle(20);
+// How long a rank keeps the cycle time after it last heard of ops in flight in another
+// set (RoundFlags::elsewhere): a loop of ops in a set leaves the queues of its members
+// empty for a moment between two ops, and an outside rank that went idle then would
+// hold back the next op's round of set 0 by up to kIdleCycle.
+constexpr std::chrono::milliseconds kElsewhereLinger(200);
 
 // values holds kSettings values per rank; the one at `index` must be equal on every rank.
 constexpr int kSettings = 3;
@@ -540,7 +545,7 @@ void Core::Loop() {
   // idle coordination round (its bit set, ours not yet) would wait a whole cycle.
   const auto idle_cycle = std::max<Clock::duration>(cycle, kIdleCycle);
   while (true) {
-    bool idle = queue_.Size() == 0 && !peers_active_;
+    bool idle = queue_.Size() == 0 && Clock::now() - elsewhere_heard_ > kElsewhereLinger;
     for (ProcessSetState* set = sets_.NextMember(-1); set && idle; set = sets_.NextMember(set->id())) {
       idle = !set->Busy();
     }
@@ -598,7 +603,7 @@ bool Core::RunCycle() {
     mine.elsewhere = in_flight_ > (here == in_flight_by_set_.end() ? 0 : here->second);
     if (!set->RunCycle(now, mine, &heard)) return false;
   }
-  peers_active_ = heard.elsewhere;
+  if (heard.elsewhere) elsewhere_heard_ = now;
   return !heard.shutdown;
 }
 

@@ -81,7 +81,7 @@ class Core {
   std::vector<TensorEntry*> fresh_;  // this cycle's new entries (TensorQueue::PopPending)
   int64_t in_flight_ = 0;            // this cycle's count of ops in flight, and per set
   std::map<int32_t, int64_t> in_flight_by_set_;
-  bool peers_active_ = false;        // RoundFlags::elsewhere heard last cycle
+  Clock::time_point elsewhere_heard_;  // when RoundFlags::elsewhere was last heard
 };
 
 }  // namespace hvdlite
