@@ -279,29 +279,22 @@ def init_process_sets(process_sets):
         if process_sets not in (None, "dynamic"):
             raise ValueError(f"process_sets must be a list or 'dynamic', not {process_sets!r}")
         return
-    process_sets = list(process_sets)
-    from_comms = []
-    for ps in process_sets:
-        if not isinstance(ps, ProcessSet):
-            ps = ProcessSet(ps)
-        if ps.mpi_comm is not None and ps.ranks is None:
-            ps.ranks = _comm_ranks(ps.mpi_comm)
-            from_comms.append(ps)
+    given = [ps if isinstance(ps, ProcessSet) else ProcessSet(ps) for ps in process_sets]
+    everyone = tuple(range(runtime.size()))
+    from_comms = [ps for ps in given if ps.ranks is None]
+    for ps in from_comms:
+        ps.ranks = _comm_ranks(ps.mpi_comm)
     if from_comms:
         from hvdlite import objects
         mine = sorted({tuple(ps.ranks) for ps in from_comms})
-        every = sorted({r for per_rank in objects.allgather_object(mine) for r in per_rank})
-        for ranks in every:
-            if list(ranks) == list(range(runtime.size())):
-                continue
+        for ranks in sorted({r for theirs in objects.allgather_object(mine) for r in theirs}):
             matching = [ps for ps in from_comms if tuple(ps.ranks) == ranks]
-            add_process_set(matching[0] if matching else ProcessSet(list(ranks)))
-            for ps in matching[1:]:
-                _register(ps, matching[0].process_set_id)
-    for ps in process_sets:
-        target = ps if isinstance(ps, ProcessSet) else None
-        if target is not None and target.mpi_comm is not None:
-            if list(target.ranks) == list(range(runtime.size())):
-                _register(target, 0)
-            continue
-        add_process_set(target if target is not None else ProcessSet(ps))
+            if ranks == everyone:
+                psid = 0
+            else:
+                psid = add_process_set(ProcessSet(list(ranks))).process_set_id
+            for ps in matching:
+                _register(ps, psid)
+    for ps in given:
+        if ps.mpi_comm is None:
+            add_process_set(ps)

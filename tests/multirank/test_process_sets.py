@@ -453,3 +453,31 @@ def test_tensorflow_ops_in_a_set():
     pytest.importorskip("tensorflow")
     result = run_job(3, TENSORFLOW, timeout=JOB_TIMEOUT)
     _assert_checks(result, 3, least=2)
+
+
+# Sets from mpi4py communicators, each rank passing the one it is in (Horovod's
+# init(process_sets=[ProcessSet(comm)])): every distinct set is registered on every rank.
+FROM_COMMS = PRELUDE + r'''
+from mpi4py import MPI
+rank = MPI.COMM_WORLD.Get_rank()
+sub = MPI.COMM_WORLD.Split(rank % 2, rank)
+mine = hvd.ProcessSet(sub)
+hvd.init(process_sets=[mine])
+size = hvd.size()
+from hvdlite import process_sets
+table = process_sets.process_set_ids_and_ranks()
+evens = [r for r in range(size) if r % 2 == 0]
+odds = [r for r in range(size) if r % 2 == 1]
+check("both sets registered everywhere", sorted(table.values()) ==
+      sorted([list(range(size)), evens, odds]), str(table))
+check("mine has its ranks", mine.ranks == (evens if rank % 2 == 0 else odds), str(mine))
+close("allreduce in mine", hvd.allreduce(np.array([rank + 1.0]), op=hvd.Sum, process_set=mine),
+      [float(sum(r + 1 for r in mine.ranks))])
+report()
+'''
+
+
+def test_sets_from_mpi4py_communicators():
+    pytest.importorskip("mpi4py")
+    result = run_job(3, FROM_COMMS, timeout=JOB_TIMEOUT)
+    _assert_checks(result, 3, least=3)
