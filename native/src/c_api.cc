@@ -213,24 +213,26 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_process_set_ranks(int32_t id, int32_t* r
   });
 }
 
-HVDLITE_EXPORT hvdlite_status_t hvdlite_process_set_rank(int32_t id, int32_t* out) {
+namespace {
+// A query of one number about set id, like Topology's.
+template <typename Getter>
+hvdlite_status_t SetQuery(int32_t id, int32_t* out, Getter get) {
   return Guard([&] {
     if (!out) return NullOut();
     std::shared_ptr<const hvdlite::ProcessSetMembers> set;
     hvdlite::Status s = Members(id, &set);
-    if (s.ok()) *out = set->rank;
+    if (s.ok()) *out = get(*set);
     return s;
   });
 }
+}  // namespace
+
+HVDLITE_EXPORT hvdlite_status_t hvdlite_process_set_rank(int32_t id, int32_t* out) {
+  return SetQuery(id, out, [](const hvdlite::ProcessSetMembers& m) { return m.rank; });
+}
 
 HVDLITE_EXPORT hvdlite_status_t hvdlite_process_set_size(int32_t id, int32_t* out) {
-  return Guard([&] {
-    if (!out) return NullOut();
-    std::shared_ptr<const hvdlite::ProcessSetMembers> set;
-    hvdlite::Status s = Members(id, &set);
-    if (s.ok()) *out = set->size();
-    return s;
-  });
+  return SetQuery(id, out, [](const hvdlite::ProcessSetMembers& m) { return m.size(); });
 }
 
 HVDLITE_EXPORT hvdlite_status_t hvdlite_start_timeline(const char* path, int32_t mark_cycles) {
