@@ -13,9 +13,10 @@
 //     set), a changed cache entry (its slot is invalidated everywhere), or uncached;
 //  2. one MPI_Iallreduce(BAND) over [flags | hit bits | invalid bits] tells every rank
 //     which cached tensors are ready everywhere, which slots to drop, and whether
-//     anyone has uncached requests, has joined, or asked to shut down;
-//  3. only if someone has uncached requests: gather them on the set's rank 0, whose Controller
-//     checks them across ranks and broadcasts the new responses;
+//     anyone has uncached requests, has joined, asked to shut down, or has ops in
+//     flight in another set (RoundFlags);
+//  3. only if someone has uncached requests: gather them on the set's rank 0, whose
+//     Controller checks them across ranks and broadcasts the new responses;
 //  4. execute cached-ready responses (slot order) then new ones (broadcast order),
 //     fusing consecutive compatible allreduces up to the fusion threshold;
 //  5. complete the handles.
