@@ -481,3 +481,29 @@ def test_sets_from_mpi4py_communicators():
     pytest.importorskip("mpi4py")
     result = run_job(3, FROM_COMMS, timeout=JOB_TIMEOUT)
     _assert_checks(result, 3, least=3)
+
+
+# A member that never submits: the set's own coordinator reports the stall, naming the
+# set and the missing global rank; the rest of the job goes on.
+STALL = PRELUDE + r'''
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+tail = hvd.add_process_set(range(1, size))
+if rank == 1:
+    expect_error("stall", errors.StalledError,
+                 [f"'lonely' in process set {tail.process_set_id}",
+                  f"rank {size - 1} did not submit"],
+                 lambda: hvd.allreduce(np.ones(2), name="lonely", process_set=tail))
+    open(os.path.join(sys.argv[1], "stalled"), "w").close()
+else:  # (the global op below would stall on rank 1 meanwhile)
+    while not os.path.exists(os.path.join(sys.argv[1], "stalled")):
+        time.sleep(0.01)
+close("global after", hvd.allreduce(np.array([1.0]), op=hvd.Sum), [float(size)])
+report()
+'''
+
+
+def test_a_stall_in_a_set_names_the_set_and_the_missing_rank(tmp_path):
+    result = run_job(3, STALL, timeout=JOB_TIMEOUT, args=[str(tmp_path)], env={
+        "HVDLITE_STALL_CHECK_TIME": "1", "HVDLITE_STALL_SHUTDOWN_TIME": "2"})
+    _assert_checks(result, 3, least=1)
