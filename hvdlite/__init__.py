@@ -27,6 +27,10 @@ _LAZY = {
         "allgather", "allgather_async", "broadcast", "broadcast_async",
         "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
         "barrier", "join", "poll", "synchronize")},
+    **{name: "hvdlite.process_sets" for name in (
+        "ProcessSet", "global_process_set", "add_process_set", "remove_process_set")},
+    "broadcast_object": "hvdlite.objects",
+    "allgather_object": "hvdlite.objects",
     "Handle": "hvdlite.handle",
     "OpHandle": "hvdlite.handle",
 }

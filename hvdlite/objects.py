@@ -4,7 +4,8 @@ Eager only (they return Python objects). The adapters re-export them.
 """
 import numpy as np
 
-from hvdlite import ops, runtime
+from hvdlite import ops, process_sets, runtime
+from hvdlite.process_sets import global_process_set
 
 try:  # Horovod pickles with cloudpickle (lambdas, local classes); plain pickle otherwise.
     import cloudpickle as pickle
@@ -12,7 +13,7 @@ except ImportError:  # pragma: no cover - cloudpickle is optional
     import pickle
 
 
-def broadcast_object(obj, root_rank=0, name=None):
+def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
     """Returns ``root_rank``'s ``obj`` on every rank (pickled; eager only).
 
     Args:
@@ -20,6 +21,8 @@ def broadcast_object(obj, root_rank=0, name=None):
         root_rank: the rank whose object everyone receives.
         name: a base name for the two tensors, equal across ranks; None names it
             automatically.
+        process_set: the ProcessSet whose members receive it (root_rank is a global
+            rank, a member).
 
     Returns:
         The root's object (the root gets ``obj`` itself back).
@@ -27,31 +30,34 @@ def broadcast_object(obj, root_rank=0, name=None):
     Raises:
         InvalidArgumentError, HorovodInternalError: as for ``broadcast``.
     """
-    base = name or ops.auto_name("broadcast_object")
+    base = name or ops.auto_name("broadcast_object", process_sets.process_set_id(process_set))
     is_root = runtime.rank() == root_rank
     payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if is_root else None
     length = np.array([payload.size if is_root else 0], dtype=np.int64)
-    length = ops.broadcast(length, root_rank, f"{base}.sz")
+    length = ops.broadcast(length, root_rank, f"{base}.sz", process_set=process_set)
     if not is_root:
         payload = np.zeros(int(length[0]), dtype=np.uint8)
-    payload = ops.broadcast(payload, root_rank, f"{base}.t")
+    payload = ops.broadcast(payload, root_rank, f"{base}.t", process_set=process_set)
     return obj if is_root else pickle.loads(payload.tobytes())
 
 
-def allgather_object(obj, name=None):
+def allgather_object(obj, name=None, process_set=global_process_set):
     """Returns the list of every rank's ``obj``, in rank order (pickled; eager only).
 
     Args:
         obj: any picklable object.
         name: a base name, equal across ranks; None names it automatically.
+        process_set: the ProcessSet whose members' objects are gathered (in the order
+            of their ranks).
 
     Raises:
         InvalidArgumentError, HorovodInternalError: as for ``allgather``.
     """
-    base = name or ops.auto_name("allgather_object")
+    base = name or ops.auto_name("allgather_object", process_sets.process_set_id(process_set))
     payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
-    sizes = ops.allgather(np.array([payload.size], dtype=np.int64), f"{base}.sz")
-    raw = ops.allgather(payload, f"{base}.t").tobytes()
+    sizes = ops.allgather(np.array([payload.size], dtype=np.int64), f"{base}.sz",
+                          process_set=process_set)
+    raw = ops.allgather(payload, f"{base}.t", process_set=process_set).tobytes()
     out, offset = [], 0
     for size in sizes.tolist():
         out.append(pickle.loads(raw[offset:offset + size]))

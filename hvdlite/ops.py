@@ -13,9 +13,14 @@ rather than copied behind the caller's back; ``np.ascontiguousarray(x)`` makes o
 Non-array inputs (Python scalars, lists) are converted with ``np.asarray``. Every numpy
 function returns new arrays; the input is never modified.
 
-Unnamed tensors are named ``"<op>.noname.<n>"`` with one counter per op kind, reset by
-``init()``, so names agree across ranks as long as every rank makes the same unnamed
-calls in the same order. Names must be unique among the ops in flight on a rank.
+Unnamed tensors are named ``"<op>.noname.<n>"`` with one counter per op kind and
+process set (``"<op>.ps<id>.noname.<n>"`` in set ``id`` other than the global one),
+reset by ``init()`` (and a set's by adding or removing it), so names agree across the
+ranks of a set as long as they make the same unnamed calls in it in the same order.
+Names must be unique among the ops in flight on a rank, whatever their process set.
+
+Every collective takes ``process_set=`` (default: the global set, every rank); see
+``hvdlite.process_sets``.
 """
 import threading
 import warnings
@@ -25,10 +30,11 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from hvdlite import dtypes, runtime
+from hvdlite import dtypes, process_sets, runtime
 from hvdlite._native import check, ffi, lib
 from hvdlite.errors import InvalidArgumentError
 from hvdlite.handle import Handle, OpHandle
+from hvdlite.process_sets import global_process_set
 
 # Reduction ops (values read from the library).
 Average = lib.HVDLITE_AVERAGE
@@ -51,40 +57,50 @@ JOIN = lib.HVDLITE_OP_JOIN
 
 
 class _AutoNames:
-    """Per-kind counters for unnamed tensors; reset on every init()."""
+    """Per-kind and per-set counters for unnamed tensors; reset on every init(), and a
+    set's when it is added or removed."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._counters = {}
 
-    def next(self, kind):
+    def next(self, kind, process_set_id=0):
+        key = (kind, process_set_id)
         with self._lock:
-            n = self._counters.get(kind, 0)
-            self._counters[kind] = n + 1
+            n = self._counters.get(key, 0)
+            self._counters[key] = n + 1
+        if process_set_id:
+            return f"{kind}.ps{process_set_id}.noname.{n}"
         return f"{kind}.noname.{n}"
 
-    def reset(self):
+    def reset(self, process_set_id=None):
         with self._lock:
-            self._counters.clear()
+            if process_set_id is None:
+                self._counters.clear()
+            else:
+                for key in [k for k in self._counters if k[1] == process_set_id]:
+                    del self._counters[key]
 
 
 _auto_names = _AutoNames()
 runtime.add_init_hook(_auto_names.reset)
+process_sets.add_change_hook(_auto_names.reset)
 
 
-def auto_name(kind):
-    """Returns the next automatic name for an op kind, e.g. ``"allreduce.noname.3"``.
+def auto_name(kind, process_set_id=0):
+    """Returns the next automatic name for an op kind in a process set, e.g.
+    ``"allreduce.noname.3"``.
 
     Adapters use it so their unnamed tensors follow the same rule as numpy ones.
     """
-    return _auto_names.next(kind)
+    return _auto_names.next(kind, process_set_id)
 
 
-def _resolve_name(kind, name):
+def _resolve_name(kind, name, process_set_id=0):
     if type(name) is str and name and "\0" not in name:
         return name  # the usual case
     if name is None:
-        return auto_name(kind)
+        return auto_name(kind, process_set_id)
     if not isinstance(name, str):
         raise InvalidArgumentError(f"tensor name must be a str, not {type(name).__name__}")
     if not name or "\0" in name:
@@ -471,12 +487,13 @@ _repeats = {}
 
 
 class _Repeat:
-    __slots__ = ("array", "out", "op", "prescale", "postscale", "dtype", "shape", "template",
-                 "input_ptr", "output_ptr")
+    __slots__ = ("array", "out", "op", "prescale", "postscale", "process_set", "psid", "dtype",
+                 "shape", "template", "input_ptr", "output_ptr")
 
-    def __init__(self, array, out, op, prescale, postscale, template):
+    def __init__(self, array, out, op, prescale, postscale, process_set, template):
         self.array = weakref.ref(array)
         self.op, self.prescale, self.postscale = op, prescale, postscale
+        self.process_set, self.psid = process_set, process_set.process_set_id
         self.dtype, self.shape = array.dtype, array.shape
         self.template = template
         self.input_ptr = ffi.cast("void *", _from_buffer(array))
@@ -490,7 +507,7 @@ class _Repeat:
 
 
 def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
-                    out=None):
+                    out=None, process_set=global_process_set):
     """Starts an allreduce of ``array`` across ranks; returns a Handle at once.
 
     Args:
@@ -501,6 +518,8 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
         postscale_factor: multiplies the result.
         out: an array of the same shape and dtype to write the result into (it may be
             ``array`` itself, for an in-place reduction); None allocates a new one.
+        process_set: the ProcessSet whose members reduce (this rank must be one);
+            Average divides by its size.
 
     Returns:
         A Handle whose result is ``out`` or a new array of the same shape and dtype.
@@ -513,6 +532,7 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
     last = _repeats.get(name) if type(name) is str else None
     if (last is not None and last.array() is array and last.op is op
             and last.prescale is prescale_factor and last.postscale is postscale_factor
+            and last.process_set is process_set and process_set.process_set_id == last.psid
             and array.dtype is last.dtype and array.shape == last.shape
             and array.flags.c_contiguous):
         if (out is not None and last.out() is out and out.dtype is last.dtype
@@ -527,22 +547,23 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
         return _submit(last.template, last.input_ptr, output_ptr, (array, out), None, name,
                        out)
     named = name is not None
-    name = _resolve_name("allreduce", name)
+    psid = process_sets.process_set_id(process_set)
+    name = _resolve_name("allreduce", name, psid)
     arr, code = _input_array(array, name)
     _check_reduction(op, prescale_factor, postscale_factor, code, name)
     out = _output_array(out, arr.shape, arr.dtype, name)
     template = _template(ALLREDUCE, name, code, arr.shape, op, prescale_factor,
-                         postscale_factor, 0, 0, -1)
+                         postscale_factor, 0, psid, -1)
     handle = _submit(template, _from_buffer(arr), _from_buffer(out), (arr, out), None, name,
                      out)
     if named and arr is array:
         _remember(_repeats, name, _Repeat(arr, out, op, prescale_factor, postscale_factor,
-                                          template))
+                                          process_set, template))
     return handle
 
 
 def allreduce(array, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
-              out=None):
+              out=None, process_set=global_process_set):
     """Reduces ``array`` across ranks and returns the result as a new array (or ``out``).
 
     See ``allreduce_async`` for the arguments.
@@ -555,11 +576,12 @@ def allreduce(array, name=None, op=Average, prescale_factor=1.0, postscale_facto
             ``allreduce_async``.
         HorovodInternalError: the collective failed (e.g. MismatchError across ranks).
     """
-    return synchronize(allreduce_async(array, name, op, prescale_factor, postscale_factor, out))
+    return synchronize(allreduce_async(array, name, op, prescale_factor, postscale_factor, out,
+                                       process_set))
 
 
 def grouped_allreduce_async(arrays, name=None, op=Average, prescale_factor=1.0,
-                            postscale_factor=1.0, outs=None):
+                            postscale_factor=1.0, outs=None, process_set=global_process_set):
     """Starts allreduces of several arrays that are negotiated and run together.
 
     Args:
@@ -569,6 +591,7 @@ def grouped_allreduce_async(arrays, name=None, op=Average, prescale_factor=1.0,
         op, prescale_factor, postscale_factor: as for ``allreduce_async``, for all.
         outs: one result buffer per array (each as ``allreduce_async``'s ``out``), or
             None for new arrays.
+        process_set: as for ``allreduce_async``.
 
     Returns:
         A Handle whose result is the list of results, in order.
@@ -577,7 +600,8 @@ def grouped_allreduce_async(arrays, name=None, op=Average, prescale_factor=1.0,
         InvalidArgumentError, DuplicateNameError, NotInitializedError: as for
             ``allreduce_async``; nothing is enqueued if any array is refused.
     """
-    group = _resolve_name("grouped_allreduce", name)
+    psid = process_sets.process_set_id(process_set)
+    group = _resolve_name("grouped_allreduce", name, psid)
     arrays = list(arrays)
     if outs is not None and len(outs) != len(arrays):
         raise InvalidArgumentError(
@@ -590,23 +614,24 @@ def grouped_allreduce_async(arrays, name=None, op=Average, prescale_factor=1.0,
         out = _output_array(None if outs is None else outs[i], arr.shape, arr.dtype,
                             tensor_name)
         specs.append(TensorSpec(ALLREDUCE, tensor_name, code, arr.shape, _from_buffer(arr),
-                                _from_buffer(out), op, prescale_factor, postscale_factor))
+                                _from_buffer(out), op, prescale_factor, postscale_factor,
+                                process_set_id=psid))
         keep += [arr, out]
         results.append(out)
     return enqueue_group(specs, name=group, keepalive=keep, result=results)
 
 
 def grouped_allreduce(arrays, name=None, op=Average, prescale_factor=1.0,
-                      postscale_factor=1.0, outs=None):
+                      postscale_factor=1.0, outs=None, process_set=global_process_set):
     """Reduces several arrays together; returns the list of results.
 
     See ``grouped_allreduce_async`` for the arguments and errors.
     """
     return synchronize(grouped_allreduce_async(arrays, name, op, prescale_factor,
-                                               postscale_factor, outs))
+                                               postscale_factor, outs, process_set))
 
 
-def allgather_async(array, name=None):
+def allgather_async(array, name=None, process_set=global_process_set):
     """Starts concatenating every rank's ``array`` along the first dimension.
 
     Ranks may differ in the first dimension; the other dimensions must agree.
@@ -614,6 +639,8 @@ def allgather_async(array, name=None):
     Args:
         array: a C-contiguous array with at least one dimension.
         name: the tensor's name, equal across ranks; None names it automatically.
+        process_set: the ProcessSet whose members' arrays are concatenated, in the
+            order of their ranks.
 
     Returns:
         A Handle whose result has shape ``(sum of first dims, *array.shape[1:])``.
@@ -621,7 +648,8 @@ def allgather_async(array, name=None):
     Raises:
         InvalidArgumentError, DuplicateNameError, NotInitializedError: refused.
     """
-    name = _resolve_name("allgather", name)
+    psid = process_sets.process_set_id(process_set)
+    name = _resolve_name("allgather", name, psid)
     arr, code = _input_array(array, name, min_ndim=1)
     trailing = arr.shape[1:]
 
@@ -629,25 +657,27 @@ def allgather_async(array, name=None):
         return handle.output_array(0, arr.dtype, trailing)
 
     return enqueue(ALLGATHER, name, code, arr.shape, _from_buffer(arr), None,
-                   keepalive=(arr,), finisher=finish)
+                   process_set_id=psid, keepalive=(arr,), finisher=finish)
 
 
-def allgather(array, name=None):
+def allgather(array, name=None, process_set=global_process_set):
     """Concatenates every rank's ``array`` along the first dimension.
 
     See ``allgather_async``; raises HorovodInternalError subclasses if it fails.
     """
-    return synchronize(allgather_async(array, name))
+    return synchronize(allgather_async(array, name, process_set))
 
 
-def broadcast_async(array, root_rank, name=None, out=None):
+def broadcast_async(array, root_rank, name=None, out=None, process_set=global_process_set):
     """Starts sending ``array`` from ``root_rank`` to every rank.
 
     Args:
         array: a C-contiguous array; same shape and dtype on every rank.
-        root_rank: the rank whose values everyone receives.
+        root_rank: the rank whose values everyone receives (a global rank, a member
+            of ``process_set``).
         name: the tensor's name, equal across ranks; None names it automatically.
         out: an array of the same shape and dtype for the result, or None for a new one.
+        process_set: the ProcessSet whose members receive.
 
     Returns:
         A Handle whose result (``out`` or a new array) holds the root's values.
@@ -656,24 +686,26 @@ def broadcast_async(array, root_rank, name=None, out=None):
         InvalidArgumentError: bad dtype, layout or root_rank out of range.
         DuplicateNameError, NotInitializedError: refused.
     """
-    name = _resolve_name("broadcast", name)
+    psid = process_sets.process_set_id(process_set)
+    name = _resolve_name("broadcast", name, psid)
     arr, code = _input_array(array, name)
     root = _check_rank(root_rank, "root_rank", name)
     out = _output_array(out, arr.shape, arr.dtype, name)
     return enqueue(BROADCAST, name, code, arr.shape, _from_buffer(arr), _from_buffer(out),
-                   root_rank=root, keepalive=(arr, out), result=out)
+                   root_rank=root, process_set_id=psid, keepalive=(arr, out), result=out)
 
 
-def broadcast(array, root_rank, name=None, out=None):
+def broadcast(array, root_rank, name=None, out=None, process_set=global_process_set):
     """Returns ``root_rank``'s ``array`` on every rank (in ``out`` or a new array).
 
     See ``broadcast_async``; raises HorovodInternalError subclasses if it fails.
     """
-    return synchronize(broadcast_async(array, root_rank, name, out))
+    return synchronize(broadcast_async(array, root_rank, name, out, process_set))
 
 
-def _check_splits(splits, rows, name):
-    size = runtime.size()
+def _check_splits(splits, rows, name, size=None):
+    """Checks alltoall's ``splits`` for ``size`` ranks (None: every rank)."""
+    size = runtime.size() if size is None else size
     if splits is None:
         if rows % size:
             raise InvalidArgumentError(
@@ -698,14 +730,16 @@ def _check_splits(splits, rows, name):
     return [int(v) for v in values]
 
 
-def alltoall_async(array, splits=None, name=None):
+def alltoall_async(array, splits=None, name=None, process_set=global_process_set):
     """Starts an all-to-all: rows ``splits[r]`` of ``array`` go to rank r.
 
     Args:
         array: a C-contiguous array with at least one dimension.
         splits: rows for each rank, in rank order (size() entries summing to the first
-            dimension); None splits the first dimension evenly.
+            dimension; in a process set, one per member); None splits the first
+            dimension evenly.
         name: the tensor's name, equal across ranks; None names it automatically.
+        process_set: the ProcessSet whose members exchange.
 
     Returns:
         A Handle whose result is ``(received, received_splits)``: the rows from every
@@ -715,25 +749,26 @@ def alltoall_async(array, splits=None, name=None):
         InvalidArgumentError: bad dtype, layout or splits.
         DuplicateNameError, NotInitializedError: refused.
     """
-    name = _resolve_name("alltoall", name)
+    psid = process_sets.process_set_id(process_set)
+    name = _resolve_name("alltoall", name, psid)
     arr, code = _input_array(array, name, min_ndim=1)
-    checked = _check_splits(splits, arr.shape[0], name)
+    size, _ = process_sets.members(process_set)
+    checked = _check_splits(splits, arr.shape[0], name, size)
     trailing = arr.shape[1:]
-    size = runtime.size()
 
     def finish(handle):
         return handle.output_array(0, arr.dtype, trailing), handle.recv_splits(0, size)
 
     return enqueue(ALLTOALL, name, code, arr.shape, _from_buffer(arr), None, splits=checked,
-                   keepalive=(arr,), finisher=finish)
+                   process_set_id=psid, keepalive=(arr,), finisher=finish)
 
 
-def alltoall(array, splits=None, name=None):
+def alltoall(array, splits=None, name=None, process_set=global_process_set):
     """All-to-all exchange; returns ``(received, received_splits)``.
 
     See ``alltoall_async``; raises HorovodInternalError subclasses if it fails.
     """
-    return synchronize(alltoall_async(array, splits, name))
+    return synchronize(alltoall_async(array, splits, name, process_set))
 
 
 def reducescatter_rows(rows, size, rank):
@@ -745,7 +780,7 @@ def reducescatter_rows(rows, size, rank):
 
 
 def reducescatter_async(array, name=None, op=Average, prescale_factor=1.0,
-                        postscale_factor=1.0, out=None):
+                        postscale_factor=1.0, out=None, process_set=global_process_set):
     """Starts a reduction whose result is scattered by rows among the ranks.
 
     Args:
@@ -754,6 +789,7 @@ def reducescatter_async(array, name=None, op=Average, prescale_factor=1.0,
         op, prescale_factor, postscale_factor: as for ``allreduce_async``.
         out: an array for this rank's rows (shape as described below, same dtype), or
             None for a new one.
+        process_set: the ProcessSet whose members reduce and share the rows.
 
     Returns:
         A Handle whose result holds this rank's rows of the reduction: the first
@@ -762,42 +798,45 @@ def reducescatter_async(array, name=None, op=Average, prescale_factor=1.0,
     Raises:
         InvalidArgumentError, DuplicateNameError, NotInitializedError: refused.
     """
-    name = _resolve_name("reducescatter", name)
+    psid = process_sets.process_set_id(process_set)
+    name = _resolve_name("reducescatter", name, psid)
     arr, code = _input_array(array, name, min_ndim=1)
     _check_reduction(op, prescale_factor, postscale_factor, code, name)
-    rows = reducescatter_rows(arr.shape[0], runtime.size(), runtime.rank())
+    rows = reducescatter_rows(arr.shape[0], *process_sets.members(process_set))
     out = _output_array(out, (rows,) + arr.shape[1:], arr.dtype, name)
     return enqueue(REDUCESCATTER, name, code, arr.shape, _from_buffer(arr), _from_buffer(out),
                    reduce_op=op, prescale=prescale_factor, postscale=postscale_factor,
-                   keepalive=(arr, out), result=out)
+                   process_set_id=psid, keepalive=(arr, out), result=out)
 
 
 def reducescatter(array, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
-                  out=None):
+                  out=None, process_set=global_process_set):
     """Reduces ``array`` across ranks and returns this rank's rows (in ``out`` or a new
     array).
 
     See ``reducescatter_async``; raises HorovodInternalError subclasses if it fails.
     """
     return synchronize(reducescatter_async(array, name, op, prescale_factor,
-                                           postscale_factor, out))
+                                           postscale_factor, out, process_set))
 
 
-def _no_tensor_op(op, kind, finisher=None):
+def _no_tensor_op(op, kind, finisher=None, process_set=global_process_set):
     # BARRIER and JOIN carry no data; a one-byte scalar gives the core a valid pointer.
+    psid = process_sets.process_set_id(process_set)
     dummy = np.zeros((), dtype=np.uint8)
-    return enqueue(op, auto_name(kind), dtypes.native_code("uint8"), (), _from_buffer(dummy),
-                   None, keepalive=(dummy,), finisher=finisher)
+    return enqueue(op, auto_name(kind, psid), dtypes.native_code("uint8"), (),
+                   _from_buffer(dummy), None, process_set_id=psid, keepalive=(dummy,),
+                   finisher=finisher)
 
 
-def barrier():
-    """Blocks until every rank has called ``barrier()``.
+def barrier(process_set=global_process_set):
+    """Blocks until every rank (of ``process_set``) has called ``barrier()``.
 
     Raises:
         NotInitializedError: before init() or after shutdown().
         HorovodInternalError: the barrier failed (e.g. a rank is gone).
     """
-    synchronize(_no_tensor_op(BARRIER, "barrier"))
+    synchronize(_no_tensor_op(BARRIER, "barrier", process_set=process_set))
 
 
 def join():

@@ -36,7 +36,7 @@ def _comm_f2c(comm):
     return int(py2f())
 
 
-def init(comm=None):
+def init(comm=None, process_sets=None):
     """Starts hvdlite: MPI (unless already initialized, e.g. by mpi4py) and the core.
 
     Calling it again while initialized logs a warning and does nothing, as Horovod
@@ -45,6 +45,10 @@ def init(comm=None):
     Args:
         comm: an mpi4py communicator to run on (the core duplicates it); None runs on
             MPI_COMM_WORLD.
+        process_sets: process sets to register, in order, on every rank: ProcessSet
+            objects (of ranks, or of mpi4py communicators, which may differ between
+            ranks) or lists of ranks; None or "dynamic" registers none (sets can be
+            added at any time with ``add_process_set``).
 
     Raises:
         TypeError: ``comm`` is not an mpi4py communicator.
@@ -65,6 +69,8 @@ def init(comm=None):
             _atexit_registered = True
         for hook in _init_hooks:
             hook()
+        from hvdlite import process_sets as sets  # imports this module
+        sets.init_process_sets(process_sets)
 
 
 def shutdown():

@@ -17,10 +17,11 @@ from hvdlite.tensorflow.compression import Compression
 from hvdlite.tensorflow.functions import (allgather_object, broadcast_object,
                                           broadcast_variables)
 from hvdlite.tensorflow.gradient_tape import DistributedGradientTape, allreduce_gradients
-from hvdlite.tensorflow.mpi_ops import (Average, Max, Min, Product, Sum, allgather,
-                                        allreduce, alltoall, barrier, broadcast,
-                                        broadcast_group, grouped_allreduce, join,
-                                        reducescatter)
+from hvdlite.tensorflow.mpi_ops import (Average, Max, Min, Product, ProcessSet, Sum,
+                                        add_process_set, allgather, allreduce, alltoall,
+                                        barrier, broadcast, broadcast_group,
+                                        global_process_set, grouped_allreduce, join,
+                                        reducescatter, remove_process_set)
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
@@ -29,6 +30,7 @@ __all__ = [
     "allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_group",
     "alltoall", "reducescatter", "join", "barrier",
     "broadcast_variables", "broadcast_object", "allgather_object",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "DistributedGradientTape", "allreduce_gradients",
     "HvdliteError", "HorovodInternalError", "InvalidArgumentError", "MismatchError",
 ]

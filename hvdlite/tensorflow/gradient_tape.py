@@ -9,7 +9,8 @@ from hvdlite.tensorflow.compression import Compression
 
 
 def allreduce_gradients(grads, compression=Compression.none, op=mpi_ops.Average,
-                        sparse_as_dense=False, gradient_predivide_factor=1.0, name=None):
+                        sparse_as_dense=False, gradient_predivide_factor=1.0, name=None,
+                        process_set=mpi_ops.global_process_set):
     """Allreduces a (nested) structure of gradients in one group; None stays None.
 
     Shared by DistributedGradientTape and the Keras DistributedOptimizer: every dense
@@ -26,6 +27,7 @@ def allreduce_gradients(grads, compression=Compression.none, op=mpi_ops.Average,
         gradient_predivide_factor: with op=Average, divide by this before the sum and
             by size()/factor after it (Horovod's predivide).
         name: the group's name, equal across ranks; None names it automatically.
+        process_set: the ProcessSet whose members average the gradients.
 
     Returns:
         The same structure with reduced gradients.
@@ -47,12 +49,15 @@ def allreduce_gradients(grads, compression=Compression.none, op=mpi_ops.Average,
             g = tf.convert_to_tensor(g)
         values.append(g)
     if reducer:
+        if process_set is not mpi_ops.global_process_set:
+            raise InvalidArgumentError(f"{compression!r} runs on the global process set only")
         reduced = _reduce_through(compression, values, op, prescale, postscale,
                                   [f"grad.{i}" for i in present])
     else:
         reduced = mpi_ops.grouped_allreduce(values, compression=compression, op=op,
                                             prescale_factor=prescale,
-                                            postscale_factor=postscale, name=name)
+                                            postscale_factor=postscale, name=name,
+                                            process_set=process_set)
     out = list(flat)
     for i, g in zip(present, reduced):
         out[i] = g
@@ -97,7 +102,7 @@ class DistributedGradientTape:
 
     def __init__(self, gradtape, device_dense="", device_sparse="",
                  compression=Compression.none, sparse_as_dense=False, op=mpi_ops.Average,
-                 gradient_predivide_factor=1.0):
+                 gradient_predivide_factor=1.0, process_set=mpi_ops.global_process_set):
         """Args:
             gradtape: the tf.GradientTape to wrap.
             device_dense, device_sparse: accepted for Horovod compatibility.
@@ -105,12 +110,14 @@ class DistributedGradientTape:
             sparse_as_dense: densify tf.IndexedSlices gradients before reducing.
             op: Average (default) or Sum.
             gradient_predivide_factor: see ``allreduce_gradients``.
+            process_set: the ProcessSet whose members average the gradients.
         """
         self._tape = gradtape
         self._compression = compression
         self._sparse_as_dense = sparse_as_dense
         self._op = op
         self._predivide = gradient_predivide_factor
+        self._process_set = process_set
 
     def __enter__(self):
         self._tape.__enter__()
@@ -133,4 +140,5 @@ class DistributedGradientTape:
         """
         grads = self._tape.gradient(target, sources, output_gradients, **kwargs)
         return allreduce_gradients(grads, self._compression, self._op,
-                                   self._sparse_as_dense, self._predivide)
+                                   self._sparse_as_dense, self._predivide,
+                                   process_set=self._process_set)

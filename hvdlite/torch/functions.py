@@ -19,7 +19,7 @@ def broadcast_parameters(params, root_rank, process_set=mpi_ops.global_process_s
             order), or an iterable of tensors or of ``(name, tensor)`` pairs such as
             ``model.named_parameters()``.
         root_rank: the rank whose values everyone receives.
-        process_set: the global process set.
+        process_set: the ProcessSet whose members take part (this rank must be one).
 
     Raises:
         ValueError: ``params`` is neither a mapping nor an iterable.
@@ -80,7 +80,7 @@ def broadcast_optimizer_state(optimizer, root_rank, process_set=mpi_ops.global_p
     Args:
         optimizer: a ``torch.optim.Optimizer``.
         root_rank: the rank whose state everyone receives.
-        process_set: the global process set.
+        process_set: the ProcessSet whose members take part (this rank must be one).
 
     Raises:
         ValueError: the optimizer is LBFGS (its state holds no per-parameter layout), or
@@ -160,7 +160,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=mpi_ops.global_pro
         root_rank: the rank whose object everyone receives.
         name: a base name for the two tensors, equal across ranks; None names it
             automatically.
-        process_set: the global process set.
+        process_set: the ProcessSet whose members take part (this rank must be one).
 
     Returns:
         The root's object (the root gets ``obj`` itself back).
@@ -168,8 +168,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=mpi_ops.global_pro
     Raises:
         InvalidArgumentError, HorovodInternalError: as for ``broadcast_``.
     """
-    mpi_ops._process_set_id(process_set)
-    return objects.broadcast_object(obj, root_rank, name)
+    return objects.broadcast_object(obj, root_rank, name, process_set)
 
 
 def allgather_object(obj, name=None, process_set=mpi_ops.global_process_set):
@@ -178,10 +177,9 @@ def allgather_object(obj, name=None, process_set=mpi_ops.global_process_set):
     Args:
         obj: any picklable object.
         name: a base name, equal across ranks; None names it automatically.
-        process_set: the global process set.
+        process_set: the ProcessSet whose members take part (this rank must be one).
 
     Raises:
         InvalidArgumentError, HorovodInternalError: as for ``allgather``.
     """
-    mpi_ops._process_set_id(process_set)
-    return objects.allgather_object(obj, name)
+    return objects.allgather_object(obj, name, process_set)

@@ -23,7 +23,7 @@ every rank makes the same unnamed calls in the same order.
 import numpy as np
 import torch
 
-from hvdlite import dtypes, ops, runtime
+from hvdlite import dtypes, ops, process_sets, runtime
 from hvdlite.errors import InvalidArgumentError
 from hvdlite.torch.compression import Compression
 
@@ -46,38 +46,14 @@ TORCH_DTYPE_NAMES = {
     torch.bool: "bool",
 }
 
-class ProcessSet:
-    """A set of ranks that runs collectives together. Only the global set exists so far.
-
-    Accepted wherever Horovod takes ``process_set=`` so scripts passing
-    ``hvd.global_process_set`` run unchanged.
-    """
-
-    def __init__(self, process_set_id=0):
-        self.process_set_id = process_set_id
-
-    def size(self):
-        return runtime.size()
-
-    def rank(self):
-        return runtime.rank()
-
-    def included(self):
-        return True
-
-    def __repr__(self):
-        return f"ProcessSet(process_set_id={self.process_set_id})"
-
-
-global_process_set = ProcessSet(0)
-
-
-def _process_set_id(process_set):
-    if process_set is None or process_set is global_process_set or (
-            isinstance(process_set, ProcessSet) and process_set.process_set_id == 0):
-        return 0
-    raise InvalidArgumentError(
-        f"process_set {process_set!r}: only the global process set is supported so far")
+# Process sets: the framework-free ones (hvdlite.process_sets), as Horovod's torch
+# module exports them.
+ProcessSet = process_sets.ProcessSet
+global_process_set = process_sets.global_process_set
+add_process_set = process_sets.add_process_set
+remove_process_set = process_sets.remove_process_set
+_process_set_id = process_sets.process_set_id
+_basics = process_sets.basics
 
 
 def torch_dtype_name(dtype):
@@ -161,10 +137,10 @@ def _from_core(handle, index, dtype, trailing_shape):
 
 def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor,
                      process_set):
-    name = ops._resolve_name("allreduce", name)
+    psid = _process_set_id(process_set)
+    name = ops._resolve_name("allreduce", name, psid)
     code = _tensor_code(tensor, name)
     ops._check_reduction(op, prescale_factor, postscale_factor, code, name)
-    psid = _process_set_id(process_set)
     if output is None:
         output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     # The per-gradient path: every argument in order, no keywords.
@@ -185,7 +161,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
         op: Average (default), Sum, Min, Max or Product (bool: Min or Max only).
         prescale_factor: multiplies the input before the reduction.
         postscale_factor: multiplies the result.
-        process_set: the global process set (the only one so far).
+        process_set: the ProcessSet that runs the op (this rank must be a member).
 
     Returns:
         A Handle; ``synchronize(handle)`` returns the result (same shape and dtype).
@@ -287,9 +263,9 @@ def _grouped_allreduce_async(tensors, outputs, names, op, prescale_factor,
     return ops.enqueue_group(specs, name=label, keepalive=keep, result=results)
 
 
-def _group_names(tensors, name):
+def _group_names(tensors, name, process_set):
     tensors = list(tensors)
-    group = ops._resolve_name("grouped_allreduce", name)
+    group = ops._resolve_name("grouped_allreduce", name, _process_set_id(process_set))
     return tensors, [f"{group}.{i}" for i in range(len(tensors))], group
 
 
@@ -311,7 +287,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
             is enqueued if any tensor is refused.
     """
     op = ops.resolve_op(op, average)
-    tensors, names, group = _group_names(tensors, name)
+    tensors, names, group = _group_names(tensors, name, process_set)
     return _grouped_allreduce_async(tensors, [None] * len(tensors), names, op,
                                     prescale_factor, postscale_factor, process_set, group)
 
@@ -320,7 +296,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                              postscale_factor=1.0, process_set=global_process_set):
     """In-place ``grouped_allreduce_async``: the result list holds the given tensors."""
     op = ops.resolve_op(op, average)
-    tensors, names, group = _group_names(tensors, name)
+    tensors, names, group = _group_names(tensors, name, process_set)
     return _grouped_allreduce_async(tensors, tensors, names, op, prescale_factor,
                                     postscale_factor, process_set, group)
 
@@ -339,14 +315,15 @@ class _GroupedAllreduceFunction(torch.autograd.Function):
         ctx.op = op
         ctx.scale = (prescale_factor, postscale_factor)
         ctx.process_set = process_set
-        tensors, names, group = _group_names(tensors, name)
+        tensors, names, group = _group_names(tensors, name, process_set)
         return tuple(ops.synchronize(_grouped_allreduce_async(
             tensors, [None] * len(tensors), names, op, prescale_factor, postscale_factor,
             process_set, group)))
 
     @staticmethod
     def backward(ctx, *grads):
-        grads, names, group = _group_names([g.contiguous() for g in grads], None)
+        grads, names, group = _group_names([g.contiguous() for g in grads], None,
+                                           ctx.process_set)
         reduced = ops.synchronize(_grouped_allreduce_async(
             grads, [None] * len(grads), names, ctx.op, *ctx.scale, ctx.process_set, group))
         return (None, None, None, None, None, *reduced)
@@ -377,7 +354,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
     Args:
         tensor: a contiguous CPU tensor with at least one dimension.
         name: the tensor's name, equal across ranks; None names it automatically.
-        process_set: the global process set.
+        process_set: the ProcessSet that runs the op (this rank must be a member).
 
     Returns:
         A Handle; ``synchronize(handle)`` returns the gathered tensor (a zero-copy view
@@ -386,9 +363,9 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
     Raises:
         InvalidArgumentError, DuplicateNameError, NotInitializedError: refused.
     """
-    name = ops._resolve_name("allgather", name)
-    code = _tensor_code(tensor, name, min_ndim=1)
     psid = _process_set_id(process_set)
+    name = ops._resolve_name("allgather", name, psid)
+    code = _tensor_code(tensor, name, min_ndim=1)
     dtype, trailing = tensor.dtype, tuple(tensor.shape[1:])
     return ops.enqueue(ops.ALLGATHER, name, code, tuple(tensor.shape), tensor.data_ptr(),
                        None, process_set_id=psid, keepalive=(tensor,),
@@ -412,7 +389,7 @@ class _AllgatherFunction(torch.autograd.Function):
                                                 1.0, 1.0, ctx.process_set))
         rows = ops.synchronize(allgather_async(torch.tensor([ctx.rows], dtype=torch.int64),
                                                None, ctx.process_set))
-        offset = int(rows[:runtime.rank()].sum())
+        offset = int(rows[:process_sets.members(ctx.process_set)[1]].sum())
         return grad.narrow(0, offset, ctx.rows), None, None
 
 
@@ -500,10 +477,10 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
 
 
 def _broadcast_async(tensor, output, root_rank, name, process_set):
-    name = ops._resolve_name("broadcast", name)
+    psid = _process_set_id(process_set)
+    name = ops._resolve_name("broadcast", name, psid)
     code = _tensor_code(tensor, name)
     root = ops._check_rank(root_rank, "root_rank", name)
-    psid = _process_set_id(process_set)
     if output is None:
         output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     return ops.enqueue(ops.BROADCAST, name, code, tuple(tensor.shape), tensor.data_ptr(),
@@ -518,7 +495,7 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
         tensor: a contiguous CPU tensor; same shape and dtype on every rank.
         root_rank: the rank whose values everyone receives.
         name: the tensor's name, equal across ranks; None names it automatically.
-        process_set: the global process set.
+        process_set: the ProcessSet that runs the op (this rank must be a member).
 
     Returns:
         A Handle; ``synchronize(handle)`` returns the new tensor.
@@ -587,7 +564,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         splits: rows for each rank (a list or int tensor of size() entries summing to the
             first dimension); None splits the first dimension evenly.
         name: the tensor's name, equal across ranks; None names it automatically.
-        process_set: the global process set.
+        process_set: the ProcessSet that runs the op (this rank must be a member).
 
     Returns:
         A Handle; ``synchronize(handle)`` returns ``(received, received_splits)``: the
@@ -597,11 +574,12 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         InvalidArgumentError: bad dtype, device, layout or splits.
         DuplicateNameError, NotInitializedError: refused.
     """
-    name = ops._resolve_name("alltoall", name)
-    code = _tensor_code(tensor, name, min_ndim=1)
-    checked = ops._check_splits(_splits_list(splits), tensor.shape[0], name)
     psid = _process_set_id(process_set)
-    dtype, trailing, size = tensor.dtype, tuple(tensor.shape[1:]), runtime.size()
+    name = ops._resolve_name("alltoall", name, psid)
+    code = _tensor_code(tensor, name, min_ndim=1)
+    size, _ = process_sets.members(process_set)
+    checked = ops._check_splits(_splits_list(splits), tensor.shape[0], name, size)
+    dtype, trailing = tensor.dtype, tuple(tensor.shape[1:])
 
     def finish(handle):
         received = _from_core(handle, 0, dtype, trailing)
@@ -651,11 +629,11 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 
 
 def _reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, process_set):
-    name = ops._resolve_name("reducescatter", name)
+    psid = _process_set_id(process_set)
+    name = ops._resolve_name("reducescatter", name, psid)
     code = _tensor_code(tensor, name, min_ndim=1)
     ops._check_reduction(op, prescale_factor, postscale_factor, code, name)
-    psid = _process_set_id(process_set)
-    rows = ops.reducescatter_rows(tensor.shape[0], runtime.size(), runtime.rank())
+    rows = ops.reducescatter_rows(tensor.shape[0], *process_sets.members(process_set))
     output = torch.empty((rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
     return ops.enqueue(ops.REDUCESCATTER, name, code, tuple(tensor.shape), tensor.data_ptr(),
                        output.data_ptr(), reduce_op=op, prescale=prescale_factor,
@@ -671,7 +649,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
         tensor: a contiguous CPU tensor with at least one dimension, same shape everywhere.
         name: the tensor's name, equal across ranks; None names it automatically.
         op, prescale_factor, postscale_factor: as for ``allreduce_async``.
-        process_set: the global process set.
+        process_set: the ProcessSet that runs the op (this rank must be a member).
 
     Returns:
         A Handle; ``synchronize(handle)`` returns this rank's rows of the reduction (the
@@ -693,7 +671,7 @@ class _ReducescatterFunction(torch.autograd.Function):
         ctx.scale = None
         if op in (Sum, Average):
             ctx.scale = prescale_factor * postscale_factor * (
-                runtime.size() if op == Sum else 1)
+                process_sets.members(process_set)[0] if op == Sum else 1)
         ctx.process_set = process_set
         return ops.synchronize(_reducescatter_async(tensor, name, op, prescale_factor,
                                                     postscale_factor, process_set))
@@ -752,6 +730,5 @@ def join(device=-1):
 
 
 def barrier(process_set=global_process_set):
-    """Blocks until every rank has called ``barrier()``."""
-    _process_set_id(process_set)
-    ops.barrier()
+    """Blocks until every rank of ``process_set`` has called ``barrier()``."""
+    ops.barrier(process_set)

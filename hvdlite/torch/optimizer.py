@@ -389,7 +389,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             not apply); the op must be Sum or Average. True: it is made dense and
             reduced like the others. Either way it is written back sparse, with its
             sparse_dim, so optimizers such as SparseAdam take it.
-        process_set: the global process set.
+        process_set: the ProcessSet whose members average the gradients (Average
+            divides by its size); every member wraps its optimizer alike.
 
     Returns:
         The distributed optimizer.

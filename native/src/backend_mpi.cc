@@ -106,6 +106,24 @@ Status MpiBackend::Init(int64_t comm_f2c, bool thread_multiple, bool shared_memo
   comm_ = new MPI_Comm(MPI_COMM_NULL);
   Status s = Check(MPI_Comm_dup(base, &Comm(comm_)), "MPI_Comm_dup");
   if (!s.ok()) return s;
+  Attach(shared_memory, topo);
+  return Status::OK();
+}
+
+Status MpiBackend::InitSubset(const MpiBackend& parent, bool member, bool shared_memory) {
+  int parent_rank = 0;
+  MPI_Comm_rank(Comm(parent.comm_), &parent_rank);
+  MPI_Comm sub = MPI_COMM_NULL;
+  Status s = Check(MPI_Comm_split(Comm(parent.comm_), member ? 0 : MPI_UNDEFINED, parent_rank, &sub),
+                   "MPI_Comm_split (process set)");
+  if (!s.ok() || !member) return s;
+  comm_ = new MPI_Comm(sub);
+  MpiTopology topo;
+  Attach(shared_memory, &topo);
+  return Status::OK();
+}
+
+void MpiBackend::Attach(bool shared_memory, MpiTopology* topo) {
   // Failures come back as codes that become statuses instead of aborting the job.
   MPI_Comm_set_errhandler(Comm(comm_), MPI_ERRORS_RETURN);
   MPI_Comm_rank(Comm(comm_), &topo->rank);
@@ -139,7 +157,6 @@ Status MpiBackend::Init(int64_t comm_f2c, bool thread_multiple, bool shared_memo
       ops_.push_back(mop);
     }
   }
-  return Status::OK();
 }
 
 void MpiBackend::SetUpSharedMemory(void* local_comm, int rank) {

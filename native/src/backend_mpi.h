@@ -1,4 +1,5 @@
-// Every MPI call of the core. Background thread only (see background_loop.cc).
+// Every MPI call of the core, over one communicator: the world's (Init) or a process
+// set's (InitSubset). Background thread only (see background_loop.cc).
 //
 // Negotiation uses nonblocking collectives polled with a growing sleep, because a
 // peer may still be computing and a rank blocked in MPICH busy-polls a core. Data
@@ -28,6 +29,10 @@ class MpiBackend {
   // shared_memory: when every rank is on this machine, allreduce (and AND the
   // coordination's bits) through a shared memory window (ShmAllreduce) instead of MPI.
   Status Init(int64_t comm_f2c, bool thread_multiple, bool shared_memory, MpiTopology* topo);
+  // The communicator of a process set: its members among parent's ranks, in parent's
+  // rank order. Collective over every rank of parent; a rank that is not a member
+  // passes member = false and gets no communicator (this backend stays unused).
+  Status InitSubset(const MpiBackend& parent, bool member, bool shared_memory);
   // Frees the core's communicators; finalizes MPI if Init initialized it and
   // `finalize` is set (not after a transport failure, where it could hang).
   void Shutdown(bool finalize);
@@ -65,6 +70,9 @@ class MpiBackend {
  private:
   Status Check(int rc, const char* what);
   Status WaitBackoff(void* request, const char* what);
+  // After comm_ is set: errors as codes, the topology of comm_, the shared-memory
+  // allreduce where every rank of comm_ is on this machine, the 16-bit reductions.
+  void Attach(bool shared_memory, MpiTopology* topo);
   // Collective over the ranks of this machine (all of them): the window and the
   // reducer, or a warning and MPI_Allreduce if the window cannot be had.
   void SetUpSharedMemory(void* local_comm, int rank);

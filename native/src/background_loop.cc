@@ -6,14 +6,17 @@
 // framework thread can ever issue a collective out of that order, and MPI needs no
 // locking of ours.
 //
-// One cycle:
-//  1. pop new requests; each is a response-cache hit (its slot's bit will be set), a
-//     changed cache entry (its slot is invalidated everywhere), or uncached;
+// One cycle pops the new requests and hands each to its process set (Core::RunCycle);
+// then every set this rank belongs to runs its round, in id order (ProcessSetState::
+// RunCycle; process_set.h says why that order cannot deadlock):
+//  1. sort the set's new requests: each is a response-cache hit (its slot's bit will be
+//     set), a changed cache entry (its slot is invalidated everywhere), or uncached;
 //  2. one MPI_Iallreduce(BAND) over [flags | hit bits | invalid bits] tells every rank
 //     which cached tensors are ready everywhere, which slots to drop, and whether
-//     anyone has uncached requests, has joined, or asked to shut down;
-//  3. only if someone has uncached requests: gather them on rank 0, whose Controller
-//     checks them across ranks and broadcasts the new responses;
+//     anyone has uncached requests, has joined, asked to shut down, or has ops in
+//     flight in another set (RoundFlags);
+//  3. only if someone has uncached requests: gather them on the set's rank 0, whose
+//     Controller checks them across ranks and broadcasts the new responses;
 //  4. execute cached-ready responses (slot order) then new ones (broadcast order),
 //     fusing consecutive compatible allreduces up to the fusion threshold;
 //  5. complete the handles.
@@ -39,6 +42,11 @@ constexpr int64_t kFuseAloneBytes = 1 << 20;
 constexpr std::chrono::microseconds kQuiet(200);
 // How often a rank with nothing in flight still joins the coordination.
 constexpr std::chrono::milliseconds kIdleCycle(20);
+// How long a rank keeps the cycle time after it last heard of ops in flight in another
+// set (RoundFlags::elsewhere): a loop of ops in a set leaves the queues of its members
+// empty for a moment between two ops, and an outside rank that went idle then would
+// hold back the next op's round of set 0 by up to kIdleCycle.
+constexpr std::chrono::milliseconds kElsewhereLinger(200);
 
 // values holds kSettings values per rank; the one at `index` must be equal on every rank.
 constexpr int kSettings = 3;
@@ -77,9 +85,11 @@ int64_t RowElements(const std::vector<int64_t>& shape) {
 const char* const kNegotiateActivity[] = {"NEGOTIATE_ALLREDUCE", "NEGOTIATE_ALLGATHER",
                                           "NEGOTIATE_BROADCAST", "NEGOTIATE_ALLTOALL",
                                           "NEGOTIATE_REDUCESCATTER", "NEGOTIATE_BARRIER",
-                                          "NEGOTIATE_JOIN"};
+                                          "NEGOTIATE_JOIN", "NEGOTIATE_ADD_PROCESS_SET",
+                                          "NEGOTIATE_REMOVE_PROCESS_SET"};
 const char* const kOpActivity[] = {"ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL",
-                                   "REDUCESCATTER", "BARRIER", "JOIN"};
+                                   "REDUCESCATTER", "BARRIER", "JOIN", "ADD_PROCESS_SET",
+                                   "REMOVE_PROCESS_SET"};
 
 // Arguments of an op's timeline span. bytes: what rank 0 contributes or receives.
 std::string TimelineArgs(const Response& r, size_t fused, int rank, int size) {
@@ -106,7 +116,7 @@ std::string TimelineArgs(const Response& r, size_t fused, int rank, int size) {
 // The timeline activity of each op's collective itself, by HVDLITE_OP_*.
 const char* const kCollectiveActivity[] = {"MPI_ALLREDUCE", "MPI_ALLGATHER", "MPI_BROADCAST",
                                            "MPI_ALLTOALL", "MPI_REDUCESCATTER", "MPI_BARRIER",
-                                           "MPI_JOIN"};
+                                           "MPI_JOIN", "MPI_COMM_SPLIT", "MPI_COMM_FREE"};
 
 // The activities of one execution on the timeline, one after the other: each ends
 // where the next begins and is recorded, once ended, as one event over all the
@@ -172,6 +182,10 @@ Status Core::Init(int64_t comm_f2c) {
   Status s = LoadConfig(&config);
   if (!s.ok()) return s;
   config_ = config;
+  {
+    std::lock_guard<std::mutex> change_lock(change_mutex_);
+    changes_ = 0;
+  }
   shutdown_requested_ = false;
   loop_ended_ = false;
   {
@@ -185,7 +199,8 @@ Status Core::Init(int64_t comm_f2c) {
     // ask for, not the default 50 us timer slack on top.
     prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
     MpiTopology topo;
-    Status st = mpi_.Init(comm_f2c, config_.mpi_thread_multiple, config_.shm_allreduce, &topo);
+    std::unique_ptr<MpiBackend> world(new MpiBackend());
+    Status st = world->Init(comm_f2c, config_.mpi_thread_multiple, config_.shm_allreduce, &topo);
     if (st.ok()) {
       topo_ = topo;
       SetLogRank(topo.rank);
@@ -201,8 +216,8 @@ Status Core::Init(int64_t comm_f2c) {
       const int64_t mine[kSettings] = {st.ok() ? 1 : 0, config_.cache_capacity,
                                        config_.fusion_threshold};
       std::vector<int64_t> all(kSettings * topo.size);
-      Status agree = mpi_.Allgatherv(mine, sizeof(mine), all.data(),
-                                     std::vector<int64_t>(topo.size, sizeof(mine)));
+      Status agree = world->Allgatherv(mine, sizeof(mine), all.data(),
+                                       std::vector<int64_t>(topo.size, sizeof(mine)));
       if (st.ok() && !agree.ok()) st = agree;
       if (st.ok() && all[0] == 0) {
         st = InvalidArgument("rank 0 cannot write the timeline (HVDLITE_TIMELINE); its error says why");
@@ -211,12 +226,22 @@ Status Core::Init(int64_t comm_f2c) {
       if (st.ok()) st = SameOnEveryRank(all, 2, "HVDLITE_FUSION_THRESHOLD");
       if (!st.ok()) {
         timeline_.Stop();
-        mpi_.Shutdown(true);
+        world->Shutdown(true);
       }
     }
     bool ok = st.ok();
+    if (ok) {
+      // The global set, 0: every rank, on the world's communicator.
+      std::vector<int> everyone(topo.size);
+      for (int r = 0; r < topo.size; ++r) everyone[r] = r;
+      auto members = std::make_shared<const ProcessSetMembers>(0, everyone, topo.rank);
+      sets_.Insert(std::unique_ptr<ProcessSetState>(new ProcessSetState(
+          members, std::move(world),
+          CoreParts{config_, queue_, handles_, counters_, timeline_, sets_,
+                    [this](const Status& failure) { EndLoop(failure); }})));
+    }
     started.set_value(st);
-    if (ok) Loop(comm_f2c);
+    if (ok) Loop();
   });
   s = result.get();
   if (!s.ok()) {
@@ -258,7 +283,7 @@ Status Core::StopTimeline() {
 
 // ---------------------------------------------------------------- enqueue (any thread)
 
-Status Core::Validate(const hvdlite_tensor_t& t, int64_t index) const {
+Status Core::Validate(const hvdlite_tensor_t& t, int64_t index, const ProcessSetMembers& set) const {
   // Built only for an error message: this runs for every tensor of every step.
   auto who = [&] {
     return t.name ? std::string("tensor '") + t.name + "'" : "tensor #" + std::to_string(index);
@@ -270,7 +295,8 @@ Status Core::Validate(const hvdlite_tensor_t& t, int64_t index) const {
   }
   if (!ValidOp(t.op)) return InvalidArgument(who() + ": unknown op " + std::to_string(t.op));
   if (!ValidDtype(t.dtype)) return InvalidArgument(who() + ": unsupported dtype code " + std::to_string(t.dtype));
-  if (t.ndim < 0 || t.ndim > 64 || (t.ndim > 0 && !t.shape)) {
+  // (The table changes carry a set's ranks as their shape.)
+  if (t.ndim < 0 || (t.ndim > 64 && t.op < HVDLITE_OP_ADD_PROCESS_SET) || (t.ndim > 0 && !t.shape)) {
     return InvalidArgument(who() + ": invalid number of dimensions " + std::to_string(t.ndim));
   }
   int64_t elems = 1;
@@ -282,10 +308,6 @@ Status Core::Validate(const hvdlite_tensor_t& t, int64_t index) const {
   if (t.device != -1) {
     return InvalidArgument(who() + ": device tensors (device " + std::to_string(t.device) +
                            ") are not supported by this build yet; only host memory");
-  }
-  if (t.process_set_id != 0) {
-    return InvalidArgument(who() + ": process set " + std::to_string(t.process_set_id) +
-                           " does not exist (only 0, all ranks)");
   }
   if (t.op == HVDLITE_OP_ALLREDUCE || t.op == HVDLITE_OP_REDUCESCATTER) {
     if (!ValidReduceOp(t.reduce_op)) {
@@ -310,10 +332,14 @@ Status Core::Validate(const hvdlite_tensor_t& t, int64_t index) const {
        t.op == HVDLITE_OP_REDUCESCATTER) && t.ndim < 1) {
     return InvalidArgument(who() + ": " + op + " needs a tensor with at least one dimension, got a 0-d one");
   }
-  int size = topo_.size;
-  if (t.op == HVDLITE_OP_BROADCAST && (t.root_rank < 0 || t.root_rank >= size)) {
+  const int size = set.size();
+  if (t.op == HVDLITE_OP_BROADCAST && (t.root_rank < 0 || t.root_rank >= topo_.size)) {
     return InvalidArgument(who() + ": root rank " + std::to_string(t.root_rank) +
-                           " is out of range for " + std::to_string(size) + " ranks");
+                           " is out of range for " + std::to_string(topo_.size) + " ranks");
+  }
+  if (t.op == HVDLITE_OP_BROADCAST && set.SetRank(t.root_rank) < 0) {
+    return InvalidArgument(who() + ": root rank " + std::to_string(t.root_rank) +
+                           " is not a member of " + set.Describe());
   }
   if (t.op == HVDLITE_OP_ALLTOALL) {
     if (t.splits) {
@@ -329,13 +355,25 @@ Status Core::Validate(const hvdlite_tensor_t& t, int64_t index) const {
     } else if (t.shape[0] % size != 0) {
       return InvalidArgument(who() + ": " + std::to_string(t.shape[0]) +
                              " rows cannot be split evenly across " + std::to_string(size) +
-                             " ranks; pass splits");
+                             " ranks" + set.Where() + "; pass splits");
     }
   }
   return Status::OK();
 }
 
 Status Core::Enqueue(const hvdlite_tensor_t* tensors, int32_t n, bool group, hvdlite_handle_t* out) {
+  return Submit(tensors, n, group, false, out);
+}
+
+Status Core::ProcessSet(int32_t id, std::shared_ptr<const ProcessSetMembers>* out) const {
+  *out = sets_.Members(id);
+  if (*out) return Status::OK();
+  return InvalidArgument("process set " + std::to_string(id) +
+                         " does not exist (add it with add_process_set first)");
+}
+
+Status Core::Submit(const hvdlite_tensor_t* tensors, int32_t n, bool group, bool table_change,
+                    hvdlite_handle_t* out) {
   Status s = CheckRunning();
   if (!s.ok()) return s;
   if (loop_ended_) {
@@ -349,16 +387,32 @@ Status Core::Enqueue(const hvdlite_tensor_t* tensors, int32_t n, bool group, hvd
                                        ":" + std::to_string(n)
                                  : "";
   auto now = Clock::now();
+  std::shared_ptr<const ProcessSetMembers> set;
   for (int32_t i = 0; i < n; ++i) {
     const hvdlite_tensor_t& t = tensors[i];
-    s = Validate(t, i);
+    if (!set || set->id != t.process_set_id) {
+      s = ProcessSet(t.process_set_id, &set);
+      if (!s.ok()) return InvalidArgument(std::string("tensor '") + (t.name ? t.name : "") + "': " + s.message());
+      if (!set->included()) {
+        return InvalidArgument(std::string("tensor '") + (t.name ? t.name : "") + "': rank " +
+                               std::to_string(topo_.rank) + " is not a member of " + set->Describe());
+      }
+    }
+    if (group && t.process_set_id != tensors[0].process_set_id) {
+      return InvalidArgument("grouped ops must all be in one process set");
+    }
+    s = Validate(t, i, *set);
     if (!s.ok()) return s;
+    if ((t.op >= HVDLITE_OP_ADD_PROCESS_SET) != table_change) {
+      return InvalidArgument(std::string("tensor '") + t.name + "': " + OpName(t.op) +
+                             " cannot be enqueued (hvdlite_add_process_set makes it)");
+    }
     if (group && t.op != HVDLITE_OP_ALLREDUCE) {
       return InvalidArgument("grouped ops must all be allreduces");
     }
     TensorEntry e;
     Request& q = e.request;
-    q.rank = topo_.rank;
+    q.rank = set->rank;
     q.name = t.op == HVDLITE_OP_JOIN ? kJoinName : t.name;
     q.op = t.op;
     q.dtype = t.dtype;
@@ -366,12 +420,12 @@ Status Core::Enqueue(const hvdlite_tensor_t* tensors, int32_t n, bool group, hvd
     q.reduce_op = t.reduce_op;
     q.prescale = t.prescale_factor;
     q.postscale = t.postscale_factor;
-    q.root_rank = t.root_rank;
+    q.root_rank = t.op == HVDLITE_OP_BROADCAST ? set->SetRank(t.root_rank) : t.root_rank;
     if (t.op == HVDLITE_OP_ALLTOALL) {
       if (t.splits) {
-        q.splits.assign(t.splits, t.splits + topo_.size);
+        q.splits.assign(t.splits, t.splits + set->size());
       } else {
-        q.splits.assign(topo_.size, t.shape[0] / topo_.size);
+        q.splits.assign(set->size(), t.shape[0] / set->size());
       }
     }
     q.process_set = t.process_set_id;
@@ -406,25 +460,91 @@ Status Core::Enqueue(const hvdlite_tensor_t* tensors, int32_t n, bool group, hvd
   return Status::OK();
 }
 
+// ------------------------------------------------------------ process-set table
+
+Status Core::AddProcessSet(const int32_t* ranks, int32_t n, int32_t* id) {
+  Status s = CheckRunning();
+  if (!s.ok()) return s;
+  if (!ranks || n <= 0) return InvalidArgument("a process set needs at least one rank");
+  std::vector<int> sorted(ranks, ranks + n);
+  std::sort(sorted.begin(), sorted.end());
+  std::string given = ShapeString(std::vector<int64_t>(ranks, ranks + n));
+  for (int32_t i = 0; i < n; ++i) {
+    if (sorted[i] < 0 || sorted[i] >= topo_.size) {
+      return InvalidArgument("process set ranks " + given + ": rank " + std::to_string(sorted[i]) +
+                             " is out of range for " + std::to_string(topo_.size) + " ranks");
+    }
+    if (i > 0 && sorted[i] == sorted[i - 1]) {
+      return InvalidArgument("process set ranks " + given + ": rank " + std::to_string(sorted[i]) +
+                             " is given twice");
+    }
+  }
+  std::lock_guard<std::mutex> lock(change_mutex_);
+  // Every rank holds the same table, so every rank refuses alike.
+  int32_t existing = sets_.IdOf(sorted);
+  if (existing >= 0) {
+    return InvalidArgument("process set ranks " + given + ": " +
+                           sets_.Members(existing)->Describe() + " already has these ranks");
+  }
+  int64_t result = -1;
+  s = ChangeTable(HVDLITE_OP_ADD_PROCESS_SET, std::vector<int64_t>(sorted.begin(), sorted.end()), &result);
+  if (s.ok()) *id = static_cast<int32_t>(result);
+  return s;
+}
+
+Status Core::RemoveProcessSet(int32_t id) {
+  Status s = CheckRunning();
+  if (!s.ok()) return s;
+  if (id == 0) return InvalidArgument("the global process set (0) cannot be removed");
+  std::lock_guard<std::mutex> lock(change_mutex_);
+  std::shared_ptr<const ProcessSetMembers> set;
+  s = ProcessSet(id, &set);
+  if (!s.ok()) return s;
+  int64_t unused = 0;
+  return ChangeTable(HVDLITE_OP_REMOVE_PROCESS_SET, {id}, &unused);
+}
+
+// change_mutex_ held. A change is an op of the global set, named by its place in this
+// process's sequence of changes: so the k-th change of every rank negotiates with the
+// k-th change of the others, and ranks that disagree learn it as a mismatch.
+Status Core::ChangeTable(int32_t op, const std::vector<int64_t>& argument, int64_t* result) {
+  const uint8_t unused = 0;
+  std::string name = "process_set_change." + std::to_string(changes_);
+  hvdlite_tensor_t t = {};
+  t.name = name.c_str();
+  t.op = op;
+  t.dtype = HVDLITE_UINT8;
+  t.ndim = static_cast<int32_t>(argument.size());
+  t.shape = argument.data();
+  t.input = &unused;
+  t.process_set_id = 0;
+  t.device = -1;
+  hvdlite_handle_t h = 0;
+  Status s = Submit(&t, 1, false, true, &h);
+  if (!s.ok()) return s;
+  ++changes_;
+  s = handles_.Wait(h, -1);
+  if (s.ok()) {
+    void* data = nullptr;
+    int64_t nbytes = 0;
+    s = handles_.Output(h, &data, &nbytes, result);
+  }
+  handles_.Release(h);
+  return s;
+}
+
 // ------------------------------------------------------------ background thread
 
-bool Core::EndLoop(const Status& s) {
+void Core::EndLoop(const Status& s) {
   std::lock_guard<std::mutex> lock(end_mutex_);
   end_status_ = s;
-  return false;
 }
 
 void Core::FailEverything(const Status& s) {
   for (hvdlite_handle_t h : queue_.TakeAll()) handles_.Complete(h, s);
 }
 
-void Core::Loop(int64_t comm_f2c) {
-  cache_.reset(config_.cache_capacity > 0 ? new ResponseCache(config_.cache_capacity) : nullptr);
-  controller_.reset(topo_.rank == 0 ? new Controller(topo_.size, config_) : nullptr);
-  uncached_.clear();
-  cached_pending_.clear();
-  invalid_slots_.clear();
-  join_active_ = local_joined_ = false;
+void Core::Loop() {
   auto cycle = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double, std::milli>(config_.cycle_time_ms));
   auto last_start = Clock::now();
@@ -436,7 +556,10 @@ void Core::Loop(int64_t comm_f2c) {
   // idle coordination round (its bit set, ours not yet) would wait a whole cycle.
   const auto idle_cycle = std::max<Clock::duration>(cycle, kIdleCycle);
   while (true) {
-    bool idle = queue_.Size() == 0 && !local_joined_ && !join_active_;
+    bool idle = queue_.Size() == 0 && Clock::now() - elsewhere_heard_ > kElsewhereLinger;
+    for (ProcessSetState* set = sets_.NextMember(-1); set && idle; set = sets_.NextMember(set->id())) {
+      idle = !set->Busy();
+    }
     if (queue_.WaitForWork(last_start + (idle ? idle_cycle : cycle)) && cycle.count() > 0) {
       // Requests arrived: the rest of a burst (a training step's gradients, a loop of
       // submissions) joins them, so that one cycle negotiates and fuses them all
@@ -470,14 +593,66 @@ void Core::Loop(int64_t comm_f2c) {
     loop_ended_ = true;
     FailEverything(end);
   }
-  mpi_.Shutdown(transport_ok);
+  sets_.Clear(transport_ok);
 }
 
 bool Core::RunCycle() {
   counters_.cycles++;
   timeline_.MarkCycle();
-  auto now = Clock::now();
+  const auto now = Clock::now();
+  // One value for every set this cycle: all ranks then stop after the same cycle (each
+  // hears of it in set 0's round at the latest). The ops in flight are counted before
+  // the pop, like the idle test of Loop.
+  RoundFlags mine;
+  mine.shutdown = shutdown_requested_;
+  queue_.CountBySet(&in_flight_, &in_flight_by_set_);
   queue_.PopPending(&fresh_);
+  Distribute();
+  RoundFlags heard;
+  for (ProcessSetState* set = sets_.NextMember(-1); set; set = sets_.NextMember(set->id())) {
+    auto here = in_flight_by_set_.find(set->id());
+    mine.elsewhere = in_flight_ > (here == in_flight_by_set_.end() ? 0 : here->second);
+    if (!set->RunCycle(now, mine, &heard)) return false;
+  }
+  if (heard.elsewhere) elsewhere_heard_ = now;
+  return !heard.shutdown;
+}
+
+void Core::Distribute() {
+  for (TensorEntry* e : fresh_) {
+    ProcessSetState* set = sets_.Find(e->request.process_set);
+    if (set && set->included()) {
+      set->Accept(e);
+      continue;
+    }
+    // Removed between its enqueue and this cycle.
+    hvdlite_handle_t h = e->handle;
+    std::string name = e->request.name;
+    queue_.Remove(name);
+    counters_.errors++;
+    handles_.Complete(h, InvalidArgument("tensor '" + name + "': process set " +
+                                         std::to_string(e->request.process_set) +
+                                         " was removed before the op could run"));
+  }
+}
+
+bool ProcessSetState::EndLoop(const Status& s) {
+  end_loop_(s);
+  failed_ = true;
+  return false;
+}
+
+bool ProcessSetState::RunCycle(Clock::time_point now, const RoundFlags& mine, RoundFlags* heard) {
+  SortFresh(now);
+  bool any_uncached = false;
+  std::vector<Response> ready;
+  if (!Coordinate(now, mine, &any_uncached, heard, &ready)) return false;
+  if (any_uncached && !Negotiate(now, &ready)) return false;
+  Execute(ready);
+  return !failed_;
+}
+
+void ProcessSetState::SortFresh(Clock::time_point now) {
   const bool tl = timeline_.active();
   std::vector<const std::string*> cached_names;  // timeline: rank 0 ready, cache path
   if (tl) {
@@ -497,7 +672,7 @@ bool Core::RunCycle() {
     int64_t slot = -1;
     auto lookup = ResponseCache::Lookup::kMiss;
     if (cache_ && !join_active_ && q.group.empty() && q.op != HVDLITE_OP_JOIN &&
-        q.op != HVDLITE_OP_BARRIER) {
+        q.op != HVDLITE_OP_BARRIER && q.op < HVDLITE_OP_ADD_PROCESS_SET) {
       lookup = cache_->Find(q, &slot);
     }
     if (lookup == ResponseCache::Lookup::kHit) {
@@ -510,6 +685,7 @@ bool Core::RunCycle() {
     if (lookup == ResponseCache::Lookup::kChanged) invalid_slots_.insert(slot);
     uncached_.push_back(q);
   }
+  fresh_.clear();
   timeline_.InstantAll(cached_names, "rank 0 ready", "\"cached\": true");
   // A cached tensor waiting long on this rank goes back through the coordinator,
   // which can tell who is missing (a bit vector cannot).
@@ -524,14 +700,18 @@ bool Core::RunCycle() {
       }
     }
   }
+}
 
+bool ProcessSetState::Coordinate(Clock::time_point now, const RoundFlags& mine, bool* any_uncached,
+                                 RoundFlags* heard, std::vector<Response>* ready) {
   const size_t words = cache_ ? (cache_->capacity() + 63) / 64 : 0;
   std::vector<uint64_t> bits(1 + 2 * words, 0);
   uint64_t flags = 0;
   bool wants_round = controller_ && controller_->WantsRound(now);
   if (!uncached_.empty() || wants_round) flags |= 1;
-  if (shutdown_requested_) flags |= 2;
+  if (mine.shutdown) flags |= 2;
   if (local_joined_) flags |= 4;
+  if (mine.elsewhere) flags |= 8;
   // BAND over inverted flags is an OR over ranks.
   bits[0] = ~flags;
   for (auto& kv : cached_pending_) {
@@ -541,10 +721,13 @@ bool Core::RunCycle() {
   for (int64_t slot : invalid_slots_) bits[1 + words + slot / 64] &= ~(1ull << (slot % 64));
   invalid_slots_.clear();
 
-  Status s = mpi_.AndBits(&bits);
+  Status s = mpi_->AndBits(&bits);
   if (!s.ok()) return EndLoop(s);
   flags = ~bits[0];
-  bool any_uncached = flags & 1, any_shutdown = flags & 2, any_joined = flags & 4;
+  bool any_joined = flags & 4;
+  *any_uncached = flags & 1;
+  if (flags & 2) heard->shutdown = true;
+  if (flags & 8) heard->elsewhere = true;
 
   auto to_uncached = [&](int64_t slot) {
     const Response& r = cache_->Get(slot);
@@ -567,7 +750,6 @@ bool Core::RunCycle() {
     while (!cached_pending_.empty()) to_uncached(cached_pending_.begin()->first);
   }
 
-  std::vector<Response> ready;
   for (size_t w = 0; w < words; ++w) {
     uint64_t hit = bits[1 + w];
     while (hit) {
@@ -575,70 +757,65 @@ bool Core::RunCycle() {
       hit &= hit - 1;
       if (!cache_->Has(slot) || !cached_pending_.count(slot)) continue;
       cache_->Touch(slot);
-      ready.push_back(cache_->Get(slot));
+      ready->push_back(cache_->Get(slot));
       cached_pending_.erase(slot);
       counters_.cache_hits++;
     }
   }
-  if (tl && !ready.empty()) {
-    cached_names.clear();
-    for (const Response& r : ready) cached_names.push_back(&r.name);
+  if (timeline_.active() && !ready->empty()) {
+    std::vector<const std::string*> cached_names;
+    for (const Response& r : *ready) cached_names.push_back(&r.name);
     timeline_.InstantAll(cached_names, "all ranks ready", "\"cached\": true");
   }
-
-  if (any_uncached) {
-    counters_.coordinator_gathers++;
-    counters_.cache_misses += static_cast<int64_t>(uncached_.size());
-    for (Request& q : uncached_) {
-      TensorEntry* e = queue_.Find(q.name);
-      q.wait_ms = e ? std::chrono::duration_cast<std::chrono::milliseconds>(now - e->enqueued).count() : 0;
-    }
-    std::vector<uint8_t> mine;
-    SerializeRequests(uncached_, &mine);
-    uncached_.clear();
-    std::vector<std::vector<uint8_t>> all;
-    s = mpi_.GatherBlobs(mine, &all);
-    std::vector<uint8_t> blob;
-    if (s.ok() && controller_) {
-      for (size_t r = 0; r < all.size() && s.ok(); ++r) {
-        std::vector<Request> reqs;
-        s = ParseRequests(all[r].data(), all[r].size(), &reqs);
-        for (const Request& q : reqs) {
-          if (timeline_.active() && q.op != HVDLITE_OP_JOIN) {
-            timeline_.BeginNegotiation(q.name, kNegotiateActivity[q.op]);
-            timeline_.Instant(q.name, "rank " + std::to_string(q.rank) + " ready");
-          }
-          controller_->AddRequest(q, now);
-        }
-      }
-      SerializeResponses(controller_->BuildResponses(now), &blob);
-    }
-    if (s.ok()) s = mpi_.BroadcastBlob(&blob);
-    std::vector<Response> fresh_responses;
-    if (s.ok()) s = ParseResponses(blob.data(), blob.size(), &fresh_responses);
-    if (!s.ok()) return EndLoop(s);
-    for (Response& r : fresh_responses) {
-      if (r.cacheable && cache_ && r.error.empty()) {
-        // Every rank submitted a cacheable tensor, so each has its own request here;
-        // Put runs on every rank in this same order, keeping slots identical.
-        TensorEntry* e = queue_.Find(r.name);
-        Request local = e ? e->request : Request();
-        if (!e) local.name = r.name;
-        cache_->Put(local, r);
-      }
-      ready.push_back(std::move(r));
-    }
-  }
-
-  Execute(ready);
-  {
-    std::lock_guard<std::mutex> lock(end_mutex_);
-    if (!end_status_.ok()) return false;
-  }
-  return !any_shutdown;
+  return true;
 }
 
-void Core::Finish(TensorEntry* e, const Status& s, OpOutput out) {
+bool ProcessSetState::Negotiate(Clock::time_point now, std::vector<Response>* ready) {
+  counters_.coordinator_gathers++;
+  counters_.cache_misses += static_cast<int64_t>(uncached_.size());
+  for (Request& q : uncached_) {
+    TensorEntry* e = queue_.Find(q.name);
+    q.wait_ms = e ? std::chrono::duration_cast<std::chrono::milliseconds>(now - e->enqueued).count() : 0;
+  }
+  std::vector<uint8_t> mine;
+  SerializeRequests(uncached_, &mine);
+  uncached_.clear();
+  std::vector<std::vector<uint8_t>> all;
+  Status s = mpi_->GatherBlobs(mine, &all);
+  std::vector<uint8_t> blob;
+  if (s.ok() && controller_) {
+    for (size_t r = 0; r < all.size() && s.ok(); ++r) {
+      std::vector<Request> reqs;
+      s = ParseRequests(all[r].data(), all[r].size(), &reqs);
+      for (const Request& q : reqs) {
+        if (timeline_.active() && q.op != HVDLITE_OP_JOIN) {
+          timeline_.BeginNegotiation(q.name, kNegotiateActivity[q.op]);
+          timeline_.Instant(q.name, "rank " + std::to_string(q.rank) + " ready");
+        }
+        controller_->AddRequest(q, now);
+      }
+    }
+    SerializeResponses(controller_->BuildResponses(now), &blob);
+  }
+  if (s.ok()) s = mpi_->BroadcastBlob(&blob);
+  std::vector<Response> fresh_responses;
+  if (s.ok()) s = ParseResponses(blob.data(), blob.size(), &fresh_responses);
+  if (!s.ok()) return EndLoop(s);
+  for (Response& r : fresh_responses) {
+    if (r.cacheable && cache_ && r.error.empty()) {
+      // Every rank submitted a cacheable tensor, so each has its own request here;
+      // Put runs on every rank in this same order, keeping slots identical.
+      TensorEntry* e = queue_.Find(r.name);
+      Request local = e ? e->request : Request();
+      if (!e) local.name = r.name;
+      cache_->Put(local, r);
+    }
+    ready->push_back(std::move(r));
+  }
+  return true;
+}
+
+void ProcessSetState::Finish(TensorEntry* e, const Status& s, OpOutput out) {
   if (!e) return;
   hvdlite_handle_t h = e->handle;
   queue_.Remove(e->request.name);  // e is gone from here on
@@ -650,13 +827,13 @@ void Core::Finish(TensorEntry* e, const Status& s, OpOutput out) {
   handles_.Complete(h, s, std::move(out));
 }
 
-void Core::FinishAll(const std::vector<TensorEntry*>& entries, const Status& s) {
+void ProcessSetState::FinishAll(const std::vector<TensorEntry*>& entries, const Status& s) {
   std::vector<hvdlite_handle_t> handles = queue_.RemoveAll(entries);  // entries gone
   (s.ok() ? counters_.tensors : counters_.errors) += static_cast<int64_t>(handles.size());
   handles_.CompleteAll(handles, s);
 }
 
-void Core::Execute(const std::vector<Response>& ready) {
+void ProcessSetState::Execute(const std::vector<Response>& ready) {
   // Plan: ready[begin, ends[n]) is one collective, a run of compatible allreduces fused
   // under the threshold or one other response. Every field used here comes from the
   // responses, which are identical on all ranks.
@@ -714,7 +891,7 @@ void Core::Execute(const std::vector<Response>& ready) {
         timeline_.BeginOps(
             names, kOpActivity[ops[0]->op],
             [&](size_t n) { return TimelineArgsKey(*ops[n], fused); },
-            [&](size_t n) { return TimelineArgs(*ops[n], fused, topo_.rank, topo_.size); });
+            [&](size_t n) { return TimelineArgs(*ops[n], fused, rank_, size_); });
       }
       begin = end;
     }
@@ -740,7 +917,7 @@ void Core::Execute(const std::vector<Response>& ready) {
   }
 }
 
-void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
+void ProcessSetState::ExecuteAllreduce(const std::vector<const Response*>& fused) {
   const Response& first = *fused[0];
   const int32_t dtype = first.dtype;
   const int elem = ElementSize(dtype);
@@ -759,7 +936,7 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
   Activities activities(timeline_, names, queue_start_us_);
   activities.Done("QUEUE");
   Status s;
-  if (mpi_.shared_memory()) {
+  if (mpi_->shared_memory()) {
     // Straight from the inputs through shared memory into the outputs, scaled on the
     // way: no fusion buffer and no separate scaling pass.
     std::vector<ShmAllreduce::Piece> pieces;
@@ -768,7 +945,7 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
       TensorEntry* e = entries[k];  // null: this rank joined and contributes zeros
       pieces.push_back({e ? e->input : nullptr, e ? e->output : nullptr, NumElements(fused[k]->shape)});
     }
-    s = mpi_.SharedAllreduce(pieces, dtype, mpi_op, first.prescale, first.postscale, divisor);
+    s = mpi_->SharedAllreduce(pieces, dtype, mpi_op, first.prescale, first.postscale, divisor);
     activities.Done("SHM_ALLREDUCE");
   } else if (fused.size() == 1 && entries[0]) {
     // One tensor: reduce in its output buffer, no fusion-buffer round trip.
@@ -780,7 +957,7 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
       send = e->output;
     }
     activities.Done("MEMCPY_IN_FUSION_BUFFER");
-    s = mpi_.Allreduce(send, e->output, total, dtype, mpi_op);
+    s = mpi_->Allreduce(send, e->output, total, dtype, mpi_op);
     activities.Done("MPI_ALLREDUCE");
     if (s.ok()) ScaledCopy(e->output, e->output, total, dtype, first.postscale, divisor);
     activities.Done("MEMCPY_OUT_FUSION_BUFFER");
@@ -797,7 +974,7 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
       off += n;
     }
     activities.Done("MEMCPY_IN_FUSION_BUFFER");
-    s = mpi_.Allreduce(buf, buf, total, dtype, mpi_op);
+    s = mpi_->Allreduce(buf, buf, total, dtype, mpi_op);
     activities.Done("MPI_ALLREDUCE");
     off = 0;
     for (size_t k = 0; k < fused.size() && s.ok(); ++k) {
@@ -809,16 +986,16 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
   }
   if (tl) timeline_.EndAll(names);  // ALLREDUCE
   counters_.collectives++;
-  if (mpi_.shared_memory()) counters_.shm_collectives++;
+  if (mpi_->shared_memory()) counters_.shm_collectives++;
   if (fused.size() > 1) counters_.fused_collectives++;
   counters_.bytes += total * elem;
-  counters_.wire_bytes += WireBytes(HVDLITE_OP_ALLREDUCE, total * elem, topo_.size);
+  counters_.wire_bytes += WireBytes(HVDLITE_OP_ALLREDUCE, total * elem, size_);
   FinishAll(entries, s);
   if (!s.ok()) EndLoop(s);
 }
 
 // Bytes of one allgather's result (all ranks' rows).
-int64_t Core::AllgatherBytes(const Response& r) {
+int64_t ProcessSetState::AllgatherBytes(const Response& r) {
   int64_t rows = 0;
   for (int64_t d : r.first_dims) rows += d;
   return rows * RowElements(r.shape) * ElementSize(r.dtype);
@@ -826,8 +1003,8 @@ int64_t Core::AllgatherBytes(const Response& r) {
 
 // Several allgathers in one Allgatherv: each rank sends its tensors' rows back to back,
 // so rank k's block holds, per tensor in order, first_dims[k] rows of it.
-void Core::ExecuteAllgather(const std::vector<const Response*>& fused) {
-  const int size = topo_.size, me = topo_.rank;
+void ProcessSetState::ExecuteAllgather(const std::vector<const Response*>& fused) {
+  const int size = size_, me = rank_;
   const bool tl = timeline_.active();
   std::vector<const std::string*> names;
   std::vector<TensorEntry*> entries;
@@ -853,7 +1030,7 @@ void Core::ExecuteAllgather(const std::vector<const Response*>& fused) {
     off += n;
   }
   activities.Done("MEMCPY_IN_FUSION_BUFFER");
-  Status s = mpi_.Allgatherv(send, block[me], recv, block);
+  Status s = mpi_->Allgatherv(send, block[me], recv, block);
   activities.Done("MPI_ALLGATHER");
   std::vector<OpOutput> outs(fused.size());
   if (s.ok()) {
@@ -878,10 +1055,10 @@ void Core::ExecuteAllgather(const std::vector<const Response*>& fused) {
   if (!s.ok()) EndLoop(s);
 }
 
-void Core::ExecuteOne(const Response& r) {
+void ProcessSetState::ExecuteOne(const Response& r) {
   TensorEntry* e = r.op == HVDLITE_OP_JOIN ? queue_.Find(kJoinName) : queue_.Find(r.name);
   const int elem = ElementSize(r.dtype);
-  const int size = topo_.size, me = topo_.rank;
+  const int size = size_, me = rank_;
   const bool tl = timeline_.active() && r.op != HVDLITE_OP_JOIN;
   std::vector<const std::string*> names;
   if (tl) names.push_back(&r.name);
@@ -902,7 +1079,7 @@ void Core::ExecuteOne(const Response& r) {
         out.first_dim += r.first_dims[k];
       }
       out.Allocate(total);
-      s = mpi_.Allgatherv(e ? e->input : nullptr, bytes[me], out.data.get(), bytes);
+      s = mpi_->Allgatherv(e ? e->input : nullptr, bytes[me], out.data.get(), bytes);
       moved = total;
       break;
     }
@@ -912,7 +1089,7 @@ void Core::ExecuteOne(const Response& r) {
       if (me == r.root_rank && e && e->output != e->input && nbytes > 0) {
         std::memcpy(e->output, e->input, nbytes);
       }
-      s = mpi_.Bcast(target, nbytes, r.root_rank);
+      s = mpi_->Bcast(target, nbytes, r.root_rank);
       moved = nbytes;
       break;
     }
@@ -929,7 +1106,7 @@ void Core::ExecuteOne(const Response& r) {
         total += recv[k];
       }
       out.Allocate(total);
-      s = mpi_.Alltoallv(e ? e->input : nullptr, send, out.data.get(), recv);
+      s = mpi_->Alltoallv(e ? e->input : nullptr, send, out.data.get(), recv);
       moved = total;
       sent_away = 0;
       for (int k = 0; k < size; ++k) sent_away += k == me ? 0 : send[k];
@@ -952,7 +1129,7 @@ void Core::ExecuteOne(const Response& r) {
         in = scratch;
       }
       bool average = r.reduce_op == HVDLITE_AVERAGE;
-      s = mpi_.ReduceScatter(in, e->output, counts, r.dtype, average ? HVDLITE_SUM : r.reduce_op);
+      s = mpi_->ReduceScatter(in, e->output, counts, r.dtype, average ? HVDLITE_SUM : r.reduce_op);
       if (s.ok()) {
         ScaledCopy(e->output, e->output, counts[me], r.dtype, r.postscale,
                    average ? std::max(1, r.contributors) : 1);
@@ -961,11 +1138,17 @@ void Core::ExecuteOne(const Response& r) {
       break;
     }
     case HVDLITE_OP_BARRIER:
-      s = mpi_.Barrier();
+      s = mpi_->Barrier();
       break;
     case HVDLITE_OP_JOIN:
       local_joined_ = false;
       out.first_dim = r.last_joined_rank;
+      break;
+    case HVDLITE_OP_ADD_PROCESS_SET:
+      s = AddSet(r, &out);
+      break;
+    case HVDLITE_OP_REMOVE_PROCESS_SET:
+      s = RemoveSet(r);
       break;
   }
   if (tl) {

@@ -1,5 +1,6 @@
 // The process-wide core: init/shutdown, the enqueue entry point, and the background
-// thread that runs the cycle (drain -> negotiate -> fuse -> execute -> complete).
+// thread that runs the cycle (drain -> negotiate -> fuse -> execute -> complete) for
+// every process set.
 #pragma once
 
 #include <atomic>
@@ -10,23 +11,12 @@
 #include <thread>
 #include <vector>
 
-#include "backend_mpi.h"
-#include "config.h"
-#include "controller.h"
-#include "fusion.h"
-#include "handle_table.h"
-#include "response_cache.h"
-#include "tensor_queue.h"
-#include "timeline.h"
+#include "process_set.h"
 
 namespace hvdlite {
 
-struct Counters {
-  std::atomic<int64_t> cycles{0}, coordinator_gathers{0}, cache_hits{0}, cache_misses{0},
-      collectives{0}, fused_collectives{0}, tensors{0}, bytes{0}, errors{0}, shm_collectives{0},
-      wire_bytes{0};
-};
-
+// The process: init/shutdown, enqueue and the process-set table for framework threads,
+// and the background thread that runs the cycle over every process set.
 class Core {
  public:
   static Core& Get();
@@ -42,24 +32,29 @@ class Core {
   const Counters& counters() const { return counters_; }
   Status StartTimeline(const std::string& path, bool mark_cycles);
   Status StopTimeline();
+  // Process sets (see c_api.h): the changes are collective over all ranks and block.
+  Status AddProcessSet(const int32_t* ranks, int32_t n, int32_t* id);
+  Status RemoveProcessSet(int32_t id);
+  // The members of set id; an error naming the id when there is none.
+  Status ProcessSet(int32_t id, std::shared_ptr<const ProcessSetMembers>* out) const;
+  std::vector<std::shared_ptr<const ProcessSetMembers>> ProcessSets() const { return sets_.All(); }
 
  private:
-  Status Validate(const hvdlite_tensor_t& t, int64_t index) const;
+  Status Validate(const hvdlite_tensor_t& t, int64_t index, const ProcessSetMembers& set) const;
+  // Enqueue, for the public ops or (table_change) the process-set changes.
+  Status Submit(const hvdlite_tensor_t* tensors, int32_t n, bool group, bool table_change,
+                hvdlite_handle_t* out);
+  // Submits one table change (op, with shape as its argument) and waits for it; *result
+  // receives the handle's first_dim.
+  Status ChangeTable(int32_t op, const std::vector<int64_t>& argument, int64_t* result);
 
   // Background thread.
-  void Loop(int64_t comm_f2c);
+  void Loop();
   bool RunCycle();  // false when the loop must end
-  void Execute(const std::vector<Response>& ready);
-  void ExecuteAllreduce(const std::vector<const Response*>& fused);
-  void ExecuteAllgather(const std::vector<const Response*>& fused);
-  static int64_t AllgatherBytes(const Response& r);
-  void ExecuteOne(const Response& r);
-  void Finish(TensorEntry* e, const Status& s, OpOutput out = OpOutput());
-  // Finish for ops without outputs of their own (a fused allreduce), in one go.
-  void FinishAll(const std::vector<TensorEntry*>& entries, const Status& s);
-  // A transport failure ends the loop after this cycle, with s as the reason; returns
-  // false (RunCycle's "stop").
-  bool EndLoop(const Status& s);
+  // Hands this cycle's new entries to their sets; fails those of a set that is gone.
+  void Distribute();
+  // A transport failure ends the loop after this cycle, with s as the reason.
+  void EndLoop(const Status& s);
   void FailEverything(const Status& s);
 
   // Set before the thread starts or while it is not running; read-only otherwise.
@@ -72,25 +67,21 @@ class Core {
   std::mutex lifecycle_mutex_;  // serializes Init/Shutdown
   std::mutex end_mutex_;
   Status end_status_;           // Guarded by end_mutex_: why the loop ended.
+  std::mutex change_mutex_;     // one table change at a time from this process
+  int64_t changes_ = 0;         // Guarded by change_mutex_: names the next change
 
   HandleTable handles_;
   TensorQueue queue_;
   Counters counters_;
   Timeline timeline_;  // used by the background thread; Start/Stop under timeline_mutex_
   std::mutex timeline_mutex_;
+  ProcessSetTable sets_;
 
   // Background thread only.
-  MpiBackend mpi_;
-  std::unique_ptr<ResponseCache> cache_;
-  std::unique_ptr<Controller> controller_;
-  FusionBuffer fusion_;
   std::vector<TensorEntry*> fresh_;  // this cycle's new entries (TensorQueue::PopPending)
-  std::vector<Request> uncached_;
-  std::map<int64_t, Clock::time_point> cached_pending_;  // slot -> when it was enqueued
-  std::set<int64_t> invalid_slots_;
-  bool join_active_ = false;
-  bool local_joined_ = false;
-  int64_t queue_start_us_ = 0;  // timeline: when this cycle's operations began to queue
+  int64_t in_flight_ = 0;            // this cycle's count of ops in flight, and per set
+  std::map<int32_t, int64_t> in_flight_by_set_;
+  Clock::time_point elsewhere_heard_;  // when RoundFlags::elsewhere was last heard
 };
 
 }  // namespace hvdlite

@@ -168,6 +168,74 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_stats(hvdlite_stats_t* out) {
   });
 }
 
+HVDLITE_EXPORT hvdlite_status_t hvdlite_add_process_set(const int32_t* ranks, int32_t n, int32_t* id) {
+  return Guard([&] {
+    if (!id) return NullOut();
+    return hvdlite::Core::Get().AddProcessSet(ranks, n, id);
+  });
+}
+
+HVDLITE_EXPORT hvdlite_status_t hvdlite_remove_process_set(int32_t id) {
+  return Guard([&] { return hvdlite::Core::Get().RemoveProcessSet(id); });
+}
+
+HVDLITE_EXPORT hvdlite_status_t hvdlite_process_set_ids(int32_t* ids, int32_t capacity, int32_t* n) {
+  return Guard([&] {
+    if (!n || (capacity > 0 && !ids)) return NullOut();
+    hvdlite::Core& core = hvdlite::Core::Get();
+    hvdlite::Status s = core.CheckRunning();
+    if (!s.ok()) return s;
+    auto sets = core.ProcessSets();
+    *n = static_cast<int32_t>(sets.size());
+    for (int32_t i = 0; i < *n && i < capacity; ++i) ids[i] = sets[i]->id;
+    return hvdlite::Status::OK();
+  });
+}
+
+namespace {
+// The members of set id for the calls below (an error when not running or unknown).
+hvdlite::Status Members(int32_t id, std::shared_ptr<const hvdlite::ProcessSetMembers>* out) {
+  hvdlite::Core& core = hvdlite::Core::Get();
+  hvdlite::Status s = core.CheckRunning();
+  return s.ok() ? core.ProcessSet(id, out) : s;
+}
+}  // namespace
+
+HVDLITE_EXPORT hvdlite_status_t hvdlite_process_set_ranks(int32_t id, int32_t* ranks, int32_t capacity,
+                                                          int32_t* n) {
+  return Guard([&] {
+    if (!n || (capacity > 0 && !ranks)) return NullOut();
+    std::shared_ptr<const hvdlite::ProcessSetMembers> set;
+    hvdlite::Status s = Members(id, &set);
+    if (!s.ok()) return s;
+    *n = set->size();
+    for (int32_t i = 0; i < *n && i < capacity; ++i) ranks[i] = set->ranks[i];
+    return s;
+  });
+}
+
+namespace {
+// A query of one number about set id, like Topology's.
+template <typename Getter>
+hvdlite_status_t SetQuery(int32_t id, int32_t* out, Getter get) {
+  return Guard([&] {
+    if (!out) return NullOut();
+    std::shared_ptr<const hvdlite::ProcessSetMembers> set;
+    hvdlite::Status s = Members(id, &set);
+    if (s.ok()) *out = get(*set);
+    return s;
+  });
+}
+}  // namespace
+
+HVDLITE_EXPORT hvdlite_status_t hvdlite_process_set_rank(int32_t id, int32_t* out) {
+  return SetQuery(id, out, [](const hvdlite::ProcessSetMembers& m) { return m.rank; });
+}
+
+HVDLITE_EXPORT hvdlite_status_t hvdlite_process_set_size(int32_t id, int32_t* out) {
+  return SetQuery(id, out, [](const hvdlite::ProcessSetMembers& m) { return m.size(); });
+}
+
 HVDLITE_EXPORT hvdlite_status_t hvdlite_start_timeline(const char* path, int32_t mark_cycles) {
   return Guard([&] {
     if (!path || !*path) return hvdlite::InvalidArgument("timeline path is empty");

@@ -27,11 +27,14 @@ const char* DtypeName(int32_t dtype) {
   return ValidDtype(dtype) ? kNames[dtype] : "unknown dtype";
 }
 
-bool ValidOp(int32_t op) { return op >= HVDLITE_OP_ALLREDUCE && op <= HVDLITE_OP_JOIN; }
+bool ValidOp(int32_t op) {
+  return op >= HVDLITE_OP_ALLREDUCE && op <= HVDLITE_OP_REMOVE_PROCESS_SET;
+}
 
 const char* OpName(int32_t op) {
   static const char* kNames[] = {"allreduce", "allgather", "broadcast", "alltoall",
-                                 "reducescatter", "barrier", "join"};
+                                 "reducescatter", "barrier", "join", "add_process_set",
+                                 "remove_process_set"};
   return ValidOp(op) ? kNames[op] : "unknown op";
 }
 
@@ -58,16 +61,17 @@ std::string RankList(const std::vector<int>& ranks) {
 }
 
 std::string Disagreement(const std::vector<std::string>& values,
-                         const std::vector<uint8_t>* counts) {
+                         const std::vector<uint8_t>* counts, const std::vector<int>* names) {
   std::vector<std::pair<std::string, std::vector<int>>> groups;  // value -> its ranks
   for (size_t r = 0; r < values.size(); ++r) {
     if (counts && !(*counts)[r]) continue;
+    const int name = names ? (*names)[r] : static_cast<int>(r);
     auto g = std::find_if(groups.begin(), groups.end(),
                           [&](const auto& x) { return x.first == values[r]; });
     if (g == groups.end()) {
-      groups.push_back({values[r], {static_cast<int>(r)}});
+      groups.push_back({values[r], {name}});
     } else {
-      g->second.push_back(static_cast<int>(r));
+      g->second.push_back(name);
     }
   }
   std::string diff;

@@ -50,9 +50,11 @@ std::string ShapeString(const std::vector<int64_t>& shape);
 std::string RankList(const std::vector<int>& ranks);
 // Ranks grouped by the value each had: "" when all agree, else e.g. "ranks 0, 2 had
 // 1024; rank 1 had 200000". values[r] is rank r's value; ranks with counts[r] == 0 are
-// left out (counts null: every rank counts).
+// left out (counts null: every rank counts). names[r], when given, is how rank r is
+// called (its global rank, for the ranks of a process set).
 std::string Disagreement(const std::vector<std::string>& values,
-                         const std::vector<uint8_t>* counts = nullptr);
+                         const std::vector<uint8_t>* counts = nullptr,
+                         const std::vector<int>* names = nullptr);
 int64_t NumElements(const std::vector<int64_t>& shape);
 
 // Logging: HVDLITE_LOG(WARNING) << "..."; level from HVDLITE_LOG_LEVEL.

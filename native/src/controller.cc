@@ -54,23 +54,31 @@ bool Controller::Ready(const PendingTensor& p) const {
   return any;
 }
 
+std::string Controller::Ranks(const std::vector<int>& set_ranks) const {
+  if (ranks_.empty()) return RankList(set_ranks);
+  std::vector<int> global;
+  for (int r : set_ranks) global.push_back(ranks_[r]);
+  return RankList(global);
+}
+
 std::string Controller::MissingRanks(const PendingTensor& p) const {
   std::vector<int> missing;
   for (int r = 0; r < size_; ++r) {
     if (!p.have[r] && !joined_[r]) missing.push_back(r);
   }
-  return RankList(missing);
+  return Ranks(missing);
 }
 
 // Checks one property across the ranks that submitted; on disagreement returns a
 // message listing which ranks had which value.
 static bool Agree(const std::vector<Request>& reqs, const std::vector<uint8_t>& have,
+                  const std::vector<int>& ranks,
                   const std::function<std::string(const Request&)>& value, std::string* diff) {
   std::vector<std::string> values(reqs.size());
   for (size_t r = 0; r < reqs.size(); ++r) {
     if (have[r]) values[r] = value(reqs[r]);
   }
-  *diff = Disagreement(values, &have);
+  *diff = Disagreement(values, &have, ranks.empty() ? nullptr : &ranks);
   return diff->empty();
 }
 
@@ -94,38 +102,52 @@ Response Controller::Validate(const std::string& name, const PendingTensor& p) c
   auto fail = [&](const std::string& what, const std::string& diff) {
     out.error_code = HVDLITE_ERR_MISMATCH;
     out.error = std::string("Mismatched ") + what + " for " + OpName(base.op) + " of tensor '" +
-                name + "': " + diff;
+                name + "'" + where_ + ": " + diff;
     out.cacheable = false;
     return out;
   };
   std::string diff;
   const auto& rq = p.requests;
-  if (!Agree(rq, p.have, [](const Request& q) { return std::string(OpName(q.op)); }, &diff)) {
+  if (!Agree(rq, p.have, ranks_, [](const Request& q) { return std::string(OpName(q.op)); }, &diff)) {
     return fail("operations", diff);
   }
-  if (!Agree(rq, p.have, [](const Request& q) { return std::string(DtypeName(q.dtype)); }, &diff)) {
+  if (!Agree(rq, p.have, ranks_, [](const Request& q) { return std::string(DtypeName(q.dtype)); }, &diff)) {
     return fail("data types", diff);
   }
-  if (!Agree(rq, p.have, [](const Request& q) { return q.device < 0 ? std::string("host memory") : "device " + std::to_string(q.device); }, &diff)) {
+  if (!Agree(rq, p.have, ranks_, [](const Request& q) { return q.device < 0 ? std::string("host memory") : "device " + std::to_string(q.device); }, &diff)) {
     return fail("devices", diff);
   }
-  if (!Agree(rq, p.have, [](const Request& q) { return "process set " + std::to_string(q.process_set); }, &diff)) {
+  if (!Agree(rq, p.have, ranks_, [](const Request& q) { return "process set " + std::to_string(q.process_set); }, &diff)) {
     return fail("process sets", diff);
   }
-  if (!Agree(rq, p.have, [](const Request& q) { return q.group.empty() ? std::string("no group") : "group '" + q.group + "'"; }, &diff)) {
+  if (!Agree(rq, p.have, ranks_, [](const Request& q) { return q.group.empty() ? std::string("no group") : "group '" + q.group + "'"; }, &diff)) {
     return fail("groups", diff);
   }
   const int op = base.op;
+  if (op == HVDLITE_OP_ADD_PROCESS_SET || op == HVDLITE_OP_REMOVE_PROCESS_SET) {
+    // shape carries the new set's ranks, or the id of the set to remove.
+    const bool add = op == HVDLITE_OP_ADD_PROCESS_SET;
+    auto what = [add](const Request& q) {
+      return add ? "ranks " + ShapeString(q.shape) : "process set " + std::to_string(q.shape.empty() ? -1 : q.shape[0]);
+    };
+    if (!Agree(rq, p.have, ranks_, what, &diff)) {
+      out.error_code = HVDLITE_ERR_MISMATCH;
+      out.error = std::string("Mismatched ") + OpName(op) + " calls (change " + name + ")" + where_ +
+                  ": every rank must make the same process-set changes in the same order; " + diff;
+      return out;
+    }
+    return out;  // never cached
+  }
   if (op == HVDLITE_OP_ALLREDUCE || op == HVDLITE_OP_REDUCESCATTER) {
-    if (!Agree(rq, p.have, [](const Request& q) { return std::string(ReduceOpName(q.reduce_op)); }, &diff)) {
+    if (!Agree(rq, p.have, ranks_, [](const Request& q) { return std::string(ReduceOpName(q.reduce_op)); }, &diff)) {
       return fail("reduction ops", diff);
     }
-    if (!Agree(rq, p.have, [](const Request& q) { return "prescale " + Num(q.prescale) + ", postscale " + Num(q.postscale); }, &diff)) {
+    if (!Agree(rq, p.have, ranks_, [](const Request& q) { return "prescale " + Num(q.prescale) + ", postscale " + Num(q.postscale); }, &diff)) {
       return fail("scale factors", diff);
     }
   }
   if (op == HVDLITE_OP_ALLREDUCE || op == HVDLITE_OP_BROADCAST || op == HVDLITE_OP_REDUCESCATTER) {
-    if (!Agree(rq, p.have, [](const Request& q) { return "shape " + ShapeString(q.shape); }, &diff)) {
+    if (!Agree(rq, p.have, ranks_, [](const Request& q) { return "shape " + ShapeString(q.shape); }, &diff)) {
       return fail("shapes", diff);
     }
   }
@@ -135,7 +157,7 @@ Response Controller::Validate(const std::string& name, const PendingTensor& p) c
       std::vector<int64_t> t(q.shape.begin() + 1, q.shape.end());
       return "trailing dims " + ShapeString(t);
     };
-    if (!Agree(rq, p.have, tail, &diff)) return fail("trailing dimensions", diff);
+    if (!Agree(rq, p.have, ranks_, tail, &diff)) return fail("trailing dimensions", diff);
     if (base.shape.empty()) {
       out.error_code = HVDLITE_ERR_INVALID_ARGUMENT;
       out.error = std::string(OpName(op)) + " of tensor '" + name + "' needs at least one dimension";
@@ -143,7 +165,7 @@ Response Controller::Validate(const std::string& name, const PendingTensor& p) c
     }
   }
   if (op == HVDLITE_OP_BROADCAST) {
-    if (!Agree(rq, p.have, [](const Request& q) { return "root rank " + std::to_string(q.root_rank); }, &diff)) {
+    if (!Agree(rq, p.have, ranks_, [this](const Request& q) { return "root rank " + std::to_string(Global(q.root_rank)); }, &diff)) {
       return fail("root ranks", diff);
     }
     if (base.root_rank < 0 || base.root_rank >= size_) {
@@ -154,8 +176,8 @@ Response Controller::Validate(const std::string& name, const PendingTensor& p) c
     }
     if (joined_[base.root_rank]) {
       out.error_code = HVDLITE_ERR_INVALID_ARGUMENT;
-      out.error = "broadcast of tensor '" + name + "': root rank " + std::to_string(base.root_rank) +
-                  " has already joined";
+      out.error = "broadcast of tensor '" + name + "'" + where_ + ": root rank " +
+                  std::to_string(Global(base.root_rank)) + " has already joined";
       return out;
     }
   }
@@ -210,7 +232,7 @@ void Controller::CheckStalls(Clock::time_point now, std::vector<Response>* out) 
       r.name = kv.second;
       r.error_code = HVDLITE_ERR_STALLED;
       // A group member every rank submitted waits for the group's other members.
-      r.error = std::string(OpName(r.op)) + " of tensor '" + kv.second + "' stalled: " +
+      r.error = std::string(OpName(r.op)) + " of tensor '" + kv.second + "'" + where_ + " stalled: " +
                 (Ready(p) ? "it waited for the rest of its group, which was not submitted"
                           : MissingRanks(p) + " did not submit it") +
                 " within " + Num(config_.stall_shutdown_s) + " s (HVDLITE_STALL_SHUTDOWN_TIME)";
@@ -227,8 +249,8 @@ void Controller::CheckStalls(Clock::time_point now, std::vector<Response>* out) 
       std::vector<int> ready;
       for (int r = 0; r < size_; ++r) if (p.have[r]) ready.push_back(r);
       HVDLITE_LOG(WARNING) << "stall: " << OpName(p.requests[ready.empty() ? 0 : ready[0]].op)
-                           << " of tensor '" << kv.second << "' has waited " << Num(age)
-                           << " s; submitted by " << RankList(ready) << ", missing on "
+                           << " of tensor '" << kv.second << "'" << where_ << " has waited " << Num(age)
+                           << " s; submitted by " << Ranks(ready) << ", missing on "
                            << MissingRanks(p);
     }
   }
@@ -338,7 +360,7 @@ std::vector<Response> Controller::BuildResponses(Clock::time_point now) {
     Response j;
     j.op = HVDLITE_OP_JOIN;
     j.name = "join";
-    j.last_joined_rank = last_joined_;
+    j.last_joined_rank = Global(last_joined_);
     j.contributors = 0;
     out.push_back(j);
     std::fill(joined_.begin(), joined_.end(), 0);

@@ -19,7 +19,11 @@ class Controller {
  public:
   using Clock = std::chrono::steady_clock;
 
-  Controller(int size, const Config& config) : size_(size), config_(config), joined_(size, 0) {}
+  // ranks: the global rank of each of the size ranks, for messages (empty: the ranks
+  // are global ones); where: appended to every error, naming the process set.
+  Controller(int size, const Config& config, std::vector<int> ranks = {}, std::string where = "")
+      : size_(size), config_(config), ranks_(std::move(ranks)), where_(std::move(where)),
+        joined_(size, 0) {}
 
   void AddRequest(const Request& request, Clock::time_point now);
   // Responses for every tensor that is now ready on all ranks, then errors for
@@ -41,10 +45,16 @@ class Controller {
   bool Ready(const PendingTensor& p) const;
   Response Validate(const std::string& name, const PendingTensor& p) const;
   std::string MissingRanks(const PendingTensor& p) const;
+  // "rank 3" / "ranks 0, 2" of set ranks, named by their global ranks.
+  std::string Ranks(const std::vector<int>& set_ranks) const;
+  // The global rank of a set rank.
+  int Global(int r) const { return ranks_.empty() || r < 0 || r >= size_ ? r : ranks_[r]; }
   void CheckStalls(Clock::time_point now, std::vector<Response>* out);
 
   int size_;
   Config config_;
+  std::vector<int> ranks_;
+  std::string where_;
   std::unordered_map<std::string, PendingTensor> table_;
   std::map<uint64_t, std::string> order_;  // arrival order -> name
   uint64_t seq_ = 0;

@@ -29,6 +29,7 @@ Status TensorQueue::Add(std::vector<TensorEntry> entries) {
       if (entries_.count(e.request.name)) return InFlight(e.request);
     }
     for (TensorEntry& e : entries) {
+      ++by_set_[e.request.process_set];
       std::string name = e.request.name;
       pending_.push_back(&entries_.emplace(std::move(name), std::move(e)).first->second);
     }
@@ -50,6 +51,8 @@ void TensorQueue::PopPending(std::vector<TensorEntry*>* out) {
 void TensorQueue::EraseLocked(const std::string& name) {
   auto it = entries_.find(name);
   if (it == entries_.end()) return;
+  auto count = by_set_.find(it->second.request.process_set);
+  if (--count->second == 0) by_set_.erase(count);
   // `name` may be the entry's own: not used after the erase.
   if (!it->second.popped) {
     auto pending = std::find(pending_.begin(), pending_.end(), &it->second);
@@ -87,7 +90,24 @@ std::vector<hvdlite_handle_t> TensorQueue::TakeAll() {
   for (auto& kv : entries_) handles.push_back(kv.second.handle);
   entries_.clear();
   pending_.clear();
+  by_set_.clear();
   return handles;
+}
+
+std::vector<std::pair<hvdlite_handle_t, std::string>> TensorQueue::TakeSet(int32_t process_set) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::pair<hvdlite_handle_t, std::string>> taken;
+  for (const auto& kv : entries_) {
+    if (kv.second.request.process_set == process_set) taken.emplace_back(kv.second.handle, kv.first);
+  }
+  for (const auto& t : taken) EraseLocked(t.second);
+  return taken;
+}
+
+void TensorQueue::CountBySet(int64_t* total, std::map<int32_t, int64_t>* by_set) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  *total = static_cast<int64_t>(entries_.size());
+  *by_set = by_set_;
 }
 
 bool TensorQueue::WaitForWork(Clock::time_point deadline) {

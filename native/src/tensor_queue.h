@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <map>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -48,6 +49,10 @@ class TensorQueue {
   std::vector<hvdlite_handle_t> RemoveAll(const std::vector<TensorEntry*>& entries);
   // Removes everything; returns the handles that were in flight.
   std::vector<hvdlite_handle_t> TakeAll();
+  // Removes the entries of one process set; returns their handles and names.
+  std::vector<std::pair<hvdlite_handle_t, std::string>> TakeSet(int32_t process_set);
+  // Entries in flight, in all and per process set (ids with none left out).
+  void CountBySet(int64_t* total, std::map<int32_t, int64_t>* by_set);
   // Background thread: sleeps until new requests arrive, Wake() is called, or
   // deadline. Returns whether requests are pending.
   bool WaitForWork(Clock::time_point deadline);
@@ -73,6 +78,7 @@ class TensorQueue {
   std::condition_variable work_cv_;
   std::unordered_map<std::string, TensorEntry> entries_;  // Guarded by mutex_.
   std::vector<TensorEntry*> pending_;                     // Guarded by mutex_.
+  std::map<int32_t, int64_t> by_set_;  // process set -> entries in flight. Guarded by mutex_.
   bool woken_ = false;                                    // Guarded by mutex_.
   std::condition_variable quiet_cv_;                      // WaitForQuiet sleeps here
   Clock::time_point last_add_;                            // Guarded by mutex_.

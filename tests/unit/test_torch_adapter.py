@@ -130,8 +130,10 @@ def test_bad_ops_roots_splits_and_scales(thvd):
         thvd.allgather(torch.tensor(1.0), name="scalar.gather")
     with pytest.raises(ValueError, match="supersedes"):
         thvd.allreduce(x, average=True, op=thvd.Sum)
-    with pytest.raises(thvd.InvalidArgumentError, match="process set"):
-        thvd.allreduce(x, process_set=thvd.ProcessSet(3))
+    with pytest.raises(ValueError, match="list of ranks"):
+        thvd.ProcessSet(3)
+    with pytest.raises(thvd.InvalidArgumentError, match="not registered"):
+        thvd.allreduce(x, process_set=thvd.ProcessSet([0]))
 
 
 def test_grouped_allreduce_is_all_or_nothing(thvd):

@@ -63,7 +63,12 @@ enum {
   HVDLITE_OP_ALLTOALL = 3,
   HVDLITE_OP_REDUCESCATTER = 4,
   HVDLITE_OP_BARRIER = 5,
-  HVDLITE_OP_JOIN = 6
+  HVDLITE_OP_JOIN = 6,
+  /* Changes of the process-set table, negotiated like collectives over the global set.
+   * Made by hvdlite_add_process_set and hvdlite_remove_process_set only: hvdlite_enqueue
+   * refuses them. */
+  HVDLITE_OP_ADD_PROCESS_SET = 7,
+  HVDLITE_OP_REMOVE_PROCESS_SET = 8
 };
 
 /* Reductions. Average is Sum followed by a division by the number of contributing
@@ -113,7 +118,11 @@ typedef struct {
   double postscale_factor;     /* applied to the result */
   int32_t root_rank;           /* BROADCAST */
   const int64_t* splits;       /* ALLTOALL: size() row counts, or NULL for even splits */
-  int32_t process_set_id;      /* 0: all ranks */
+  /* The process set that runs the op: 0 is every rank (the global set), others come
+   * from hvdlite_add_process_set. Only its members may submit to it; root_rank is a
+   * global rank that must be a member, splits have one entry per member (in rank
+   * order), REDUCESCATTER splits rows and ALLGATHER concatenates among the members. */
+  int32_t process_set_id;
   int32_t device;              /* -1: host memory */
 } hvdlite_tensor_t;
 
@@ -220,6 +229,37 @@ hvdlite_status_t hvdlite_handle_recv_splits(hvdlite_handle_t handle, int64_t* sp
 hvdlite_status_t hvdlite_release(hvdlite_handle_t handle);
 
 hvdlite_status_t hvdlite_stats(hvdlite_stats_t* out);
+
+/* Process sets: groups of ranks that negotiate and run collectives of their own,
+ * concurrently with other sets (each has its own communicator, response cache,
+ * coordinator and fusion). Set 0 is every rank and always exists.
+ *
+ * hvdlite_add_process_set and hvdlite_remove_process_set are collective over all
+ * ranks: every rank calls them, in the same order, with the same arguments (a rank
+ * that differs gets HVDLITE_ERR_MISMATCH naming the ranks, on every rank). They
+ * block until the change took effect everywhere. */
+
+/* Adds the set of the n global ranks (each in [0, size()), no repeats, any order);
+ * *id receives its id, the lowest unused one (the same on every rank).
+ * HVDLITE_ERR_INVALID_ARGUMENT for bad ranks or a set of those ranks that exists. */
+hvdlite_status_t hvdlite_add_process_set(const int32_t* ranks, int32_t n, int32_t* id);
+
+/* Removes set id (not 0). Ops of the set still in flight fail with an error that
+ * names the set. HVDLITE_ERR_INVALID_ARGUMENT for an unknown id or 0. */
+hvdlite_status_t hvdlite_remove_process_set(int32_t id);
+
+/* The number of ids (*n) and, into ids (capacity entries), the ids in increasing order. */
+hvdlite_status_t hvdlite_process_set_ids(int32_t* ids, int32_t capacity, int32_t* n);
+
+/* Set id's global ranks, in increasing order: *n of them, at most capacity written. */
+hvdlite_status_t hvdlite_process_set_ranks(int32_t id, int32_t* ranks, int32_t capacity,
+                                           int32_t* n);
+
+/* This process's rank in set id, -1 when it is not a member. */
+hvdlite_status_t hvdlite_process_set_rank(int32_t id, int32_t* out);
+
+/* The number of ranks in set id. */
+hvdlite_status_t hvdlite_process_set_size(int32_t id, int32_t* out);
 
 /* Switches the timeline at run time (rank 0 writes it). */
 hvdlite_status_t hvdlite_start_timeline(const char* path, int32_t mark_cycles);
