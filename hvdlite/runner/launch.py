@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
+from hvdlite.runner import elastic_driver
 from hvdlite.runner import hosts as hostlib
 from hvdlite.runner import mpi_command
 from hvdlite.runner import rank_wrapper
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="extra arguments for mpiexec, as one quoted string")
     launch.add_argument("--verbose", action="store_true",
                         help="log the launcher's decisions and the mpiexec command")
+    elastic_driver.add_arguments(parser)
     info = parser.add_argument_group("information")
     info.add_argument("--check-build", action="store_true",
                       help="show frameworks, MPI, NCCL/CUDA and the native library, and exit")
@@ -131,6 +133,7 @@ class LaunchConfig:
     mpi_args: List[str] = field(default_factory=list)
     verbose: bool = False
     check_build: bool = False
+    elastic: Optional[elastic_driver.ElasticSettings] = None
 
 
 def _number(value: float) -> str:
@@ -200,6 +203,10 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     except hostlib.HostSpecError as exc:
         raise UsageError(str(exc)) from exc
     env = tuning_env(args)
+    try:
+        elastic = elastic_driver.settings_from_args(args)
+    except elastic_driver.ElasticUsageError as exc:
+        raise UsageError(str(exc)) from exc
     if not math.isfinite(args.start_timeout) or args.start_timeout <= 0:
         raise UsageError(f"--start-timeout must be a number > 0, got {args.start_timeout:g}")
     try:
@@ -209,13 +216,17 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     config = LaunchConfig(num_ranks=0, command=command, hosts=hosts, tuning_env=env,
                           output_dir=args.output_filename, start_timeout=args.start_timeout,
                           mpi_args=mpi_args, verbose=args.verbose,
-                          check_build=args.check_build)
+                          check_build=args.check_build, elastic=elastic)
     if args.check_build:
         return config
     if not command:
         raise UsageError("no command given: put the program to run after the options, "
                          f"e.g. '{PROG} -np 2 python train.py'")
-    if args.num_proc is None:
+    if args.num_proc is None and elastic is not None:
+        # The first world takes what there is, up to --max-np.
+        config.num_ranks = min(elastic.max_np, hostlib.total_slots(hosts)) if hosts \
+            else elastic.max_np
+    elif args.num_proc is None:
         if hosts is None:
             raise UsageError("-np is required (or give -H/--hostfile to use all their slots)")
         config.num_ranks = hostlib.total_slots(hosts)
@@ -363,6 +374,8 @@ def run(config: LaunchConfig) -> int:
         # picks the address when the host name does not resolve on the others.
         bind = "0.0.0.0"
         advertise = os.environ.get("HVDLITE_LAUNCHER_HOST") or socket.getfqdn()
+    if config.elastic is not None:
+        return elastic_driver.run(config, launcher, bind, advertise)
     supervisor = JobSupervisor(config.num_ranks, config.start_timeout, config.output_dir,
                                bind_host=bind, advertise_host=advertise)
     env = dict(os.environ)

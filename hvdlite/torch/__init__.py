@@ -31,6 +31,7 @@ from hvdlite.torch.mpi_ops import (Average, Max, Min, Product, ProcessSet, Sum, 
                                    grouped_allreduce_async_, join, poll, reducescatter,
                                    reducescatter_async, synchronize)
 from hvdlite.torch.optimizer import DistributedOptimizer
+from hvdlite.torch import elastic  # noqa: E402 - hvd.elastic.run, TorchState, ElasticSampler
 
 
 def is_homogeneous():
