@@ -4,9 +4,10 @@
 
 Each rank appends JSON lines to LOG_DIR/g<world>-r<rank>.jsonl:
   {"ev": "start", ...}    after the world's state was handed over (before any step)
-  {"ev": "commit", ...}   after each commit returned: the step, the sample indices this
-                          rank trained on in that step, and a digest of the weights and
-                          optimizer state
+  {"ev": "trained", ...}  after each optimizer step: the step and the sample indices
+                          this rank trained on
+  {"ev": "saved", ...}    after each save reached host memory: the step count and a
+                          digest of the weights and optimizer state that were saved
   {"ev": "done", ...}     after training
 WHERE is backward (in the middle of the backward pass), allreduce (gradients in flight
 on the others), commit (halfway through writing the commit) or handover (while the new
@@ -95,6 +96,19 @@ def broadcast_or_die(blob, root_rank, name):
 state_module._broadcast_bytes = broadcast_or_die
 step_now = [-1]
 
+# Every save that reached the rank's host memory, with the digest of what was saved.
+_save = state_module.State.save
+
+
+def save_and_log(self):
+    _save(self)
+    if self._store is not None:  # the saves that reach host memory
+        LOG.write(json.dumps({"ev": "saved", "step": self.step, "commit": self.commit_id,
+                              "digest": digest(model, optimizer)}) + "\n")
+
+
+state_module.State.save = save_and_log
+
 torch.manual_seed(1234 + RANK)  # different on each rank: the first sync must fix it
 data = torch.randn(args.samples, 8, generator=torch.Generator().manual_seed(7))
 target = (data.sum(dim=1) > 0).long()
@@ -109,7 +123,7 @@ state.register_reset_callbacks([lambda: resets.append(hvd.size())])
 
 @hvd.elastic.run
 def train(state):
-    LOG.write(json.dumps({"ev": "start", "size": hvd.size(), "step": state.step,
+    LOG.write(json.dumps({"ev": "start", "size": hvd.size(), "step": state.step, "pid": os.getpid(),
                           "commit": state.commit_id, "epoch": state.epoch,
                           "processed": sampler.processed_num, "resets": list(resets),
                           "digest": digest(model, optimizer), "time": time.time()}) + "\n")
@@ -127,6 +141,8 @@ def train(state):
             loss.backward()
             kill_here("allreduce", state.step)
             optimizer.step()
+            LOG.write(json.dumps({"ev": "trained", "step": state.step, "epoch": state.epoch,
+                                  "indices": mine}) + "\n")
             sampler.record_batch(batch, len(mine))
             state.step += 1
             if RANK == 0 and state.step == args.grow_at and args.grow_file and GEN == 0:
@@ -134,10 +150,6 @@ def train(state):
                     f.write(args.grow_hosts + "\n")
                 time.sleep(2.0)  # the driver reads the discovery script every second
             state.commit()
-            LOG.write(json.dumps({"ev": "commit", "size": hvd.size(), "step": state.step,
-                                  "commit": state.commit_id, "epoch": state.epoch,
-                                  "indices": mine, "digest": digest(model, optimizer),
-                                  "time": time.time()}) + "\n")
         state.epoch += 1
         sampler.set_epoch(state.epoch)
     return digest(model, optimizer)
