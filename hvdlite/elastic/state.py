@@ -10,6 +10,7 @@ process memory and a failed collective is raised after ``restore()``, as there i
 to start a new world.
 """
 import functools
+import io
 import os
 import pickle
 import struct
@@ -28,8 +29,9 @@ _HEADER = struct.Struct("<q")
 class State:
     """What the user commits: subclasses say how to serialize it.
 
-    Subclasses implement ``_serialize() -> bytes`` and ``_deserialize(bytes)``, which
-    must round-trip bit for bit, and may override ``on_reset``.
+    Subclasses implement ``_serialize(file)`` (write the state into a binary file
+    object) and ``_deserialize(buffer)`` (read it back from a memoryview), which must
+    round-trip bit for bit, and may override ``on_reset``.
     """
 
     def __init__(self):
@@ -70,11 +72,11 @@ class State:
     def save(self):
         """Saves the current state as the last commit (no host check)."""
         self._commit_id += 1
-        blob = self._blob()
         if self._store is not None:
-            self._store.write(blob, self._commit_id)
+            # Straight into tmpfs: no copy of the serialized state in process memory.
+            self._store.write(self._write, self._commit_id)
         else:
-            self._saved = blob
+            self._saved = self._blob()
 
     def restore(self):
         """Returns the state to the last commit."""
@@ -118,18 +120,25 @@ class State:
 
     # -- serialization -----------------------------------------------------------------
 
-    def _serialize(self):
+    def _serialize(self, f):
         raise NotImplementedError
 
     def _deserialize(self, data):
         raise NotImplementedError
 
+    def _write(self, f):
+        f.write(_HEADER.pack(self._commit_id))
+        self._serialize(f)
+
     def _blob(self):
-        return _HEADER.pack(self._commit_id) + self._serialize()
+        buffer = io.BytesIO()
+        self._write(buffer)
+        return buffer.getbuffer()
 
     def _load_blob(self, blob):
-        (self._commit_id,) = _HEADER.unpack_from(blob)
-        self._deserialize(memoryview(blob)[_HEADER.size:])
+        view = memoryview(blob).cast("B")
+        (self._commit_id,) = _HEADER.unpack_from(view)
+        self._deserialize(view[_HEADER.size:])
 
     # -- worlds (called by run) ----------------------------------------------------------
 
@@ -170,10 +179,7 @@ class State:
                 f"any host of the new world (generation {protocol.generation()}); the "
                 f"hosts that held it are all gone")
         source = ids.index(best)
-        blob = None
-        if runtime.rank() == source:
-            with open(path, "rb") as f:
-                blob = f.read()
+        blob = np.fromfile(path, dtype=np.uint8) if runtime.rank() == source else None
         self._load_blob(_broadcast_bytes(blob, source, "hvdlite.elastic.handover"))
 
 
@@ -191,8 +197,8 @@ class ObjectState(State):
             setattr(self, name, value)
         self.save()
 
-    def _serialize(self):
-        return pickle.dumps({name: getattr(self, name) for name in self._value_names})
+    def _serialize(self, f):
+        pickle.dump({name: getattr(self, name) for name in self._value_names}, f)
 
     def _deserialize(self, data):
         for name, value in pickle.loads(data).items():
@@ -200,16 +206,18 @@ class ObjectState(State):
 
 
 def _broadcast_bytes(blob, root_rank, name):
-    """Returns ``root_rank``'s bytes on every rank."""
+    """Returns ``root_rank``'s bytes (any buffer) on every rank, as a uint8 array."""
     from hvdlite import ops, runtime
 
     is_root = runtime.rank() == root_rank
-    length = np.array([len(blob) if is_root else 0], dtype=np.int64)
+    payload = np.frombuffer(blob, dtype=np.uint8) if is_root else None
+    length = np.array([payload.size if is_root else 0], dtype=np.int64)
     length = int(ops.broadcast(length, root_rank, name=f"{name}.size")[0])
-    payload = (np.frombuffer(blob, dtype=np.uint8) if is_root
-               else np.empty(length, dtype=np.uint8))
-    payload = ops.broadcast(payload, root_rank, name=f"{name}.bytes")
-    return blob if is_root else payload.tobytes()
+    if is_root:
+        payload = np.require(payload, requirements="W")  # in place below: writable
+    else:
+        payload = np.empty(length, dtype=np.uint8)
+    return ops.broadcast(payload, root_rank, name=f"{name}.bytes", out=payload)
 
 
 def _leave_for_reset(reason):

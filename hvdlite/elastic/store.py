@@ -29,14 +29,19 @@ class CommitStore:
         self.rank = rank
         self.path = None  # this rank's newest commit file
 
-    def write(self, blob, commit_id):
-        """Writes ``blob`` as commit ``commit_id`` and drops this rank's previous file."""
+    def write(self, writer, commit_id):
+        """Writes commit ``commit_id`` and drops this rank's previous file.
+
+        Args:
+            writer: ``writer(file)`` writes the serialized state into a binary file.
+            commit_id: the commit's id.
+        """
         os.makedirs(self.directory, exist_ok=True)
         name = f"c{commit_id:012d}-g{self.generation}-r{self.rank}.state"
         path = os.path.join(self.directory, name)
         tmp = os.path.join(self.directory, f".tmp-{os.getpid()}-{name}")
         with open(tmp, "wb") as f:
-            f.write(blob)
+            writer(f)
         os.replace(tmp, path)
         previous, self.path = self.path, path
         if previous and previous != path:

@@ -262,7 +262,7 @@ class _WorldSupervisor(JobSupervisor):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.exits: Dict[int, Tuple[int, Optional[float]]] = {}  # rank -> (code, s after order)
-        self.vanished: set = set()
+        self.vanished: Dict[int, Optional[float]] = {}  # rank -> s after the order
         self.signalled = False
 
     def _dispatch(self, key):
@@ -286,14 +286,20 @@ class _WorldSupervisor(JobSupervisor):
         super()._on_rank_exit(conn, returncode)
 
     def _on_conn_closed(self, key, conn):
-        if conn.rank is not None and not conn.exited and self.kill_time is None:
-            self.vanished.add(conn.rank)
+        since = self._since_order()
+        if conn.rank is not None and not conn.exited and (
+                since is None or since < _OWN_DEATH_WINDOW_S):
+            self.vanished[conn.rank] = since
         super()._on_conn_closed(key, conn)
 
     def fate(self, rank: int) -> str:
-        """``finished``, ``survived``, ``failed`` or ``gone`` (never started, or vanished)."""
-        if rank in self.vanished or rank not in self.ranks:
+        """``finished``, ``survived``, ``failed``, ``gone`` (never started, or its wrapper
+        vanished) or ``vanished late`` (just after the order: gone with its host, or
+        ended by mpiexec's own cleanup; the host's other ranks decide)."""
+        if rank not in self.ranks:
             return "gone"
+        if rank in self.vanished:
+            return "gone" if self.vanished[rank] is None else "vanished late"
         if rank not in self.exits:
             return "survived"   # ended with the world, its exit status lost on the way
         code, since = self.exits[rank]
@@ -437,11 +443,23 @@ class ElasticDriver:
         """Takes failed slots and lost hosts out; returns why the world reset (None: done)."""
         rank_host = [host for host, slots in plan for _ in range(slots)]
         fates = [supervisor.fate(r) for r in range(size)]
-        if all(f == "finished" for f in fates):
+        if "finished" in fates and not {"failed", "gone"} & set(fates):
+            # The training function returned: a rank that did not is no reason to train
+            # again (a script whose ranks finish apart would otherwise never end).
+            unfinished = [r for r in range(size) if fates[r] != "finished"]
+            if unfinished:
+                self._say(f"rank(s) {_ranks(unfinished)} ended without finishing after "
+                          "the others finished; the job is done")
             return None
         reasons = []
         for host in dict.fromkeys(rank_host):
             ranks = [r for r in range(size) if rank_host[r] == host]
+            # mpiexec may kill every wrapper when one dies: a wrapper that vanished just
+            # after the order is gone only on a host that lost one before it.
+            host_lost_one = any(fates[r] == "gone" for r in ranks)
+            for r in ranks:
+                if fates[r] == "vanished late":
+                    fates[r] = "gone" if host_lost_one else "survived"
             if all(fates[r] == "gone" for r in ranks):
                 self.book.lose_host(host)
                 reasons.append(f"host {host} lost (ranks {_ranks(ranks)})")

@@ -48,18 +48,16 @@ class TorchState(State):
         return [getattr(self, n) for n in self._value_names
                 if isinstance(getattr(self, n), ElasticSampler)]
 
-    def _serialize(self):
+    def _serialize(self, f):
         values = {}
         for name in self._value_names:
             value = getattr(self, name)
             values[name] = value.state_dict() if isinstance(value, ElasticSampler) else value
-        buffer = io.BytesIO()
         torch.save({
             "model": self.model.state_dict() if self.model is not None else None,
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "values": values,
-        }, buffer)
-        return buffer.getvalue()
+        }, f)
 
     def _deserialize(self, data):
         # Our own bytes from this job, not a file of unknown origin: full unpickling.

@@ -78,16 +78,19 @@ def test_discovery_output_is_parsed_and_a_failing_script_named(tmp_path):
 def test_store_keeps_the_newest_commit_and_survives_a_cut_write(tmp_path):
     a = CommitStore(str(tmp_path), generation=0, rank=0)
     b = CommitStore(str(tmp_path), generation=0, rank=1)
-    a.write(b"one", 1)
-    a.write(b"two", 2)
-    b.write(b"two", 2)
+    def writer(data):
+        return lambda f: f.write(data)
+
+    a.write(writer(b"one"), 1)
+    a.write(writer(b"two"), 2)
+    b.write(writer(b"two"), 2)
     (tmp_path / ".tmp-123-c000000000003-g0-r1.state").write_bytes(b"th")  # killed mid-write
     commit_id, path = CommitStore(str(tmp_path), 1, 0).newest()
     assert commit_id == 2 and open(path, "rb").read() == b"two"
     assert a.read_own() == b"two"
     assert len([n for n in os.listdir(tmp_path) if n.startswith("c")]) == 2  # old one gone
     c = CommitStore(str(tmp_path), generation=1, rank=0)
-    c.write(b"two", 3)
+    c.write(writer(b"two"), 3)
     c.drop_older_generations()
     assert sorted(os.listdir(tmp_path)) == ["c000000000003-g1-r0.state"]
 

@@ -10,11 +10,13 @@ Each rank appends JSON lines to LOG_DIR/g<world>-r<rank>.jsonl:
                           digest of the weights and optimizer state that were saved
   {"ev": "done", ...}     after training
 WHERE is backward (in the middle of the backward pass), allreduce (gradients in flight
-on the others), commit (halfway through writing the commit) or handover (while the new
-world's state is being handed over).
+on the others), commit (halfway through writing the commit), handover (while the new
+world's state is being handed over) or host (as allreduce, and the rank's wrapper is
+killed too: what the launcher sees when the rank's host goes down).
 """
 import argparse
 import hashlib
+import io
 import json
 import os
 import signal
@@ -37,6 +39,7 @@ parser.add_argument("--batch", type=int, default=2)
 parser.add_argument("--grow-file", help="write this file (the discovery script's input) ...")
 parser.add_argument("--grow-at", type=int, default=-1, help="... at this step on rank 0")
 parser.add_argument("--grow-hosts", default="localhost:3")
+parser.add_argument("--death-note", help="a victim creates this file before it dies")
 args = parser.parse_args()
 
 hvd.init()
@@ -52,6 +55,10 @@ def kill_here(where, step):
         if int(world) == GEN and int(rank) == RANK and int(at) == step and what == where:
             LOG.write(json.dumps({"ev": "kill", "where": where, "step": step,
                                   "time": time.time()}) + "\n")
+            if args.death_note:
+                open(args.death_note, "w").close()
+            if where == "host":  # the rank's wrapper too, as when its host goes down
+                os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -71,14 +78,16 @@ def digest(model, optimizer):
 _write = store_module.CommitStore.write
 
 
-def write_or_die(self, blob, commit_id):
+def write_or_die(self, writer, commit_id):
     if any(int(w) == GEN and int(r) == RANK and int(at) == step_now[0] and what == "commit"
            for w, r, at, what in KILLS):
         os.makedirs(self.directory, exist_ok=True)
+        blob = io.BytesIO()
+        writer(blob)
         with open(os.path.join(self.directory, f".tmp-{os.getpid()}-half"), "wb") as f:
-            f.write(blob[:len(blob) // 2])
+            f.write(blob.getbuffer()[:len(blob.getbuffer()) // 2])
         kill_here("commit", step_now[0])
-    _write(self, blob, commit_id)
+    _write(self, writer, commit_id)
 
 
 store_module.CommitStore.write = write_or_die
@@ -140,6 +149,7 @@ def train(state):
             loss = F.cross_entropy(model[2](hidden), target[mine])
             loss.backward()
             kill_here("allreduce", state.step)
+            kill_here("host", state.step)
             optimizer.step()
             LOG.write(json.dumps({"ev": "trained", "step": state.step, "epoch": state.epoch,
                                   "indices": mine}) + "\n")
