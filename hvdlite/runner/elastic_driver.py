@@ -320,7 +320,7 @@ class ElasticDriver:
         config: the launcher's validated request (config.elastic set).
         launch_world: ``(supervisor, hosts or None, size, extra env) -> JobResult``,
             starts and supervises one world.
-        make_supervisor: ``size -> _WorldSupervisor``.
+        make_supervisor: ``(size, hosts or None) -> _WorldSupervisor``.
     """
 
     def __init__(self, config, launch_world, make_supervisor, bind_host="127.0.0.1",
@@ -417,12 +417,12 @@ class ElasticDriver:
                 self.world_size = size
             self._say(f"world {self.generation}: {size} rank(s) on {_format(plan)}"
                       + ("" if self.generation == 0 else f" after {why}, from the last commit"))
-            supervisor = self.make_supervisor(size)
+            local = hostlib.all_local(plan)
+            supervisor = self.make_supervisor(size, None if local else plan)
             env = {protocol.ENV_JOB: self.job_id,
                    protocol.ENV_GENERATION: str(self.generation),
                    protocol.ENV_DRIVER_ADDR: service.address,
                    protocol.ENV_DRIVER_TOKEN: service.token}
-            local = hostlib.all_local(plan)
             result = self.launch_world(supervisor, None if local else plan, size, env)
             if supervisor.signalled:
                 return result.exit_code
@@ -499,19 +499,13 @@ def run(config, launcher, bind_host: str, advertise_host: str) -> int:
     """
     from hvdlite.runner import launch
 
-    def make_supervisor(size):
-        return _WorldSupervisor(size, config.start_timeout, config.output_dir,
-                                bind_host=bind_host, advertise_host=advertise_host)
+    def make_supervisor(size, hosts):
+        world = replace(config, num_ranks=size, hosts=hosts)
+        return launch.new_supervisor(world, bind_host, advertise_host, _WorldSupervisor)
 
     def launch_world(supervisor, hosts, size, extra_env):
         world = replace(config, num_ranks=size, hosts=hosts)
-        env = dict(os.environ)
-        env.update(config.tuning_env)
-        env.update(supervisor.rank_env())
-        env.update(extra_env)
-        argv = launch.build_job_command(world, launcher, env)
-        logger.debug("running: %s", shlex.join(argv))
-        return supervisor.run(argv, env)
+        return launch.supervise_job(world, launcher, supervisor, extra_env)
 
     return ElasticDriver(config, launch_world, make_supervisor, bind_host,
                          advertise_host).run()
