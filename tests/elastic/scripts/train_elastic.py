@@ -40,6 +40,7 @@ parser.add_argument("--grow-file", help="write this file (the discovery script's
 parser.add_argument("--grow-at", type=int, default=-1, help="... at this step on rank 0")
 parser.add_argument("--grow-hosts", default="localhost:3")
 parser.add_argument("--death-note", help="a victim creates this file before it dies")
+parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step")
 args = parser.parse_args()
 
 hvd.init()
@@ -159,6 +160,7 @@ def train(state):
                 with open(args.grow_file, "w") as f:
                     f.write(args.grow_hosts + "\n")
                 time.sleep(2.0)  # the driver reads the discovery script every second
+            time.sleep(args.step_sleep)
             state.commit()
         state.epoch += 1
         sampler.set_epoch(state.epoch)
