@@ -20,11 +20,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import hvdlite.torch as hvd
+from pytorch_digits import datasets  # the same data and split as the non-elastic example
 
 
 def parse_args():
@@ -39,15 +38,6 @@ def parse_args():
     parser.add_argument("--kill-at-epoch", type=int, default=-1,
                         help="... after its second batch of this epoch")
     return parser.parse_args()
-
-
-def datasets(seed):
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.int64)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2,
-                                                        random_state=seed, stratify=y)
-    return TensorDataset(x_train, y_train), TensorDataset(x_test, y_test)
 
 
 def main():
