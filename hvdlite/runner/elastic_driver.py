@@ -285,6 +285,12 @@ class _WorldSupervisor(JobSupervisor):
             return
         super()._on_rank_exit(conn, returncode)
 
+    def _fail(self, exit_code, message, rank=None, lost=(), reason=""):
+        if self.kill_time is None:
+            for r in lost:  # silent past the peer timeout: their host or link is down
+                self.vanished[r] = None
+        super()._fail(exit_code, message, rank, lost, reason)
+
     def _on_conn_closed(self, key, conn):
         since = self._since_order()
         if conn.rank is not None and not conn.exited and (
@@ -485,13 +491,14 @@ def _ranks(ranks) -> str:
     return ",".join(str(r) for r in ranks)
 
 
-def run(config, launcher, bind_host: str, advertise_host: str) -> int:
+def run(config, launcher, bind_host: str, advertise_host: str, peer_timeout=None) -> int:
     """Runs an elastic job for hvdliterun.
 
     Args:
         config: the validated LaunchConfig (config.elastic set).
         launcher: the probed mpiexec.
         bind_host, advertise_host: where the supervisors and the update service listen.
+        peer_timeout: each world's supervisor's (see rank_wrapper.peer_timeout).
 
     Returns:
         0 when a world finished, else non-zero (below --min-np, past --reset-limit, a
@@ -501,7 +508,8 @@ def run(config, launcher, bind_host: str, advertise_host: str) -> int:
 
     def make_supervisor(size, hosts):
         world = replace(config, num_ranks=size, hosts=hosts)
-        return launch.new_supervisor(world, bind_host, advertise_host, _WorldSupervisor)
+        return launch.new_supervisor(world, bind_host, advertise_host, _WorldSupervisor,
+                                     peer_timeout)
 
     def launch_world(supervisor, hosts, size, extra_env):
         world = replace(config, num_ranks=size, hosts=hosts)

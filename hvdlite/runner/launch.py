@@ -503,18 +503,25 @@ def run(config: LaunchConfig) -> int:
             return 2
         bind = advertise if config.network_interface else "0.0.0.0"
         logger.debug("ranks call the launcher back at %s", advertise)
+    try:
+        peer_timeout = rank_wrapper.peer_timeout(os.environ)
+    except ValueError as exc:
+        sys.stderr.write(f"{PROG}: {exc}\n")
+        return 2
     if config.elastic is not None:
-        return elastic_driver.run(config, launcher, bind, advertise)
-    supervisor = new_supervisor(config, bind, advertise, JobSupervisor)
+        return elastic_driver.run(config, launcher, bind, advertise, peer_timeout)
+    supervisor = new_supervisor(config, bind, advertise, JobSupervisor, peer_timeout)
     return supervise_job(config, launcher, supervisor).exit_code
 
 
-def new_supervisor(config: LaunchConfig, bind: str, advertise: str, cls):
+def new_supervisor(config: LaunchConfig, bind: str, advertise: str, cls, peer_timeout):
     """A ``cls`` (JobSupervisor or a subclass) for the job ``config`` describes."""
-    return cls(config.num_ranks, config.start_timeout, config.output_dir,
-               bind_host=bind, advertise_host=advertise,
-               rank_hosts=hostlib.rank_hosts(config.hosts, config.num_ranks),
-               tag_hosts=config.verbose)
+    supervisor = cls(config.num_ranks, config.start_timeout, config.output_dir,
+                     bind_host=bind, advertise_host=advertise,
+                     rank_hosts=hostlib.rank_hosts(config.hosts, config.num_ranks),
+                     tag_hosts=config.verbose)
+    supervisor.peer_timeout = peer_timeout
+    return supervisor
 
 
 def supervise_job(config: LaunchConfig, launcher: mpi_command.MpiLauncher, supervisor,
