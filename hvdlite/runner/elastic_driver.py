@@ -38,6 +38,7 @@ logger = logging.getLogger("hvdlite")
 DEFAULT_ELASTIC_TIMEOUT_S = 600.0
 DISCOVERY_INTERVAL_S = 1.0
 DISCOVERY_TIMEOUT_S = 10.0
+HOST_PROBE_TIMEOUT_S = 10.0
 # An exit reported this soon after the driver ordered the world to end, with a code
 # the order does not produce, is a rank that died on its own at the same moment.
 _OWN_DEATH_WINDOW_S = 1.0
@@ -460,13 +461,21 @@ class ElasticDriver:
         reasons = []
         for host in dict.fromkeys(rank_host):
             ranks = [r for r in range(size) if rank_host[r] == host]
-            # mpiexec may kill every wrapper when one dies: a wrapper that vanished just
-            # after the order is gone only on a host that lost one before it.
+            # mpiexec may kill every wrapper when one dies (its cleanup, or its own end
+            # when a proxy vanishes): a wrapper that vanished just after the order is gone
+            # only on a host that lost one before it, and a host whose wrappers all
+            # vanished is lost only if it cannot be reached.
             host_lost_one = any(fates[r] == "gone" for r in ranks)
             for r in ranks:
                 if fates[r] == "vanished late":
                     fates[r] = "gone" if host_lost_one else "survived"
-            if all(fates[r] == "gone" for r in ranks):
+            vanished = all(fates[r] == "gone" for r in ranks)
+            if vanished and self.host_alive(host):
+                for r in ranks:
+                    fates[r] = "survived"
+                reasons.append(f"host {host} dropped its ranks but answers")
+                continue
+            if vanished:
                 self.book.lose_host(host)
                 reasons.append(f"host {host} lost (ranks {_ranks(ranks)})")
                 continue
@@ -477,6 +486,19 @@ class ElasticDriver:
                     how = describe_returncode(code) if code is not None else "vanished"
                     reasons.append(f"rank {r} on {host} {how}")
         return "; ".join(reasons) or "hosts were added"
+
+    def host_alive(self, host: str) -> bool:
+        """Whether ``host`` runs a command (this machine always does)."""
+        if hostlib.is_local_host(host):
+            return True
+        shell = shlex.split(self.config.remote_shell) if self.config.remote_shell else \
+            ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5"]
+        try:
+            return subprocess.run(shell + [host, "true"], stdin=subprocess.DEVNULL,
+                                  capture_output=True, timeout=HOST_PROBE_TIMEOUT_S
+                                  ).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            return False
 
     def _say(self, message: str):
         sys.stderr.write(f"hvdliterun: elastic: {message}\n")

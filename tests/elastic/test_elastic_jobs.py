@@ -115,18 +115,6 @@ def test_past_the_reset_limit_the_job_ends(tmp_path):
     assert "world 2" not in result.stderr, describe(result)
 
 
-def test_a_lost_host_takes_its_slots_and_only_them_3_to_1(tmp_path):
-    # Two host names for this machine: ranks 1 and 2 on "127.0.0.1" lose their wrappers
-    # with them (what the launcher sees when a host goes down). The rank on the other
-    # host resets instead of dying with them.
-    result, log_dir = _train(tmp_path, 3, ["-H", "localhost:1,127.0.0.1:2", "--min-np", "1",
-                                           "--max-np", "3"],
-                             kills=["0:1:4:host", "0:2:4:host"])
-    _assert_finished(result, log_dir, [3, 1])
-    assert "host 127.0.0.1 lost (ranks 1,2)" in result.stderr, describe(result)
-    assert "world 1: 1 rank(s) on localhost:1" in result.stderr, describe(result)
-
-
 def test_below_min_np_then_a_host_joins_the_job_goes_on_from_the_last_commit(tmp_path):
     # After the death the discovery script lists one slot too few for 3 s, then one more.
     note = tmp_path / "died"
