@@ -248,8 +248,8 @@ def run(func):
     """
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
-        state._enter_world()
         try:
+            state._enter_world()  # a peer may die during the handover too
             result = func(state, *args, **kwargs)
         except MismatchError:
             raise  # the script's own inconsistency: a new world would meet it again

@@ -289,7 +289,8 @@ class _WorldSupervisor(JobSupervisor):
     def _fail(self, exit_code, message, rank=None, lost=(), reason=""):
         if self.kill_time is None:
             for r in lost:  # silent past the peer timeout: their host or link is down
-                self.vanished[r] = None
+                if r not in self.exits:
+                    self.vanished[r] = None
         super()._fail(exit_code, message, rank, lost, reason)
 
     def _on_conn_closed(self, key, conn):
