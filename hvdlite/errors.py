@@ -97,6 +97,21 @@ class InternalError(HvdliteError, RuntimeError):
     """A bug in hvdlite: please report it with the message."""
 
 
+class HostsUpdatedInterrupt(RuntimeError):
+    """Hosts were added to an elastic job: the world resets at this commit to take them in.
+
+    Raised by ``state.commit()`` / ``state.check_host_updates()`` on every rank at once;
+    ``hvdlite.elastic.run`` catches it. Not a status of the core.
+
+    Attributes:
+        skip_sync: True when no rank was lost, so the state needs no rollback.
+    """
+
+    def __init__(self, skip_sync=True):
+        super().__init__("hosts were added to the elastic job")
+        self.skip_sync = skip_sync
+
+
 # Compatibility names for code written against Horovod.
 MpiError = TransportError
 

@@ -20,6 +20,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
+from hvdlite.runner import elastic_driver
 from hvdlite.runner import hosts as hostlib
 from hvdlite.runner import mpi_command
 from hvdlite.runner import openmpi
@@ -130,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                         dest="network_interface", metavar="NIC",
                         help="network interface for MPI and for ranks calling back to the "
                              "launcher, e.g. eth0")
+    elastic_driver.add_arguments(parser)
     info = parser.add_argument_group("information")
     info.add_argument("--check-build", action="store_true",
                       help="show frameworks, MPI, NCCL/CUDA and the native library, and exit")
@@ -156,6 +158,7 @@ class LaunchConfig:
     allow_run_as_root: bool = False
     remote_shell: Optional[str] = None
     network_interface: Optional[str] = None
+    elastic: Optional[elastic_driver.ElasticSettings] = None
 
 
 def _number(value: float) -> str:
@@ -263,6 +266,10 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     except hostlib.HostSpecError as exc:
         raise UsageError(str(exc)) from exc
     env = tuning_env(args)
+    try:
+        elastic = elastic_driver.settings_from_args(args)
+    except elastic_driver.ElasticUsageError as exc:
+        raise UsageError(str(exc)) from exc
     if not math.isfinite(args.start_timeout) or args.start_timeout <= 0:
         raise UsageError(f"--start-timeout must be a number > 0, got {args.start_timeout:g}")
     try:
@@ -275,13 +282,17 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                           check_build=args.check_build,
                           allow_run_as_root=args.allow_run_as_root,
                           remote_shell=remote_shell_command(args),
-                          network_interface=args.network_interface)
+                          network_interface=args.network_interface, elastic=elastic)
     if args.check_build:
         return config
     if not command:
         raise UsageError("no command given: put the program to run after the options, "
                          f"e.g. '{PROG} -np 2 python train.py'")
-    if args.num_proc is None:
+    if args.num_proc is None and elastic is not None:
+        # The first world takes what there is, up to --max-np.
+        config.num_ranks = min(elastic.max_np, hostlib.total_slots(hosts)) if hosts \
+            else elastic.max_np
+    elif args.num_proc is None:
         if hosts is None:
             raise UsageError("-np is required (or give -H/--hostfile to use all their slots)")
         config.num_ranks = hostlib.total_slots(hosts)
@@ -516,18 +527,44 @@ def run(config: LaunchConfig) -> int:
     except ValueError as exc:
         sys.stderr.write(f"{PROG}: {exc}\n")
         return 2
-    supervisor = JobSupervisor(config.num_ranks, config.start_timeout, config.output_dir,
-                               bind_host=bind, advertise_host=advertise,
-                               rank_hosts=hostlib.rank_hosts(config.hosts, config.num_ranks),
-                               tag_hosts=config.verbose)
+    if config.elastic is not None:
+        return elastic_driver.run(config, launcher, bind, advertise, peer_timeout)
+    supervisor = new_supervisor(config, bind, advertise, JobSupervisor, peer_timeout)
+    return supervise_job(config, launcher, supervisor).exit_code
+
+
+def new_supervisor(config: LaunchConfig, bind: str, advertise: str, cls, peer_timeout):
+    """A ``cls`` (JobSupervisor or a subclass) for the job ``config`` describes."""
+    supervisor = cls(config.num_ranks, config.start_timeout, config.output_dir,
+                     bind_host=bind, advertise_host=advertise,
+                     rank_hosts=hostlib.rank_hosts(config.hosts, config.num_ranks),
+                     tag_hosts=config.verbose)
     supervisor.peer_timeout = peer_timeout
+    return supervisor
+
+
+def supervise_job(config: LaunchConfig, launcher: mpi_command.MpiLauncher, supervisor,
+                  extra_env: Optional[Dict[str, str]] = None):
+    """Starts the job ``config`` describes and supervises it to its end.
+
+    Args:
+        config: the request (one world of an elastic job: its size and hosts).
+        launcher: the mpiexec to use.
+        supervisor: from :func:`new_supervisor`.
+        extra_env: more variables for the ranks.
+
+    Returns:
+        The supervisor's JobResult.
+    """
     env = dict(os.environ)
     env.update(config.tuning_env)
     env.update(supervisor.rank_env())
+    env.update(extra_env or {})
     if config.network_interface:
         # The mpich wheel's transports pick their interface from these.
         env.setdefault("UCX_NET_DEVICES", config.network_interface)
         env.setdefault("FI_TCP_IFACE", config.network_interface)
+    local = config.hosts is None or hostlib.all_local(config.hosts)
     with tempfile.TemporaryDirectory(prefix="hvdliterun-") as tmpdir:
         remote_start = None
         if config.remote_shell and not local:
@@ -535,7 +572,7 @@ def run(config: LaunchConfig) -> int:
             logger.debug("starting remote processes with: %s", config.remote_shell)
         argv = build_job_command(config, launcher, env, remote_start=remote_start)
         logger.debug("running: %s", shlex.join(argv))
-        return supervisor.run(argv, env).exit_code
+        return supervisor.run(argv, env)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

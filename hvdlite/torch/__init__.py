@@ -34,6 +34,7 @@ from hvdlite.torch.mpi_ops import (Average, Max, Min, Product, ProcessSet, Sum,
                                    synchronize)
 from hvdlite.torch.optimizer import DistributedOptimizer
 from hvdlite.torch.sync_batch_norm import SyncBatchNorm
+from hvdlite.torch import elastic  # noqa: E402 - hvd.elastic.run, TorchState, ElasticSampler
 
 
 def is_homogeneous():
