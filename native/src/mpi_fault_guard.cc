@@ -58,7 +58,9 @@ void InstallMpiFaultGuard() {
     struct sigaction action;
     std::memset(&action, 0, sizeof(action));
     action.sa_sigaction = OnFault;
-    action.sa_flags = SA_SIGINFO;
+    // On the alternate stack where the thread has one (Python's faulthandler gives the main
+    // thread one), so that a stack overflow still reaches the previous handler.
+    action.sa_flags = SA_SIGINFO | SA_ONSTACK;
     sigemptyset(&action.sa_mask);
     sigaction(SIGSEGV, &action, &g_previous_segv);
     sigaction(SIGBUS, &action, &g_previous_bus);
