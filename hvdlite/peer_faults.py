@@ -9,16 +9,28 @@ slices) then raises :class:`~hvdlite.errors.RankFailedError` naming the lost ran
 hosts, instead of waiting forever on a peer that will not answer (a cut link gives the
 transport no error to report). The launcher ends the job a few seconds later.
 
+A process whose peers are lost ends at exit with ``os._exit`` (status
+:data:`EXIT_LOST_PEERS`), after flushing its
+output: the interpreter's and the libraries' teardown (freeing tensors, MPI's and UCX's
+destructors) would otherwise run while the core's thread may still be inside MPI, on a
+collective with the lost peer, or parked there after MPI faulted (see
+native/src/mpi_fault_guard.h).
+
 Outside hvdliterun (no ``HVDLITE_FAULT_FD``) nothing is started.
 """
+import atexit
 import json
+import logging
 import os
+import sys
 import threading
 from typing import Optional
 
 from hvdlite import errors
 
 ENV_FAULT_FD = "HVDLITE_FAULT_FD"
+# The exit status of a process that ends after lost peers.
+EXIT_LOST_PEERS = 1
 
 _failure: Optional[errors.RankFailedError] = None
 _started = False
@@ -93,6 +105,21 @@ def start_listening(env=None) -> bool:
         except OSError:
             return False
         _started = True
+    # Registered before runtime's shutdown at exit, so it runs after it (last in first out).
+    atexit.register(_exit_if_lost)
     threading.Thread(target=_reader, args=(fd,), name="hvdlite-peer-faults",
                      daemon=True).start()
     return True
+
+
+def _exit_if_lost():
+    """At exit after lost peers: flushes the output and ends the process at once."""
+    if _failure is None:
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    os._exit(EXIT_LOST_PEERS)

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "half.h"
+#include "mpi_fault_guard.h"
 
 namespace hvdlite {
 namespace {
@@ -78,6 +79,7 @@ Status MpiBackend::Check(int rc, const char* what) {
 
 Status MpiBackend::Init(int64_t comm_f2c, bool thread_multiple, bool shared_memory,
                         MpiTopology* topo) {
+  InstallMpiFaultGuard();
   int initialized = 0;
   MPI_Initialized(&initialized);
   int provided = 0;
@@ -214,6 +216,7 @@ void MpiBackend::Shutdown(bool finalize) {
 }
 
 Status MpiBackend::WaitBackoff(void* request, const char* what) {
+  InMpiCall in_mpi(what);
   MPI_Request* req = static_cast<MPI_Request*>(request);
   // Spin for up to 50 us (a peer in step with us is usually there by then), then sleep
   // 20 us doubling to 1 ms: a peer that is still computing costs us almost no CPU.
@@ -237,6 +240,7 @@ Status MpiBackend::WaitBackoff(void* request, const char* what) {
 Status MpiBackend::AndBits(std::vector<uint64_t>* bits) {
   const int64_t words = static_cast<int64_t>(bits->size());
   if (shm_ && words <= ShmAllreduce::kMaxBitsWords) return shm_->AndBits(bits->data(), words);
+  InMpiCall in_mpi("MPI_Iallreduce (coordination)");
   MPI_Request req;
   Status s = Check(MPI_Iallreduce(MPI_IN_PLACE, bits->data(), static_cast<int>(bits->size()),
                                   MPI_UINT64_T, MPI_BAND, Comm(comm_), &req),
@@ -247,6 +251,7 @@ Status MpiBackend::AndBits(std::vector<uint64_t>* bits) {
 
 Status MpiBackend::GatherBlobs(const std::vector<uint8_t>& mine,
                                std::vector<std::vector<uint8_t>>* all) {
+  InMpiCall in_mpi("MPI_Igather (negotiation)");
   int rank, size;
   MPI_Comm_rank(Comm(comm_), &rank);
   MPI_Comm_size(Comm(comm_), &size);
@@ -280,6 +285,7 @@ Status MpiBackend::GatherBlobs(const std::vector<uint8_t>& mine,
 }
 
 Status MpiBackend::BroadcastBlob(std::vector<uint8_t>* blob) {
+  InMpiCall in_mpi("MPI_Ibcast (responses)");
   int64_t len = static_cast<int64_t>(blob->size());
   MPI_Request req;
   Status s = Check(MPI_Ibcast(&len, 1, MPI_INT64_T, 0, Comm(comm_), &req), "MPI_Ibcast (responses)");
@@ -294,6 +300,7 @@ Status MpiBackend::BroadcastBlob(std::vector<uint8_t>* blob) {
 
 Status MpiBackend::Allreduce(const void* in, void* out, int64_t count, int32_t dtype,
                              int32_t reduce_op) {
+  InMpiCall in_mpi("MPI_Allreduce");
   MPI_Datatype type = MpiType(dtype);
   MPI_Op op = StandardOp(reduce_op);
   if (dtype == HVDLITE_FLOAT16 || dtype == HVDLITE_BFLOAT16) {
@@ -334,6 +341,7 @@ static Status ToIntCounts(const std::vector<int64_t>& in, std::vector<int>* coun
 
 Status MpiBackend::Allgatherv(const void* in, int64_t in_bytes, void* out,
                               const std::vector<int64_t>& bytes_per_rank) {
+  InMpiCall in_mpi("MPI_Allgatherv");
   std::vector<int> counts, displs;
   Status s = ToIntCounts(bytes_per_rank, &counts, &displs, "allgather");
   if (!s.ok()) return s;
@@ -343,6 +351,7 @@ Status MpiBackend::Allgatherv(const void* in, int64_t in_bytes, void* out,
 }
 
 Status MpiBackend::Bcast(void* buf, int64_t nbytes, int root) {
+  InMpiCall in_mpi("MPI_Bcast");
   char* p = static_cast<char*>(buf);
   for (int64_t done = 0; done < nbytes;) {
     int64_t n = std::min(kMaxChunk, nbytes - done);
@@ -356,6 +365,7 @@ Status MpiBackend::Bcast(void* buf, int64_t nbytes, int root) {
 
 Status MpiBackend::Alltoallv(const void* in, const std::vector<int64_t>& send_bytes, void* out,
                              const std::vector<int64_t>& recv_bytes) {
+  InMpiCall in_mpi("MPI_Alltoallv");
   std::vector<int> sc, sd, rc, rd;
   Status s = ToIntCounts(send_bytes, &sc, &sd, "alltoall");
   if (!s.ok() || !(s = ToIntCounts(recv_bytes, &rc, &rd, "alltoall")).ok()) return s;
@@ -366,6 +376,7 @@ Status MpiBackend::Alltoallv(const void* in, const std::vector<int64_t>& send_by
 
 Status MpiBackend::ReduceScatter(const void* in, void* out, const std::vector<int64_t>& counts,
                                  int32_t dtype, int32_t reduce_op) {
+  InMpiCall in_mpi("MPI_Reduce_scatter");
   std::vector<int> c, d;
   Status s = ToIntCounts(counts, &c, &d, "reducescatter");
   if (!s.ok()) return s;
@@ -378,6 +389,7 @@ Status MpiBackend::ReduceScatter(const void* in, void* out, const std::vector<in
 }
 
 Status MpiBackend::Barrier() {
+  InMpiCall in_mpi("MPI_Ibarrier");
   MPI_Request req;
   Status s = Check(MPI_Ibarrier(Comm(comm_), &req), "MPI_Ibarrier");
   if (!s.ok()) return s;

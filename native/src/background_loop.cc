@@ -21,6 +21,7 @@
 //     fusing consecutive compatible allreduces up to the fusion threshold;
 //  5. complete the handles.
 #include "background_loop.h"
+#include "mpi_fault_guard.h"
 
 #include <sys/prctl.h>
 
@@ -256,6 +257,12 @@ Status Core::Init(int64_t comm_f2c) {
 Status Core::Shutdown() {
   std::lock_guard<std::mutex> lock(lifecycle_mutex_);
   if (!thread_.joinable()) return Status::OK();
+  if (MpiFaulted()) {
+    // The thread is parked in the fault handler for good: joining would never return.
+    return Status(HVDLITE_ERR_MPI,
+                  "hvdlite cannot shut down: its background thread faulted inside MPI "
+                  "(a lost peer?) and is stopped; end the process");
+  }
   shutdown_requested_ = true;
   queue_.Wake();
   thread_.join();

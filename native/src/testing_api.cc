@@ -16,6 +16,7 @@
 
 #include "controller.h"
 #include "message.h"
+#include "mpi_fault_guard.h"
 #include "tensor_queue.h"
 
 #define HVDLITE_EXPORT extern "C" __attribute__((visibility("default")))
@@ -252,4 +253,9 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_test_queue_remove_pending(int64_t* pendi
     *pending_after = static_cast<int64_t>(taken.size());
     return Status::OK();
   });
+}
+
+HVDLITE_EXPORT hvdlite_status_t hvdlite_test_fault_in_mpi(void) {
+  hvdlite::RequestFaultInMpiForTest();
+  return HVDLITE_OK;
 }

@@ -73,6 +73,11 @@ hvdlite_status_t hvdlite_test_allreduce_step(int32_t n, void** ins, void** outs,
  * have left the pending list with it. */
 hvdlite_status_t hvdlite_test_queue_remove_pending(int64_t* pending_after);
 
+/* Makes the background thread's next MPI call fault (a SIGSEGV on a null pointer,
+ * inside the call's guard) as MPICH's error path does after a lost peer: the thread
+ * must be parked with a message on stderr, and the process must live on. */
+hvdlite_status_t hvdlite_test_fault_in_mpi(void);
+
 /* CDEF-END */
 
 #ifdef __cplusplus
