@@ -18,6 +18,8 @@ from hvdlite.errors import InvalidArgumentError
 _TABLE = (
     ("uint8", "HVDLITE_UINT8", np.dtype(np.uint8)),
     ("int8", "HVDLITE_INT8", np.dtype(np.int8)),
+    ("uint16", "HVDLITE_UINT16", np.dtype(np.uint16)),
+    ("int16", "HVDLITE_INT16", np.dtype(np.int16)),
     ("int32", "HVDLITE_INT32", np.dtype(np.int32)),
     ("int64", "HVDLITE_INT64", np.dtype(np.int64)),
     ("float16", "HVDLITE_FLOAT16", np.dtype(np.float16)),

@@ -77,6 +77,11 @@ class RankFailedError(HorovodInternalError):
     """A peer rank is gone."""
 
 
+class AbortedError(HorovodInternalError):
+    """The op cannot run: another rank refused it (the message names the rank and its
+    reason), or it is not supported while ranks have joined (Horovod raises then too)."""
+
+
 class InvalidHandleError(HvdliteError, ValueError):
     """An unknown or already released handle."""
 
@@ -115,6 +120,7 @@ STATUS_CLASSES = {
     "HVDLITE_ERR_TIMEOUT": WaitTimeoutError,
     "HVDLITE_ERR_RANK_FAILED": RankFailedError,
     "HVDLITE_ERR_INTERNAL": InternalError,
+    "HVDLITE_ERR_ABORTED": AbortedError,
 }
 
 _by_code = None

@@ -17,6 +17,7 @@ Unnamed tensors are named ``"<op>.noname.<n>"`` with one counter per op kind, re
 ``init()``, so names agree across ranks as long as every rank makes the same unnamed
 calls in the same order. Names must be unique among the ops in flight on a rank.
 """
+import functools
 import threading
 import warnings
 import weakref
@@ -36,6 +37,7 @@ Sum = lib.HVDLITE_SUM
 Min = lib.HVDLITE_MIN
 Max = lib.HVDLITE_MAX
 Product = lib.HVDLITE_PRODUCT
+Adasum = lib.HVDLITE_ADASUM  # allreduce only; runs in hvdlite.adasum
 
 _REDUCE_OP_NAMES = {Average: "Average", Sum: "Sum", Min: "Min", Max: "Max",
                     Product: "Product"}
@@ -82,14 +84,70 @@ def auto_name(kind):
 
 def _resolve_name(kind, name):
     if type(name) is str and name and "\0" not in name:
+        _attempt.names = (name,)
         return name  # the usual case
     if name is None:
-        return auto_name(kind)
+        name = auto_name(kind)
+        _attempt.names = (name,)
+        return name
     if not isinstance(name, str):
         raise InvalidArgumentError(f"tensor name must be a str, not {type(name).__name__}")
     if not name or "\0" in name:
         raise InvalidArgumentError(f"tensor name {name!r} must be non-empty and have no NUL")
     return name
+
+
+# -- refusals ----------------------------------------------------------------------------
+#
+# A call this rank refuses (a bad tensor) is an op the other ranks may well have
+# submitted: left alone, they would wait for it until a stall timeout. So a refused call
+# tells the coordinator (hvdlite_refuse), which fails that tensor on every rank that
+# submits it, naming this rank and the reason. The names are those the call resolved
+# before it failed, automatic names included: the counters advance on every rank alike.
+
+# The names the current call on this thread resolved (a group's member names).
+_attempt = threading.local()
+
+
+def note_names(names):
+    """Records a group's member names as the current call's (see ``refusing``)."""
+    _attempt.names = tuple(names)
+
+
+def refuse(op, names, reason, process_set_id=0):
+    """Tells the other ranks that this rank refuses the op ``op`` of these tensors.
+
+    Best effort: a failure to send it (e.g. not initialized) is ignored, since the
+    caller is raising its own error anyway.
+    """
+    text = str(reason).encode("utf-8", "replace")[:4096]
+    for name in names:
+        lib.hvdlite_refuse(op, _c_name(name), process_set_id, text)
+
+
+def refusing(op):
+    """Decorates a collective so that an InvalidArgumentError it raises (for a tensor
+    whose name it had resolved) is also sent to the other ranks as a refusal.
+
+    Nested decorated calls send it once.
+    """
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            _attempt.names = ()
+            try:
+                return fn(*args, **kwargs)
+            except InvalidArgumentError as error:
+                _refused(op, error)
+                raise
+        return call
+    return wrap
+
+
+def _refused(op, error):
+    if not getattr(error, "refusal_sent", False):
+        error.refusal_sent = True
+        refuse(op, getattr(_attempt, "names", ()), error)
 
 
 @dataclass
@@ -362,6 +420,8 @@ def _input_array(array, name, *, min_ndim=0):
 
 def _check_reduce_op(op, is_bool, name):
     """Refuses an op that is not one of the five, or that bool tensors do not support."""
+    if op == Adasum and not isinstance(op, bool):
+        raise InvalidArgumentError(f"tensor '{name}': Adasum is supported by allreduce only")
     if (isinstance(op, bool) or not isinstance(op, (int, np.integer))
             or op not in _REDUCE_OP_NAMES):
         raise InvalidArgumentError(
@@ -496,7 +556,8 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
     Args:
         array: a C-contiguous numpy array (or array-like) of a supported dtype.
         name: the tensor's name, equal across ranks; None names it automatically.
-        op: Average, Sum, Min, Max or Product (bool arrays: Min or Max only).
+        op: Average, Sum, Min, Max, Product (bool arrays: Min or Max only), or Adasum
+            (floating-point arrays; see ``hvdlite.adasum``).
         prescale_factor: multiplies the input before the reduction.
         postscale_factor: multiplies the result.
         out: an array of the same shape and dtype to write the result into (it may be
@@ -527,14 +588,22 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
         return _submit(last.template, last.input_ptr, output_ptr, (array, out), None, name,
                        out)
     named = name is not None
-    name = _resolve_name("allreduce", name)
-    arr, code = _input_array(array, name)
-    _check_reduction(op, prescale_factor, postscale_factor, code, name)
-    out = _output_array(out, arr.shape, arr.dtype, name)
-    template = _template(ALLREDUCE, name, code, arr.shape, op, prescale_factor,
-                         postscale_factor, 0, 0, -1)
-    handle = _submit(template, _from_buffer(arr), _from_buffer(out), (arr, out), None, name,
-                     out)
+    _attempt.names = ()
+    try:
+        name = _resolve_name("allreduce", name)
+        if op == Adasum:
+            from hvdlite import adasum
+            return adasum.allreduce_async(array, name, prescale_factor, postscale_factor, out)
+        arr, code = _input_array(array, name)
+        _check_reduction(op, prescale_factor, postscale_factor, code, name)
+        out = _output_array(out, arr.shape, arr.dtype, name)
+        template = _template(ALLREDUCE, name, code, arr.shape, op, prescale_factor,
+                             postscale_factor, 0, 0, -1)
+        handle = _submit(template, _from_buffer(arr), _from_buffer(out), (arr, out), None,
+                         name, out)
+    except InvalidArgumentError as error:
+        _refused(ALLREDUCE, error)
+        raise
     if named and arr is array:
         _remember(_repeats, name, _Repeat(arr, out, op, prescale_factor, postscale_factor,
                                           template))
@@ -558,6 +627,7 @@ def allreduce(array, name=None, op=Average, prescale_factor=1.0, postscale_facto
     return synchronize(allreduce_async(array, name, op, prescale_factor, postscale_factor, out))
 
 
+@refusing(ALLREDUCE)
 def grouped_allreduce_async(arrays, name=None, op=Average, prescale_factor=1.0,
                             postscale_factor=1.0, outs=None):
     """Starts allreduces of several arrays that are negotiated and run together.
@@ -579,9 +649,14 @@ def grouped_allreduce_async(arrays, name=None, op=Average, prescale_factor=1.0,
     """
     group = _resolve_name("grouped_allreduce", name)
     arrays = list(arrays)
+    note_names(f"{group}.{i}" for i in range(len(arrays)))
     if outs is not None and len(outs) != len(arrays):
         raise InvalidArgumentError(
             f"group '{group}': {len(outs)} outs for {len(arrays)} arrays")
+    if op == Adasum:
+        from hvdlite import adasum
+        return adasum.grouped_allreduce_async(arrays, group, prescale_factor,
+                                              postscale_factor, outs)
     specs, keep, results = [], [], []
     for i, array in enumerate(arrays):
         tensor_name = f"{group}.{i}"
@@ -606,6 +681,7 @@ def grouped_allreduce(arrays, name=None, op=Average, prescale_factor=1.0,
                                                postscale_factor, outs))
 
 
+@refusing(ALLGATHER)
 def allgather_async(array, name=None):
     """Starts concatenating every rank's ``array`` along the first dimension.
 
@@ -640,6 +716,7 @@ def allgather(array, name=None):
     return synchronize(allgather_async(array, name))
 
 
+@refusing(BROADCAST)
 def broadcast_async(array, root_rank, name=None, out=None):
     """Starts sending ``array`` from ``root_rank`` to every rank.
 
@@ -698,6 +775,7 @@ def _check_splits(splits, rows, name):
     return [int(v) for v in values]
 
 
+@refusing(ALLTOALL)
 def alltoall_async(array, splits=None, name=None):
     """Starts an all-to-all: rows ``splits[r]`` of ``array`` go to rank r.
 
@@ -744,6 +822,7 @@ def reducescatter_rows(rows, size, rank):
     return rows // size + (1 if rank < rows % size else 0)
 
 
+@refusing(REDUCESCATTER)
 def reducescatter_async(array, name=None, op=Average, prescale_factor=1.0,
                         postscale_factor=1.0, out=None):
     """Starts a reduction whose result is scattered by rows among the ranks.
@@ -781,6 +860,103 @@ def reducescatter(array, name=None, op=Average, prescale_factor=1.0, postscale_f
     """
     return synchronize(reducescatter_async(array, name, op, prescale_factor,
                                            postscale_factor, out))
+
+
+def _group_members(kind, arrays, name):
+    """Resolves a group's name; returns (group, arrays as a list, member names)."""
+    group = _resolve_name(kind, name)
+    arrays = list(arrays)
+    names = [f"{group}.{i}" for i in range(len(arrays))]
+    note_names(names)
+    return group, arrays, names
+
+
+@refusing(ALLGATHER)
+def grouped_allgather_async(arrays, name=None):
+    """Starts allgathers of several arrays that are negotiated and run together.
+
+    Args:
+        arrays: a sequence of arrays (each as for ``allgather_async``).
+        name: the group's name; array i is named ``"<name>.<i>"``. None names the group
+            automatically.
+
+    Returns:
+        A Handle whose result is the list of gathered arrays, in order.
+
+    Raises:
+        InvalidArgumentError, DuplicateNameError, NotInitializedError: as for
+            ``allgather_async``; nothing is enqueued if any array is refused.
+    """
+    group, arrays, names = _group_members("grouped_allgather", arrays, name)
+    specs, keep, layouts = [], [], []
+    for array, tensor_name in zip(arrays, names):
+        arr, code = _input_array(array, tensor_name, min_ndim=1)
+        specs.append(TensorSpec(ALLGATHER, tensor_name, code, arr.shape, _from_buffer(arr)))
+        keep.append(arr)
+        layouts.append((arr.dtype, arr.shape[1:]))
+
+    def finish(handle):
+        return [handle.output_array(i, dt, trailing) for i, (dt, trailing) in enumerate(layouts)]
+
+    return enqueue_group(specs, name=group, keepalive=keep, finisher=finish)
+
+
+def grouped_allgather(arrays, name=None):
+    """Gathers several arrays together; returns the list of results.
+
+    See ``grouped_allgather_async`` for the arguments and errors.
+    """
+    return synchronize(grouped_allgather_async(arrays, name))
+
+
+@refusing(REDUCESCATTER)
+def grouped_reducescatter_async(arrays, name=None, op=Average, prescale_factor=1.0,
+                                postscale_factor=1.0, outs=None):
+    """Starts reducescatters of several arrays that are negotiated and run together.
+
+    Args:
+        arrays: a sequence of arrays (each as for ``reducescatter_async``).
+        name: the group's name; array i is named ``"<name>.<i>"``. None names the group
+            automatically.
+        op, prescale_factor, postscale_factor: as for ``reducescatter_async``, for all.
+        outs: one result buffer per array (each as ``reducescatter_async``'s ``out``), or
+            None for new arrays.
+
+    Returns:
+        A Handle whose result is the list of this rank's rows of each reduction.
+
+    Raises:
+        InvalidArgumentError, DuplicateNameError, NotInitializedError: as for
+            ``reducescatter_async``; nothing is enqueued if any array is refused.
+    """
+    group, arrays, names = _group_members("grouped_reducescatter", arrays, name)
+    if outs is not None and len(outs) != len(arrays):
+        raise InvalidArgumentError(
+            f"group '{group}': {len(outs)} outs for {len(arrays)} arrays")
+    size, rank = runtime.size(), runtime.rank()
+    specs, keep, results = [], [], []
+    for i, (array, tensor_name) in enumerate(zip(arrays, names)):
+        arr, code = _input_array(array, tensor_name, min_ndim=1)
+        _check_reduction(op, prescale_factor, postscale_factor, code, tensor_name)
+        rows = reducescatter_rows(arr.shape[0], size, rank)
+        out = _output_array(None if outs is None else outs[i], (rows,) + arr.shape[1:],
+                            arr.dtype, tensor_name)
+        specs.append(TensorSpec(REDUCESCATTER, tensor_name, code, arr.shape,
+                                _from_buffer(arr), _from_buffer(out), op, prescale_factor,
+                                postscale_factor))
+        keep += [arr, out]
+        results.append(out)
+    return enqueue_group(specs, name=group, keepalive=keep, result=results)
+
+
+def grouped_reducescatter(arrays, name=None, op=Average, prescale_factor=1.0,
+                          postscale_factor=1.0, outs=None):
+    """Reduces several arrays together, each scattered by rows; returns this rank's parts.
+
+    See ``grouped_reducescatter_async`` for the arguments and errors.
+    """
+    return synchronize(grouped_reducescatter_async(arrays, name, op, prescale_factor,
+                                                   postscale_factor, outs))
 
 
 def _no_tensor_op(op, kind, finisher=None):

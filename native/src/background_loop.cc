@@ -343,8 +343,9 @@ Status Core::Enqueue(const hvdlite_tensor_t* tensors, int32_t n, bool group, hvd
     const hvdlite_tensor_t& t = tensors[i];
     s = Validate(t, i);
     if (!s.ok()) return s;
-    if (group && t.op != HVDLITE_OP_ALLREDUCE) {
-      return InvalidArgument("grouped ops must all be allreduces");
+    if (group && (t.op != tensors[0].op || (t.op != HVDLITE_OP_ALLREDUCE && t.op != HVDLITE_OP_ALLGATHER &&
+                                             t.op != HVDLITE_OP_REDUCESCATTER))) {
+      return InvalidArgument("grouped ops must all be allreduces, all allgathers or all reducescatters");
     }
     TensorEntry e;
     Request& q = e.request;
@@ -396,7 +397,40 @@ Status Core::Enqueue(const hvdlite_tensor_t* tensors, int32_t n, bool group, hvd
   return Status::OK();
 }
 
+Status Core::Refuse(int32_t op, const char* name, int32_t process_set, const std::string& reason) {
+  Status s = CheckRunning();
+  if (!s.ok()) return s;
+  if (!name || !*name || std::strlen(name) > kMaxNameBytes) return InvalidArgument("refuse: a valid name is required");
+  if (!ValidOp(op) || op == HVDLITE_OP_JOIN) return InvalidArgument("refuse: unknown op " + std::to_string(op));
+  Request q;
+  q.rank = topo_.rank;
+  q.name = name;
+  q.op = op;
+  q.dtype = HVDLITE_UINT8;
+  q.process_set = process_set;
+  q.refusal = reason.empty() ? std::string("refused at the call") : reason.substr(0, kMaxNameBytes);
+  {
+    std::lock_guard<std::mutex> lock(refusals_mutex_);
+    refusals_.push_back(std::move(q));
+  }
+  queue_.Wake();
+  return Status::OK();
+}
+
 // ------------------------------------------------------------ background thread
+
+void Core::TakeRefusals() {
+  std::vector<Request> taken;
+  {
+    std::lock_guard<std::mutex> lock(refusals_mutex_);
+    taken.swap(refusals_);
+  }
+  for (Request& q : taken) {
+    int64_t slot = -1;
+    if (cache_ && cache_->Find(q, &slot) != ResponseCache::Lookup::kMiss) invalid_slots_.insert(slot);
+    uncached_.push_back(std::move(q));
+  }
+}
 
 bool Core::EndLoop(const Status& s) {
   std::lock_guard<std::mutex> lock(end_mutex_);
@@ -426,7 +460,7 @@ void Core::Loop(int64_t comm_f2c) {
   // idle coordination round (its bit set, ours not yet) would wait a whole cycle.
   const auto idle_cycle = std::max<Clock::duration>(cycle, kIdleCycle);
   while (true) {
-    bool idle = queue_.Size() == 0 && !local_joined_ && !join_active_;
+    bool idle = queue_.Size() == 0 && !local_joined_ && !join_active_ && !HasRefusals();
     if (queue_.WaitForWork(last_start + (idle ? idle_cycle : cycle)) && cycle.count() > 0) {
       // Requests arrived: the rest of a burst (a training step's gradients, a loop of
       // submissions) joins them, so that one cycle negotiates and fuses them all
@@ -467,6 +501,7 @@ bool Core::RunCycle() {
   counters_.cycles++;
   timeline_.MarkCycle();
   auto now = Clock::now();
+  TakeRefusals();  // ahead of this cycle's requests: a retry of the name comes after
   queue_.PopPending(&fresh_);
   const bool tl = timeline_.active();
   std::vector<const std::string*> cached_names;  // timeline: rank 0 ready, cache path
@@ -594,7 +629,7 @@ bool Core::RunCycle() {
         std::vector<Request> reqs;
         s = ParseRequests(all[r].data(), all[r].size(), &reqs);
         for (const Request& q : reqs) {
-          if (timeline_.active() && q.op != HVDLITE_OP_JOIN) {
+          if (timeline_.active() && q.op != HVDLITE_OP_JOIN && q.refusal.empty()) {
             timeline_.BeginNegotiation(q.name, kNegotiateActivity[q.op]);
             timeline_.Instant(q.name, "rank " + std::to_string(q.rank) + " ready");
           }
@@ -714,7 +749,9 @@ void Core::Execute(const std::vector<Response>& ready) {
   for (size_t end : ends) {
     const Response& r = ready[i];
     if (!r.error.empty()) {
-      Finish(queue_.Find(r.name), Status(r.error_code, r.error));
+      // An error for some ranks only (a late submission of a refused tensor) leaves
+      // the others' entries of that name alone: theirs may be a later op of it.
+      if (r.targets.empty() || r.targets[topo_.rank]) Finish(queue_.Find(r.name), Status(r.error_code, r.error));
     } else if (r.op == HVDLITE_OP_ALLGATHER && end - i > 1) {
       std::vector<const Response*> fused;
       for (size_t k = i; k < end; ++k) fused.push_back(&ready[k]);
