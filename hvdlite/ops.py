@@ -647,12 +647,7 @@ def grouped_allreduce_async(arrays, name=None, op=Average, prescale_factor=1.0,
         InvalidArgumentError, DuplicateNameError, NotInitializedError: as for
             ``allreduce_async``; nothing is enqueued if any array is refused.
     """
-    group = _resolve_name("grouped_allreduce", name)
-    arrays = list(arrays)
-    note_names(f"{group}.{i}" for i in range(len(arrays)))
-    if outs is not None and len(outs) != len(arrays):
-        raise InvalidArgumentError(
-            f"group '{group}': {len(outs)} outs for {len(arrays)} arrays")
+    group, arrays, _ = _group_members("grouped_allreduce", arrays, name, outs)
     if op == Adasum:
         from hvdlite import adasum
         return adasum.grouped_allreduce_async(arrays, group, prescale_factor,
@@ -862,12 +857,16 @@ def reducescatter(array, name=None, op=Average, prescale_factor=1.0, postscale_f
                                            postscale_factor, out))
 
 
-def _group_members(kind, arrays, name):
-    """Resolves a group's name; returns (group, arrays as a list, member names)."""
+def _group_members(kind, arrays, name, outs=None):
+    """Resolves a group's name; returns (group, arrays as a list, member names), after
+    checking there is one out per array when outs are given."""
     group = _resolve_name(kind, name)
     arrays = list(arrays)
     names = [f"{group}.{i}" for i in range(len(arrays))]
     note_names(names)
+    if outs is not None and len(outs) != len(arrays):
+        raise InvalidArgumentError(
+            f"group '{group}': {len(outs)} outs for {len(arrays)} arrays")
     return group, arrays, names
 
 
@@ -929,10 +928,7 @@ def grouped_reducescatter_async(arrays, name=None, op=Average, prescale_factor=1
         InvalidArgumentError, DuplicateNameError, NotInitializedError: as for
             ``reducescatter_async``; nothing is enqueued if any array is refused.
     """
-    group, arrays, names = _group_members("grouped_reducescatter", arrays, name)
-    if outs is not None and len(outs) != len(arrays):
-        raise InvalidArgumentError(
-            f"group '{group}': {len(outs)} outs for {len(arrays)} arrays")
+    group, arrays, names = _group_members("grouped_reducescatter", arrays, name, outs)
     size, rank = runtime.size(), runtime.rank()
     specs, keep, results = [], [], []
     for i, (array, tensor_name) in enumerate(zip(arrays, names)):
@@ -979,11 +975,13 @@ def barrier():
 def join():
     """Declares that this rank has no more data; returns when every rank has joined.
 
-    Until then this rank takes part in the other ranks' collectives (contributing
-    nothing to their reductions), so ranks may run different numbers of steps.
+    Until then this rank takes part in the other ranks' allreduces with zeros (Average
+    still divides by every rank, as in Horovod), so ranks may run different numbers of
+    steps. Any other collective submitted while a rank has joined fails with
+    AbortedError on the ranks that submitted it, as Horovod's do.
 
     Returns:
-        The rank that joined last.
+        The rank that joined last: the same value on every rank.
 
     Raises:
         NotInitializedError: before init() or after shutdown().

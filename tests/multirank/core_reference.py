@@ -84,7 +84,7 @@ def contribution(seed, rank, case):
         if case.prescale != 1.0 or case.postscale != 1.0:
             # Scaled integers: small values keep the double arithmetic exact.
             lo, hi = max(lo, -1000), min(hi, 1000)
-        # Full range: sums and products wrap, and negative averages truncate.
+        # Full range: sums and products wrap, and negative averages round down.
         return np.asarray(rng.integers(lo, hi, size=shape, endpoint=True, dtype=np.int64)
                           .astype(dt))
     if case.op == "Product":

@@ -71,7 +71,8 @@ enum {
 };
 
 /* Reductions. Average is Sum followed by a division by the number of contributing
- * ranks (integer types truncate toward zero). */
+ * ranks (integer types round toward negative infinity, as Horovod's floor_divide);
+ * joined ranks count, as in Horovod. */
 typedef int32_t hvdlite_reduce_op_t;
 enum {
   HVDLITE_AVERAGE = 0,
