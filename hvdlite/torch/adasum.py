@@ -17,6 +17,7 @@ import torch
 
 from hvdlite import runtime
 from hvdlite.torch import mpi_ops
+from hvdlite.torch.optimizer import _DistributedOptimizer
 
 
 class _DistributedAdasumOptimizer:
@@ -35,16 +36,9 @@ class _DistributedAdasumOptimizer:
         self.backward_passes_per_step = backward_passes_per_step
         self._compression = compression
         params = [p for group in self.param_groups for p in group["params"]]
-        if named_parameters is not None:
-            by_param = {p: name for name, p in named_parameters}
-            names = [by_param.get(p) for p in params]
-            if None in names:
-                raise ValueError("named_parameters was given, but some parameters of the "
-                                 "optimizer are not in it")
-        else:
-            names = [f"param.noname.{i}" for i in range(len(params))]
-        self._adasum_params = [(n, p) for n, p in zip(names, params) if p.requires_grad]
-        self._should_synchronize = True
+        # The same checks of named_parameters as the gradient-averaging optimizer's.
+        _DistributedOptimizer._name_parameters(named_parameters, params)
+        self._adasum_params = [p for p in params if p.requires_grad]
 
     def synchronize(self):
         """Nothing to do before the step: Adasum combines the updates in ``step()``."""
@@ -59,14 +53,14 @@ class _DistributedAdasumOptimizer:
         the Adasum of every rank's update."""
         if runtime.size() == 1:
             return self._hvd_base.step(self, closure)
-        start = [p.detach().clone() for _, p in self._adasum_params]
+        start = [p.detach().clone() for p in self._adasum_params]
         loss = self._hvd_base.step(self, closure)
         with torch.no_grad():
             updates = [(p.detach() - s).contiguous()
-                       for (_, p), s in zip(self._adasum_params, start)]
+                       for p, s in zip(self._adasum_params, start)]
             combined = mpi_ops.grouped_allreduce_(updates, name="adasum.updates",
                                                   op=mpi_ops.Adasum,
                                                   process_set=self.process_set)
-            for (_, p), s, u in zip(self._adasum_params, start, combined):
+            for p, s, u in zip(self._adasum_params, start, combined):
                 p.copy_(s + u)
         return loss
