@@ -12,7 +12,7 @@ import threading
 import ml_dtypes
 import numpy as np
 
-from hvdlite.errors import InvalidArgumentError
+from hvdlite.errors import InvalidArgumentError, UnsupportedDtypeError
 
 # (canonical name, native constant in c_api.h, numpy dtype). Order is the listing order.
 _TABLE = (
@@ -54,7 +54,7 @@ def _code_tables():
 
 def _unsupported(tensor_name, dtype):
     label = f"tensor '{tensor_name}'" if tensor_name else "tensor"
-    return InvalidArgumentError(
+    return UnsupportedDtypeError(
         f"{label} has unsupported dtype {dtype}; supported: {', '.join(SUPPORTED)}")
 
 

@@ -49,6 +49,11 @@ class InvalidArgumentError(HvdliteError, ValueError):
     """Refused at the call (bad dtype, layout, splits, root...); nothing was enqueued."""
 
 
+class UnsupportedDtypeError(InvalidArgumentError, RuntimeError):
+    """A tensor of an element type the core does not take. Also a RuntimeError: the
+    class horovod.torch raises for one, so handlers written for either keep working."""
+
+
 class DuplicateNameError(HvdliteError, ValueError):
     """A tensor of the same name is already in flight on this rank."""
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from hvdlite import adasum, dtypes, ops, runtime
-from hvdlite.errors import InvalidArgumentError
+from hvdlite.errors import InvalidArgumentError, UnsupportedDtypeError
 from hvdlite.torch.compression import Compression
 
 Average = ops.Average
@@ -102,8 +102,8 @@ def native_dtype_code(dtype, tensor_name=None):
     if name is None:
         label = f"tensor '{tensor_name}'" if tensor_name else "tensor"
         supported = ", ".join(str(d) for d in TORCH_DTYPE_NAMES)
-        raise InvalidArgumentError(f"{label} has unsupported dtype {dtype}; supported: "
-                                   f"{supported}")
+        raise UnsupportedDtypeError(f"{label} has unsupported dtype {dtype}; supported: "
+                                    f"{supported}")
     return dtypes.native_code(name, tensor_name)
 
 

@@ -168,6 +168,9 @@ for dtype in (torch.int16,):
 # torch.uint16 is refused as horovod.torch refuses it, on every rank alike.
 expect("uint16 refused", errors.InvalidArgumentError,
        lambda: hvd.allreduce(torch.ones(2, dtype=torch.uint16), name="u16"), "unsupported dtype")
+# ... with an error that is also the RuntimeError horovod.torch raises for such a type.
+expect("uint16 refused as RuntimeError", RuntimeError,
+       lambda: hvd.allgather(torch.ones(2, dtype=torch.uint16), name="u16.ag"), "u16.ag")
 check("usable", hvd.allreduce(torch.ones(1), op=hvd.Sum, name="u16.after"),
       np.full(1, float(size), np.float32))
 report()
