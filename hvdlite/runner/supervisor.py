@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from hvdlite.runner import rank_wrapper as wire
+from hvdlite.runner.remote_start import UNREACHABLE_PREFIX
 
 logger = logging.getLogger("hvdlite")
 
@@ -93,8 +94,10 @@ class _Connection:
 class _OutputSink:
     """Writes tagged lines to the console and untagged ones to per-rank log files."""
 
-    def __init__(self, output_dir: Optional[str]):
+    def __init__(self, output_dir: Optional[str], tag_hosts: bool = False):
         self.output_dir = output_dir
+        self.tag_hosts = tag_hosts
+        self.hosts: Dict[int, str] = {}   # rank -> host, from the hellos
         self.files = {}
         self.console_broken = {1: False, 2: False}
         if output_dir:
@@ -103,7 +106,8 @@ class _OutputSink:
     def write(self, rank: int, kind: bytes, data: bytes):
         stream = "stdout" if kind == wire.MSG_STDOUT else "stderr"
         fd = 1 if kind == wire.MSG_STDOUT else 2
-        prefix = f"[{rank}]<{stream}>:".encode()
+        where = f"@{self.hosts.get(rank, '?')}" if self.tag_hosts else ""
+        prefix = f"[{rank}{where}]<{stream}>:".encode()
         lines = data.split(b"\n")[:-1]
         self._console(fd, b"".join(prefix + line + b"\n" for line in lines))
         if self.output_dir:
@@ -141,10 +145,13 @@ class JobSupervisor:
         output_dir: --output-filename directory, or None.
         bind_host: address to listen on (127.0.0.1 for one machine, 0.0.0.0 for many).
         advertise_host: the name ranks connect to.
+        rank_hosts: the host each rank is placed on (for messages), if known.
+        tag_hosts: tag output lines with the host too (``[1@host]<stdout>:``).
     """
 
     def __init__(self, num_ranks: int, start_timeout: float, output_dir: Optional[str] = None,
-                 bind_host: str = "127.0.0.1", advertise_host: str = "127.0.0.1"):
+                 bind_host: str = "127.0.0.1", advertise_host: str = "127.0.0.1",
+                 rank_hosts: Optional[Sequence[str]] = None, tag_hosts: bool = False):
         self.num_ranks = num_ranks
         self.start_timeout = start_timeout
         self.token = secrets.token_hex(16)
@@ -154,7 +161,9 @@ class JobSupervisor:
         port = self.server.getsockname()[1]
         host = f"[{advertise_host}]" if ":" in advertise_host else advertise_host
         self.address = f"{host}:{port}"
-        self.output = _OutputSink(output_dir)
+        self.output = _OutputSink(output_dir, tag_hosts)
+        self.rank_hosts = list(rank_hosts or [])
+        self._mpiexec_partial = b""
         self.ranks: Dict[int, RankState] = {}
         self.connections: List[_Connection] = []
         self.proc: Optional[subprocess.Popen] = None
@@ -304,16 +313,27 @@ class JobSupervisor:
     def _check_deadlines(self, now, started):
         if self.result is None and len(self.ranks) < self.num_ranks \
                 and now - started > self.start_timeout:
-            missing = sorted(set(range(self.num_ranks)) - set(self.ranks))
             self._fail(1, f"only {len(self.ranks)} of {self.num_ranks} ranks started within "
-                          f"{self.start_timeout:g} s (--start-timeout); missing ranks: "
-                          f"{_short_list(missing)}")
+                          f"{self.start_timeout:g} s (--start-timeout); "
+                          f"{self._missing_ranks()}")
         if self.kill_time is not None:
             if self.term_time is None and now - self.kill_time > KILL_GRACE_S:
                 self._terminate_group(signal.SIGTERM)
             elif self.term_time is not None and not self.killed_group \
                     and now - self.term_time > TERM_GRACE_S:
                 self._terminate_group(signal.SIGKILL)
+
+    def _missing_ranks(self) -> str:
+        """``missing ranks: 2, 3 on host h2`` for the ranks that have not said hello."""
+        missing = sorted(set(range(self.num_ranks)) - set(self.ranks))
+        return f"missing ranks: {_short_list(missing)}{self._hosts_of(missing)}"
+
+    def _hosts_of(self, ranks) -> str:
+        """`` on host h2`` / `` on hosts h2, h3`` for ranks placed there, or ``""``."""
+        hosts = sorted({self.rank_hosts[r] for r in ranks if r < len(self.rank_hosts)})
+        if not hosts:
+            return ""
+        return (" on host " if len(hosts) == 1 else " on hosts ") + ", ".join(hosts)
 
     def _dispatch(self, key):
         tag, extra = key.data
@@ -380,6 +400,7 @@ class JobSupervisor:
             logger.warning("dropped a control connection with a wrong token")
             return False
         conn.rank = int(hello["rank"])
+        self.output.hosts[conn.rank] = str(hello.get("host", ""))
         self.ranks[conn.rank] = RankState(rank=conn.rank, host=str(hello.get("host", "")),
                                           pid=int(hello.get("pid", 0)))
         logger.debug("rank %d started: pid %s on %s", conn.rank, hello.get("pid"),
@@ -411,7 +432,13 @@ class JobSupervisor:
         conn.sock.close()
         if conn.rank is not None and not conn.exited:
             conn.exited = True
-            if self.kill_time is None:
+            if self.kill_time is None and len(self.ranks) < self.num_ranks:
+                # mpiexec gave up starting the job (a host it could not set up) and
+                # ended the ranks it had started.
+                self._fail(1, f"the job did not start: only {len(self.ranks)} of "
+                              f"{self.num_ranks} ranks started before rank {conn.rank} was "
+                              f"ended; {self._missing_ranks()}", rank=conn.rank)
+            elif self.kill_time is None:
                 self._fail(1, f"lost contact with rank {conn.rank} (its wrapper ended without "
                               f"an exit status); ending the other ranks", rank=conn.rank)
         else:
@@ -424,16 +451,32 @@ class JobSupervisor:
             return
         if fd == 2:
             self.mpiexec_stderr.append(data)
+            self._scan_for_unreachable(data)
         # Once the job is being ended, mpiexec's complaints about killed ranks are noise.
         if self.kill_time is None or logger.isEnabledFor(logging.DEBUG):
             self.output._console(fd, data)
+
+    def _scan_for_unreachable(self, data: bytes):
+        """Ends the job naming the host when the remote start reports it unreachable."""
+        text = self._mpiexec_partial + data
+        lines = text.split(b"\n")
+        self._mpiexec_partial = lines.pop()
+        for line in lines:
+            message = line.decode("utf-8", "replace").strip()
+            if not message.startswith(UNREACHABLE_PREFIX):
+                continue
+            host, _, reason = message[len(UNREACHABLE_PREFIX):].partition(": ")
+            ranks = [r for r, h in enumerate(self.rank_hosts) if h == host]
+            what = f"ranks {_short_list(ranks)}" if ranks else "ranks"
+            self._fail(1, f"cannot start {what} on host {host}: it cannot be reached "
+                          f"({reason})")
 
     def _on_mpiexec_exit(self):
         code = self.proc.returncode
         if self.result is None and len(self.ranks) < self.num_ranks:
             self._fail(exit_code_for(code) or 1,
                        f"mpiexec {describe_returncode(code)} before all ranks started "
-                       f"({len(self.ranks)} of {self.num_ranks})")
+                       f"({len(self.ranks)} of {self.num_ranks}); {self._missing_ranks()}")
 
     def _finish(self) -> JobResult:
         # Pick up output that mpiexec wrote just before it ended.
