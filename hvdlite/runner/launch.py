@@ -492,10 +492,16 @@ def run(config: LaunchConfig) -> int:
             return 2
         bind = advertise if config.network_interface else "0.0.0.0"
         logger.debug("ranks call the launcher back at %s", advertise)
+    try:
+        peer_timeout = rank_wrapper.peer_timeout(os.environ)
+    except ValueError as exc:
+        sys.stderr.write(f"{PROG}: {exc}\n")
+        return 2
     supervisor = JobSupervisor(config.num_ranks, config.start_timeout, config.output_dir,
                                bind_host=bind, advertise_host=advertise,
                                rank_hosts=hostlib.rank_hosts(config.hosts, config.num_ranks),
                                tag_hosts=config.verbose)
+    supervisor.peer_timeout = peer_timeout
     env = dict(os.environ)
     env.update(config.tuning_env)
     env.update(supervisor.rank_env())

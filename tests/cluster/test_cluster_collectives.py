@@ -88,7 +88,7 @@ print("HVDLITE_RESULT", json.dumps({
     "host": socket.gethostname(), "rank": rank, "size": size,
     "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
     "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(),
-    "failures": failures}))
+    "shm_collectives": hvd.stats()["shm_collectives"], "failures": failures}))
 '''
 
 
@@ -105,6 +105,11 @@ def expected_topology(hosts):
 
 
 def _run_and_check(cluster, hosts, placement, launcher_args=()):
+    """Runs SCRIPT on ``hosts``; checks each rank's host, results and topology.
+
+    Returns:
+        The ranks' reports.
+    """
     result = run_cluster_job(cluster, hosts, SCRIPT, timeout=JOB_TIMEOUT,
                              launcher_args=launcher_args)
     assert result.returncode == 0, describe(result)
@@ -118,6 +123,7 @@ def _run_and_check(cluster, hosts, placement, launcher_args=()):
     got = {rep["rank"]: (rep["local_rank"], rep["local_size"], rep["cross_rank"],
                          rep["cross_size"]) for rep in reports}
     assert got == want, f"placement {placement}"
+    return reports
 
 
 @pytest.mark.parametrize("hosts,placement", [
@@ -137,3 +143,11 @@ def test_round_robin_placement(cluster2):
 
 def test_one_rank_on_each_of_three_hosts(make_cluster):
     _run_and_check(make_cluster(3), "h1:1,h2:1,h3:1", ["h1", "h2", "h3"])
+
+
+def test_ranks_in_one_host_of_the_cluster_share_memory(cluster2):
+    # Two ranks in one namespace are one host: local_size 2 and the shared-memory
+    # allreduce in use, as on a real machine (the core decides from MPI's node split,
+    # which follows the hosts given to mpiexec, so it never spans two hosts).
+    reports = _run_and_check(cluster2, "h1:2", ["h1", "h1"])
+    assert all(rep["shm_collectives"] > 0 for rep in reports), reports
