@@ -22,8 +22,10 @@ _LAZY = {
         "cross_size", "cross_rank", "mpi_threads_supported", "stats", "start_timeline",
         "stop_timeline")},
     **{name: "hvdlite.ops" for name in (
-        "Average", "Sum", "Min", "Max", "Product",
+        "Average", "Sum", "Min", "Max", "Product", "Adasum",
         "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
+        "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter",
+        "grouped_reducescatter_async",
         "allgather", "allgather_async", "broadcast", "broadcast_async",
         "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
         "barrier", "join", "poll", "synchronize")},

@@ -12,12 +12,14 @@ import threading
 import ml_dtypes
 import numpy as np
 
-from hvdlite.errors import InvalidArgumentError
+from hvdlite.errors import InvalidArgumentError, UnsupportedDtypeError
 
 # (canonical name, native constant in c_api.h, numpy dtype). Order is the listing order.
 _TABLE = (
     ("uint8", "HVDLITE_UINT8", np.dtype(np.uint8)),
     ("int8", "HVDLITE_INT8", np.dtype(np.int8)),
+    ("uint16", "HVDLITE_UINT16", np.dtype(np.uint16)),
+    ("int16", "HVDLITE_INT16", np.dtype(np.int16)),
     ("int32", "HVDLITE_INT32", np.dtype(np.int32)),
     ("int64", "HVDLITE_INT64", np.dtype(np.int64)),
     ("float16", "HVDLITE_FLOAT16", np.dtype(np.float16)),
@@ -52,7 +54,7 @@ def _code_tables():
 
 def _unsupported(tensor_name, dtype):
     label = f"tensor '{tensor_name}'" if tensor_name else "tensor"
-    return InvalidArgumentError(
+    return UnsupportedDtypeError(
         f"{label} has unsupported dtype {dtype}; supported: {', '.join(SUPPORTED)}")
 
 

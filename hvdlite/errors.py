@@ -49,6 +49,11 @@ class InvalidArgumentError(HvdliteError, ValueError):
     """Refused at the call (bad dtype, layout, splits, root...); nothing was enqueued."""
 
 
+class UnsupportedDtypeError(InvalidArgumentError, RuntimeError):
+    """A tensor of an element type the core does not take. Also a RuntimeError: the
+    class horovod.torch raises for one, so handlers written for either keep working."""
+
+
 class DuplicateNameError(HvdliteError, ValueError):
     """A tensor of the same name is already in flight on this rank."""
 
@@ -75,6 +80,11 @@ class TransportError(HorovodInternalError):
 
 class RankFailedError(HorovodInternalError):
     """A peer rank is gone."""
+
+
+class AbortedError(HorovodInternalError):
+    """The op cannot run: another rank refused it (the message names the rank and its
+    reason), or it is not supported while ranks have joined (Horovod raises then too)."""
 
 
 class InvalidHandleError(HvdliteError, ValueError):
@@ -130,6 +140,7 @@ STATUS_CLASSES = {
     "HVDLITE_ERR_TIMEOUT": WaitTimeoutError,
     "HVDLITE_ERR_RANK_FAILED": RankFailedError,
     "HVDLITE_ERR_INTERNAL": InternalError,
+    "HVDLITE_ERR_ABORTED": AbortedError,
 }
 
 _by_code = None

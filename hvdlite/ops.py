@@ -22,6 +22,7 @@ Names must be unique among the ops in flight on a rank, whatever their process s
 Every collective takes ``process_set=`` (default: the global set, every rank); see
 ``hvdlite.process_sets``.
 """
+import functools
 import threading
 import warnings
 import weakref
@@ -42,6 +43,7 @@ Sum = lib.HVDLITE_SUM
 Min = lib.HVDLITE_MIN
 Max = lib.HVDLITE_MAX
 Product = lib.HVDLITE_PRODUCT
+Adasum = lib.HVDLITE_ADASUM  # allreduce only; runs in hvdlite.adasum
 
 _REDUCE_OP_NAMES = {Average: "Average", Sum: "Sum", Min: "Min", Max: "Max",
                     Product: "Product"}
@@ -97,15 +99,82 @@ def auto_name(kind, process_set_id=0):
 
 
 def _resolve_name(kind, name, process_set_id=0):
+    _attempt.process_set_id = process_set_id
     if type(name) is str and name and "\0" not in name:
+        _attempt.names = (name,)
         return name  # the usual case
     if name is None:
-        return auto_name(kind, process_set_id)
+        name = auto_name(kind, process_set_id)
+        _attempt.names = (name,)
+        return name
     if not isinstance(name, str):
         raise InvalidArgumentError(f"tensor name must be a str, not {type(name).__name__}")
     if not name or "\0" in name:
         raise InvalidArgumentError(f"tensor name {name!r} must be non-empty and have no NUL")
     return name
+
+
+# -- refusals ----------------------------------------------------------------------------
+#
+# A call this rank refuses (a bad tensor) is an op the other ranks may well have
+# submitted: left alone, they would wait for it until a stall timeout. So a refused call
+# tells the coordinator (hvdlite_refuse), which fails that tensor on every rank that
+# submits it, naming this rank and the reason. The names are those the call resolved
+# before it failed, automatic names included: the counters advance on every rank alike.
+
+# The names the current call on this thread resolved (a group's member names), and the
+# id of their process set.
+_attempt = threading.local()
+
+
+def note_names(names, process_set_id=0):
+    """Records a group's member names as the current call's (see ``refusing``)."""
+    _attempt.names = tuple(names)
+    _attempt.process_set_id = process_set_id
+
+
+def refuse(op, names, reason, process_set_id=0):
+    """Tells the other ranks that this rank refuses the op ``op`` of these tensors.
+
+    Best effort: a failure to send it (e.g. not initialized) is ignored, since the
+    caller is raising its own error anyway.
+    """
+    text = str(reason).encode("utf-8", "replace")[:4096]
+    for name in names:
+        lib.hvdlite_refuse(op, _c_name(name), process_set_id, text)
+
+
+def refusing(op):
+    """Decorates a collective so that an InvalidArgumentError it raises (for a tensor
+    whose name it had resolved) is also sent to the other ranks as a refusal.
+
+    Nested decorated calls send it once.
+    """
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            _attempt.names = ()
+            try:
+                return fn(*args, **kwargs)
+            except InvalidArgumentError as error:
+                _refused(op, error)
+                raise
+        return call
+    return wrap
+
+
+def _check_adasum_set(process_set_id, name):
+    if process_set_id != 0:
+        raise InvalidArgumentError(
+            f"tensor '{name}': Adasum runs over the global process set only, not process "
+            f"set {process_set_id}")
+
+
+def _refused(op, error):
+    if not getattr(error, "refusal_sent", False):
+        error.refusal_sent = True
+        refuse(op, getattr(_attempt, "names", ()), error,
+               getattr(_attempt, "process_set_id", 0))
 
 
 @dataclass
@@ -378,6 +447,8 @@ def _input_array(array, name, *, min_ndim=0):
 
 def _check_reduce_op(op, is_bool, name):
     """Refuses an op that is not one of the five, or that bool tensors do not support."""
+    if op == Adasum and not isinstance(op, bool):
+        raise InvalidArgumentError(f"tensor '{name}': Adasum is supported by allreduce only")
     if (isinstance(op, bool) or not isinstance(op, (int, np.integer))
             or op not in _REDUCE_OP_NAMES):
         raise InvalidArgumentError(
@@ -513,7 +584,8 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
     Args:
         array: a C-contiguous numpy array (or array-like) of a supported dtype.
         name: the tensor's name, equal across ranks; None names it automatically.
-        op: Average, Sum, Min, Max or Product (bool arrays: Min or Max only).
+        op: Average, Sum, Min, Max, Product (bool arrays: Min or Max only), or Adasum
+            (floating-point arrays; see ``hvdlite.adasum``).
         prescale_factor: multiplies the input before the reduction.
         postscale_factor: multiplies the result.
         out: an array of the same shape and dtype to write the result into (it may be
@@ -547,15 +619,24 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
         return _submit(last.template, last.input_ptr, output_ptr, (array, out), None, name,
                        out)
     named = name is not None
-    psid = process_sets.process_set_id(process_set)
-    name = _resolve_name("allreduce", name, psid)
-    arr, code = _input_array(array, name)
-    _check_reduction(op, prescale_factor, postscale_factor, code, name)
-    out = _output_array(out, arr.shape, arr.dtype, name)
-    template = _template(ALLREDUCE, name, code, arr.shape, op, prescale_factor,
-                         postscale_factor, 0, psid, -1)
-    handle = _submit(template, _from_buffer(arr), _from_buffer(out), (arr, out), None, name,
-                     out)
+    _attempt.names = ()
+    try:
+        psid = process_sets.process_set_id(process_set)
+        name = _resolve_name("allreduce", name, psid)
+        if op == Adasum:
+            _check_adasum_set(psid, name)
+            from hvdlite import adasum
+            return adasum.allreduce_async(array, name, prescale_factor, postscale_factor, out)
+        arr, code = _input_array(array, name)
+        _check_reduction(op, prescale_factor, postscale_factor, code, name)
+        out = _output_array(out, arr.shape, arr.dtype, name)
+        template = _template(ALLREDUCE, name, code, arr.shape, op, prescale_factor,
+                             postscale_factor, 0, psid, -1)
+        handle = _submit(template, _from_buffer(arr), _from_buffer(out), (arr, out), None,
+                         name, out)
+    except InvalidArgumentError as error:
+        _refused(ALLREDUCE, error)
+        raise
     if named and arr is array:
         _remember(_repeats, name, _Repeat(arr, out, op, prescale_factor, postscale_factor,
                                           process_set, template))
@@ -580,6 +661,7 @@ def allreduce(array, name=None, op=Average, prescale_factor=1.0, postscale_facto
                                        process_set))
 
 
+@refusing(ALLREDUCE)
 def grouped_allreduce_async(arrays, name=None, op=Average, prescale_factor=1.0,
                             postscale_factor=1.0, outs=None, process_set=global_process_set):
     """Starts allreduces of several arrays that are negotiated and run together.
@@ -601,11 +683,12 @@ def grouped_allreduce_async(arrays, name=None, op=Average, prescale_factor=1.0,
             ``allreduce_async``; nothing is enqueued if any array is refused.
     """
     psid = process_sets.process_set_id(process_set)
-    group = _resolve_name("grouped_allreduce", name, psid)
-    arrays = list(arrays)
-    if outs is not None and len(outs) != len(arrays):
-        raise InvalidArgumentError(
-            f"group '{group}': {len(outs)} outs for {len(arrays)} arrays")
+    group, arrays, _ = _group_members("grouped_allreduce", arrays, name, outs, psid)
+    if op == Adasum:
+        _check_adasum_set(psid, group)
+        from hvdlite import adasum
+        return adasum.grouped_allreduce_async(arrays, group, prescale_factor,
+                                              postscale_factor, outs)
     specs, keep, results = [], [], []
     for i, array in enumerate(arrays):
         tensor_name = f"{group}.{i}"
@@ -631,6 +714,7 @@ def grouped_allreduce(arrays, name=None, op=Average, prescale_factor=1.0,
                                                postscale_factor, outs, process_set))
 
 
+@refusing(ALLGATHER)
 def allgather_async(array, name=None, process_set=global_process_set):
     """Starts concatenating every rank's ``array`` along the first dimension.
 
@@ -668,6 +752,7 @@ def allgather(array, name=None, process_set=global_process_set):
     return synchronize(allgather_async(array, name, process_set))
 
 
+@refusing(BROADCAST)
 def broadcast_async(array, root_rank, name=None, out=None, process_set=global_process_set):
     """Starts sending ``array`` from ``root_rank`` to every rank.
 
@@ -730,6 +815,7 @@ def _check_splits(splits, rows, name, size=None):
     return [int(v) for v in values]
 
 
+@refusing(ALLTOALL)
 def alltoall_async(array, splits=None, name=None, process_set=global_process_set):
     """Starts an all-to-all: rows ``splits[r]`` of ``array`` go to rank r.
 
@@ -779,6 +865,7 @@ def reducescatter_rows(rows, size, rank):
     return rows // size + (1 if rank < rows % size else 0)
 
 
+@refusing(REDUCESCATTER)
 def reducescatter_async(array, name=None, op=Average, prescale_factor=1.0,
                         postscale_factor=1.0, out=None, process_set=global_process_set):
     """Starts a reduction whose result is scattered by rows among the ranks.
@@ -820,6 +907,110 @@ def reducescatter(array, name=None, op=Average, prescale_factor=1.0, postscale_f
                                            postscale_factor, out, process_set))
 
 
+def _group_members(kind, arrays, name, outs=None, process_set_id=0):
+    """Resolves a group's name; returns (group, arrays as a list, member names), after
+    checking there is one out per array when outs are given."""
+    group = _resolve_name(kind, name, process_set_id)
+    arrays = list(arrays)
+    names = [f"{group}.{i}" for i in range(len(arrays))]
+    note_names(names, process_set_id)
+    if outs is not None and len(outs) != len(arrays):
+        raise InvalidArgumentError(
+            f"group '{group}': {len(outs)} outs for {len(arrays)} arrays")
+    return group, arrays, names
+
+
+@refusing(ALLGATHER)
+def grouped_allgather_async(arrays, name=None, process_set=global_process_set):
+    """Starts allgathers of several arrays that are negotiated and run together.
+
+    Args:
+        arrays: a sequence of arrays (each as for ``allgather_async``).
+        name: the group's name; array i is named ``"<name>.<i>"``. None names the group
+            automatically.
+        process_set: as for ``allgather_async``.
+
+    Returns:
+        A Handle whose result is the list of gathered arrays, in order.
+
+    Raises:
+        InvalidArgumentError, DuplicateNameError, NotInitializedError: as for
+            ``allgather_async``; nothing is enqueued if any array is refused.
+    """
+    psid = process_sets.process_set_id(process_set)
+    group, arrays, names = _group_members("grouped_allgather", arrays, name, None, psid)
+    specs, keep, layouts = [], [], []
+    for array, tensor_name in zip(arrays, names):
+        arr, code = _input_array(array, tensor_name, min_ndim=1)
+        specs.append(TensorSpec(ALLGATHER, tensor_name, code, arr.shape, _from_buffer(arr),
+                                process_set_id=psid))
+        keep.append(arr)
+        layouts.append((arr.dtype, arr.shape[1:]))
+
+    def finish(handle):
+        return [handle.output_array(i, dt, trailing) for i, (dt, trailing) in enumerate(layouts)]
+
+    return enqueue_group(specs, name=group, keepalive=keep, finisher=finish)
+
+
+def grouped_allgather(arrays, name=None, process_set=global_process_set):
+    """Gathers several arrays together; returns the list of results.
+
+    See ``grouped_allgather_async`` for the arguments and errors.
+    """
+    return synchronize(grouped_allgather_async(arrays, name, process_set))
+
+
+@refusing(REDUCESCATTER)
+def grouped_reducescatter_async(arrays, name=None, op=Average, prescale_factor=1.0,
+                                postscale_factor=1.0, outs=None,
+                                process_set=global_process_set):
+    """Starts reducescatters of several arrays that are negotiated and run together.
+
+    Args:
+        arrays: a sequence of arrays (each as for ``reducescatter_async``).
+        name: the group's name; array i is named ``"<name>.<i>"``. None names the group
+            automatically.
+        op, prescale_factor, postscale_factor: as for ``reducescatter_async``, for all.
+        outs: one result buffer per array (each as ``reducescatter_async``'s ``out``), or
+            None for new arrays.
+        process_set: as for ``reducescatter_async``.
+
+    Returns:
+        A Handle whose result is the list of this rank's rows of each reduction.
+
+    Raises:
+        InvalidArgumentError, DuplicateNameError, NotInitializedError: as for
+            ``reducescatter_async``; nothing is enqueued if any array is refused.
+    """
+    psid = process_sets.process_set_id(process_set)
+    group, arrays, names = _group_members("grouped_reducescatter", arrays, name, outs, psid)
+    size, rank = process_sets.members(process_set)
+    specs, keep, results = [], [], []
+    for i, (array, tensor_name) in enumerate(zip(arrays, names)):
+        arr, code = _input_array(array, tensor_name, min_ndim=1)
+        _check_reduction(op, prescale_factor, postscale_factor, code, tensor_name)
+        rows = reducescatter_rows(arr.shape[0], size, rank)
+        out = _output_array(None if outs is None else outs[i], (rows,) + arr.shape[1:],
+                            arr.dtype, tensor_name)
+        specs.append(TensorSpec(REDUCESCATTER, tensor_name, code, arr.shape,
+                                _from_buffer(arr), _from_buffer(out), op, prescale_factor,
+                                postscale_factor, process_set_id=psid))
+        keep += [arr, out]
+        results.append(out)
+    return enqueue_group(specs, name=group, keepalive=keep, result=results)
+
+
+def grouped_reducescatter(arrays, name=None, op=Average, prescale_factor=1.0,
+                          postscale_factor=1.0, outs=None, process_set=global_process_set):
+    """Reduces several arrays together, each scattered by rows; returns this rank's parts.
+
+    See ``grouped_reducescatter_async`` for the arguments and errors.
+    """
+    return synchronize(grouped_reducescatter_async(arrays, name, op, prescale_factor,
+                                                   postscale_factor, outs, process_set))
+
+
 def _no_tensor_op(op, kind, finisher=None, process_set=global_process_set):
     # BARRIER and JOIN carry no data; a one-byte scalar gives the core a valid pointer.
     psid = process_sets.process_set_id(process_set)
@@ -842,11 +1033,13 @@ def barrier(process_set=global_process_set):
 def join():
     """Declares that this rank has no more data; returns when every rank has joined.
 
-    Until then this rank takes part in the other ranks' collectives (contributing
-    nothing to their reductions), so ranks may run different numbers of steps.
+    Until then this rank takes part in the other ranks' allreduces with zeros (Average
+    still divides by every rank, as in Horovod), so ranks may run different numbers of
+    steps. Any other collective submitted while a rank has joined fails with
+    AbortedError on the ranks that submitted it, as Horovod's do.
 
     Returns:
-        The rank that joined last.
+        The rank that joined last: the same value on every rank.
 
     Raises:
         NotInitializedError: before init() or after shutdown().

@@ -22,8 +22,10 @@ from hvdlite.runtime import (cross_rank, cross_size, init, is_initialized, local
 from hvdlite.torch.compression import Compression
 from hvdlite.torch.functions import (allgather_object, broadcast_object,
                                      broadcast_optimizer_state, broadcast_parameters)
-from hvdlite.torch.mpi_ops import (Average, Max, Min, Product, ProcessSet, Sum,
-                                   add_process_set, allgather, remove_process_set,
+from hvdlite.torch.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
+                                   add_process_set, allgather, grouped_allgather,
+                                   grouped_allgather_async, grouped_reducescatter,
+                                   grouped_reducescatter_async, remove_process_set,
                                    allgather_async, allreduce, allreduce_, allreduce_async,
                                    allreduce_async_, alltoall, alltoall_async, barrier,
                                    broadcast, broadcast_, broadcast_async, broadcast_async_,

@@ -23,8 +23,8 @@ every rank makes the same unnamed calls in the same order.
 import numpy as np
 import torch
 
-from hvdlite import dtypes, ops, process_sets, runtime
-from hvdlite.errors import InvalidArgumentError
+from hvdlite import adasum, dtypes, ops, process_sets, runtime
+from hvdlite.errors import InvalidArgumentError, UnsupportedDtypeError
 from hvdlite.torch.compression import Compression
 
 Average = ops.Average
@@ -32,11 +32,14 @@ Sum = ops.Sum
 Min = ops.Min
 Max = ops.Max
 Product = ops.Product
+Adasum = ops.Adasum
 
 # torch dtype -> canonical name of hvdlite.dtypes (the adapter's half of the one table).
+# torch.uint16 (and uint32/uint64) stay out, as in horovod.torch, which refuses them.
 TORCH_DTYPE_NAMES = {
     torch.uint8: "uint8",
     torch.int8: "int8",
+    torch.int16: "int16",
     torch.int32: "int32",
     torch.int64: "int64",
     torch.float16: "float16",
@@ -75,8 +78,8 @@ def native_dtype_code(dtype, tensor_name=None):
     if name is None:
         label = f"tensor '{tensor_name}'" if tensor_name else "tensor"
         supported = ", ".join(str(d) for d in TORCH_DTYPE_NAMES)
-        raise InvalidArgumentError(f"{label} has unsupported dtype {dtype}; supported: "
-                                   f"{supported}")
+        raise UnsupportedDtypeError(f"{label} has unsupported dtype {dtype}; supported: "
+                                    f"{supported}")
     return dtypes.native_code(name, tensor_name)
 
 
@@ -120,6 +123,15 @@ def _tensor_code(tensor, name, min_ndim=0):
     return code
 
 
+def _host_array(tensor, name):
+    """A zero-copy numpy view of a checked CPU tensor (Adasum computes in numpy)."""
+    if tensor.dtype == torch.bfloat16:
+        raise InvalidArgumentError(
+            f"tensor '{name}': Adasum takes float16, float32 and float64 tensors, not "
+            "torch.bfloat16")
+    return tensor.detach().numpy()
+
+
 def _from_core(handle, index, dtype, trailing_shape):
     """Wraps a core-allocated ALLGATHER/ALLTOALL result as a tensor, without a copy."""
     if dtype == torch.bfloat16:
@@ -140,9 +152,14 @@ def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor
     psid = _process_set_id(process_set)
     name = ops._resolve_name("allreduce", name, psid)
     code = _tensor_code(tensor, name)
-    ops._check_reduction(op, prescale_factor, postscale_factor, code, name)
+    if op != Adasum:
+        ops._check_reduction(op, prescale_factor, postscale_factor, code, name)
     if output is None:
         output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    if op == Adasum:
+        ops._check_adasum_set(psid, name)
+        return adasum.allreduce_async(_host_array(tensor, name), name, prescale_factor,
+                                      postscale_factor, _host_array(output, name), output)
     # The per-gradient path: every argument in order, no keywords.
     return ops.enqueue_fields(ops.ALLREDUCE, name, code, tensor.shape,
                               ops.pointer_at(tensor.data_ptr()),
@@ -248,6 +265,15 @@ def _grouped_allreduce_async(tensors, outputs, names, op, prescale_factor,
                              postscale_factor, process_set, label):
     """Enqueues allreduces that negotiate and run together; all or nothing."""
     psid = _process_set_id(process_set)
+    if op == Adasum:
+        ops._check_adasum_set(psid, label)
+        for tensor, name in zip(tensors, names):
+            _tensor_code(tensor, name)
+        outputs = [torch.empty_like(t, memory_format=torch.contiguous_format)
+                   if o is None else o for t, o in zip(tensors, outputs)]
+        return adasum.grouped_allreduce_async(
+            [_host_array(t, n) for t, n in zip(tensors, names)], label, prescale_factor,
+            postscale_factor, [_host_array(o, n) for o, n in zip(outputs, names)], outputs)
     specs, keep = [], []
     for tensor, output, name in zip(tensors, outputs, names):
         code = _tensor_code(tensor, name)
@@ -263,10 +289,13 @@ def _grouped_allreduce_async(tensors, outputs, names, op, prescale_factor,
     return ops.enqueue_group(specs, name=label, keepalive=keep, result=results)
 
 
-def _group_names(tensors, name, process_set):
+def _group_names(tensors, name, process_set, kind="grouped_allreduce"):
     tensors = list(tensors)
-    group = ops._resolve_name("grouped_allreduce", name, _process_set_id(process_set))
-    return tensors, [f"{group}.{i}" for i in range(len(tensors))], group
+    psid = _process_set_id(process_set)
+    group = ops._resolve_name(kind, name, psid)
+    names = [f"{group}.{i}" for i in range(len(tensors))]
+    ops.note_names(names, psid)
+    return tensors, names, group
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -701,6 +730,157 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
     return compression.decompress(out, ctx)
 
 
+# -- grouped allgather and reducescatter -------------------------------------------------
+
+
+def _grouped_allgather_async(tensors, names, group, process_set):
+    """Enqueues allgathers that negotiate and run together; all or nothing."""
+    psid = _process_set_id(process_set)
+    specs, layouts = [], []
+    for tensor, name in zip(tensors, names):
+        code = _tensor_code(tensor, name, min_ndim=1)
+        specs.append(ops.TensorSpec(ops.ALLGATHER, name, code, tuple(tensor.shape),
+                                    tensor.data_ptr(), process_set_id=psid))
+        layouts.append((tensor.dtype, tuple(tensor.shape[1:])))
+
+    def finish(handle):
+        return [_from_core(handle, i, dtype, trailing)
+                for i, (dtype, trailing) in enumerate(layouts)]
+
+    return ops.enqueue_group(specs, name=group, keepalive=list(tensors), finisher=finish)
+
+
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
+    """Starts allgathers of several tensors that are negotiated and run together.
+
+    Args:
+        tensors: a sequence of tensors (each as for ``allgather_async``).
+        name: the group's name; tensor i is named ``"<name>.<i>"``.
+        process_set: the ProcessSet whose members' tensors are concatenated.
+
+    Returns:
+        A Handle; ``synchronize(handle)`` returns the list of gathered tensors.
+
+    Raises:
+        InvalidArgumentError, DuplicateNameError, NotInitializedError: refused; nothing
+            is enqueued if any tensor is refused.
+    """
+    tensors, names, group = _group_names(tensors, name, process_set, "grouped_allgather")
+    return _grouped_allgather_async(tensors, names, group, process_set)
+
+
+class _GroupedAllgatherFunction(torch.autograd.Function):
+    """Grouped allgather; as Horovod defines it, each tensor's gradient is this rank's
+    rows of the average over ranks of the result's gradient."""
+
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.rows = [int(t.shape[0]) for t in tensors]
+        ctx.process_set = process_set
+        return tuple(ops.synchronize(grouped_allgather_async(tensors, name, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads, names, group = _group_names([g.contiguous() for g in grads], None,
+                                           ctx.process_set)
+        reduced = ops.synchronize(_grouped_allreduce_async(
+            grads, [None] * len(grads), names, Average, 1.0, 1.0, ctx.process_set, group))
+        rows = ops.synchronize(allgather_async(
+            torch.tensor([ctx.rows], dtype=torch.int64), None, ctx.process_set))
+        offsets = rows[:process_sets.members(ctx.process_set)[1]].sum(0).tolist()
+        return (None, None, *[g.narrow(0, int(at), n)
+                              for g, at, n in zip(reduced, offsets, ctx.rows)])
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set):
+    """Gathers several tensors together; returns a list of new tensors; differentiable.
+
+    See ``grouped_allgather_async``; raises HorovodInternalError subclasses if it fails.
+    """
+    return list(_GroupedAllgatherFunction.apply(name, process_set, *tensors))
+
+
+def _grouped_reducescatter_async(tensors, names, group, op, prescale_factor,
+                                 postscale_factor, process_set):
+    """Enqueues reducescatters that negotiate and run together; all or nothing."""
+    psid = _process_set_id(process_set)
+    size, rank = process_sets.members(process_set)
+    specs, keep = [], []
+    for tensor, name in zip(tensors, names):
+        code = _tensor_code(tensor, name, min_ndim=1)
+        ops._check_reduction(op, prescale_factor, postscale_factor, code, name)
+        rows = ops.reducescatter_rows(tensor.shape[0], size, rank)
+        output = torch.empty((rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
+        specs.append(ops.TensorSpec(ops.REDUCESCATTER, name, code, tuple(tensor.shape),
+                                    tensor.data_ptr(), output.data_ptr(), op,
+                                    prescale_factor, postscale_factor, process_set_id=psid))
+        keep += [tensor, output]
+    return ops.enqueue_group(specs, name=group, keepalive=keep, result=keep[1::2])
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average,
+                                process_set=global_process_set, prescale_factor=1.0,
+                                postscale_factor=1.0):
+    """Starts reducescatters of several tensors that are negotiated and run together.
+
+    Args:
+        tensors: a sequence of tensors (each as for ``reducescatter_async``).
+        name: the group's name; tensor i is named ``"<name>.<i>"``.
+        op, prescale_factor, postscale_factor, process_set: as for
+            ``reducescatter_async``, for all of them.
+
+    Returns:
+        A Handle; ``synchronize(handle)`` returns the list of this rank's rows of each.
+
+    Raises:
+        InvalidArgumentError, DuplicateNameError, NotInitializedError: refused; nothing
+            is enqueued if any tensor is refused.
+    """
+    tensors, names, group = _group_names(tensors, name, process_set,
+                                         "grouped_reducescatter")
+    return _grouped_reducescatter_async(tensors, names, group, op, prescale_factor,
+                                        postscale_factor, process_set)
+
+
+class _GroupedReducescatterFunction(torch.autograd.Function):
+    """Grouped reducescatter; as Horovod defines it, each tensor's gradient is the
+    allgather of its result's gradient, times size() for Sum and times the scale
+    factors."""
+
+    @staticmethod
+    def forward(ctx, name, op, prescale_factor, postscale_factor, process_set, *tensors):
+        ctx.scale = None
+        if op in (Sum, Average):
+            ctx.scale = prescale_factor * postscale_factor * (
+                process_sets.members(process_set)[0] if op == Sum else 1)
+        ctx.process_set = process_set
+        return tuple(ops.synchronize(grouped_reducescatter_async(
+            tensors, name, op, process_set, prescale_factor, postscale_factor)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.scale is None:
+            raise RuntimeError("reducescatter is differentiable only for op=Sum or Average")
+        grads, names, group = _group_names([g.contiguous() for g in grads], None,
+                                           ctx.process_set, "grouped_allgather")
+        gathered = ops.synchronize(_grouped_allgather_async(grads, names, group,
+                                                            ctx.process_set))
+        if ctx.scale != 1.0:
+            gathered = [g * ctx.scale for g in gathered]
+        return (None, None, None, None, None, *gathered)
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0,
+                          postscale_factor=1.0):
+    """Reduces several tensors together, each scattered by rows; returns this rank's
+    parts as new tensors; differentiable. See ``grouped_reducescatter_async``."""
+    pairs = [compression.compress(t) for t in tensors]
+    outs = _GroupedReducescatterFunction.apply(name, op, prescale_factor, postscale_factor,
+                                               process_set, *[c for c, _ in pairs])
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
+
+
 # -- control -----------------------------------------------------------------------------
 
 
@@ -732,3 +912,23 @@ def join(device=-1):
 def barrier(process_set=global_process_set):
     """Blocks until every rank of ``process_set`` has called ``barrier()``."""
     ops.barrier(process_set)
+
+
+# A call refused here (a bad tensor) is also sent to the other ranks as a refusal, so
+# that ranks which submitted the same tensor fail at once instead of waiting for it
+# (see hvdlite.ops.refusing). Wrapped here, in one place, rather than at each def.
+for _fn_name, _op in (
+        ("allreduce_async", ops.ALLREDUCE), ("allreduce_async_", ops.ALLREDUCE),
+        ("allreduce", ops.ALLREDUCE), ("allreduce_", ops.ALLREDUCE),
+        ("grouped_allreduce_async", ops.ALLREDUCE), ("grouped_allreduce_async_", ops.ALLREDUCE),
+        ("grouped_allreduce", ops.ALLREDUCE), ("grouped_allreduce_", ops.ALLREDUCE),
+        ("allgather_async", ops.ALLGATHER), ("allgather", ops.ALLGATHER),
+        ("grouped_allgather_async", ops.ALLGATHER), ("grouped_allgather", ops.ALLGATHER),
+        ("broadcast_async", ops.BROADCAST), ("broadcast_async_", ops.BROADCAST),
+        ("broadcast", ops.BROADCAST), ("broadcast_", ops.BROADCAST),
+        ("alltoall_async", ops.ALLTOALL), ("alltoall", ops.ALLTOALL),
+        ("reducescatter_async", ops.REDUCESCATTER), ("reducescatter", ops.REDUCESCATTER),
+        ("grouped_reducescatter_async", ops.REDUCESCATTER),
+        ("grouped_reducescatter", ops.REDUCESCATTER)):
+    globals()[_fn_name] = ops.refusing(_op)(globals()[_fn_name])
+del _fn_name, _op

@@ -375,7 +375,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         backward_passes_per_step: backward passes accumulated locally per ``step()``; the
             allreduce runs on the last one (gradients are summed over the passes, scale
             the loss if you want their mean).
-        op: Average (default) or Sum (Min, Max, Product also run).
+        op: Average (default) or Sum (Min, Max, Product also run), or Adasum: each
+            rank steps on its own gradients and the parameter updates are combined
+            with Adasum (see ``hvdlite.torch.adasum``).
         gradient_predivide_factor: with Average, gradients are multiplied by 1/factor
             before the sum and by factor/size after it.
         groups: None (each gradient negotiated on its own; the core fuses them), an int
@@ -402,8 +404,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     base = optimizer.__class__
     if getattr(optimizer, "_hvd_base", None) is not None:
         raise ValueError("the optimizer is already a DistributedOptimizer")
-    methods = {k: v for k, v in _DistributedOptimizer.__dict__.items()
-               if not k.startswith("__")}
+    mixin = _DistributedOptimizer
+    if op == mpi_ops.Adasum:
+        from hvdlite.torch.adasum import _DistributedAdasumOptimizer as mixin
+    methods = {k: v for k, v in mixin.__dict__.items() if not k.startswith("__")}
     cls = type(base.__name__, (base,), {**methods, "_hvd_base": base,
                                         "__module__": __name__,
                                         "__doc__": base.__doc__})

@@ -47,6 +47,8 @@ MPI_Datatype MpiType(int32_t dtype) {
   switch (dtype) {
     case HVDLITE_UINT8: case HVDLITE_BOOL: return MPI_UINT8_T;
     case HVDLITE_INT8: return MPI_INT8_T;
+    case HVDLITE_INT16: return MPI_INT16_T;
+    case HVDLITE_UINT16: return MPI_UINT16_T;
     case HVDLITE_INT32: return MPI_INT32_T;
     case HVDLITE_INT64: return MPI_INT64_T;
     case HVDLITE_FLOAT16: case HVDLITE_BFLOAT16: return MPI_UINT16_T;

@@ -414,8 +414,9 @@ Status Core::Submit(const hvdlite_tensor_t* tensors, int32_t n, bool group, bool
       return InvalidArgument(std::string("tensor '") + t.name + "': " + OpName(t.op) +
                              " cannot be enqueued (hvdlite_add_process_set makes it)");
     }
-    if (group && t.op != HVDLITE_OP_ALLREDUCE) {
-      return InvalidArgument("grouped ops must all be allreduces");
+    if (group && (t.op != tensors[0].op || (t.op != HVDLITE_OP_ALLREDUCE && t.op != HVDLITE_OP_ALLGATHER &&
+                                             t.op != HVDLITE_OP_REDUCESCATTER))) {
+      return InvalidArgument("grouped ops must all be allreduces, all allgathers or all reducescatters");
     }
     TensorEntry e;
     Request& q = e.request;
@@ -540,7 +541,55 @@ Status Core::ChangeTable(int32_t op, const std::vector<int64_t>& argument, int64
   return s;
 }
 
+Status Core::Refuse(int32_t op, const char* name, int32_t process_set, const std::string& reason) {
+  Status s = CheckRunning();
+  if (!s.ok()) return s;
+  if (!name || !*name || std::strlen(name) > kMaxNameBytes) return InvalidArgument("refuse: a valid name is required");
+  if (!ValidOp(op) || op == HVDLITE_OP_JOIN || op >= HVDLITE_OP_ADD_PROCESS_SET) {
+    return InvalidArgument("refuse: unknown op " + std::to_string(op));
+  }
+  std::shared_ptr<const ProcessSetMembers> set;
+  s = ProcessSet(process_set, &set);
+  if (!s.ok()) return InvalidArgument(std::string("refusal of tensor '") + name + "': " + s.message());
+  if (!set->included()) {
+    return InvalidArgument(std::string("refusal of tensor '") + name + "': rank " +
+                           std::to_string(topo_.rank) + " is not a member of " + set->Describe());
+  }
+  Request q;
+  q.rank = set->rank;
+  q.name = name;
+  q.op = op;
+  q.dtype = HVDLITE_UINT8;
+  q.process_set = process_set;
+  q.refusal = reason.empty() ? std::string("refused at the call") : reason.substr(0, kMaxNameBytes);
+  {
+    std::lock_guard<std::mutex> lock(refusals_mutex_);
+    refusals_.push_back(std::move(q));
+  }
+  queue_.Wake();
+  return Status::OK();
+}
+
 // ------------------------------------------------------------ background thread
+
+void Core::TakeRefusals() {
+  std::vector<Request> taken;
+  {
+    std::lock_guard<std::mutex> lock(refusals_mutex_);
+    taken.swap(refusals_);
+  }
+  for (Request& q : taken) {
+    // A set removed since the refusal has no op of that name left to fail.
+    ProcessSetState* set = sets_.Find(q.process_set);
+    if (set && set->included()) set->Refuse(std::move(q));
+  }
+}
+
+void ProcessSetState::Refuse(Request q) {
+  int64_t slot = -1;
+  if (cache_ && cache_->Find(q, &slot) != ResponseCache::Lookup::kMiss) invalid_slots_.insert(slot);
+  uncached_.push_back(std::move(q));
+}
 
 void Core::EndLoop(const Status& s) {
   std::lock_guard<std::mutex> lock(end_mutex_);
@@ -563,7 +612,7 @@ void Core::Loop() {
   // idle coordination round (its bit set, ours not yet) would wait a whole cycle.
   const auto idle_cycle = std::max<Clock::duration>(cycle, kIdleCycle);
   while (true) {
-    bool idle = queue_.Size() == 0 && Clock::now() - elsewhere_heard_ > kElsewhereLinger;
+    bool idle = queue_.Size() == 0 && !HasRefusals() && Clock::now() - elsewhere_heard_ > kElsewhereLinger;
     for (ProcessSetState* set = sets_.NextMember(-1); set && idle; set = sets_.NextMember(set->id())) {
       idle = !set->Busy();
     }
@@ -613,6 +662,7 @@ bool Core::RunCycle() {
   RoundFlags mine;
   mine.shutdown = shutdown_requested_;
   queue_.CountBySet(&in_flight_, &in_flight_by_set_);
+  TakeRefusals();  // ahead of this cycle's requests: a retry of the name comes after
   queue_.PopPending(&fresh_);
   Distribute();
   RoundFlags heard;
@@ -795,7 +845,7 @@ bool ProcessSetState::Negotiate(Clock::time_point now, std::vector<Response>* re
       std::vector<Request> reqs;
       s = ParseRequests(all[r].data(), all[r].size(), &reqs);
       for (const Request& q : reqs) {
-        if (timeline_.active() && q.op != HVDLITE_OP_JOIN) {
+        if (timeline_.active() && q.op != HVDLITE_OP_JOIN && q.refusal.empty()) {
           timeline_.BeginNegotiation(q.name, kNegotiateActivity[q.op]);
           timeline_.Instant(q.name, "rank " + std::to_string(q.rank) + " ready");
         }
@@ -908,7 +958,9 @@ void ProcessSetState::Execute(const std::vector<Response>& ready) {
   for (size_t end : ends) {
     const Response& r = ready[i];
     if (!r.error.empty()) {
-      Finish(queue_.Find(r.name), Status(r.error_code, r.error));
+      // An error for some ranks only (a late submission of a refused tensor) leaves
+      // the others' entries of that name alone: theirs may be a later op of it.
+      if (r.targets.empty() || r.targets[rank_]) Finish(queue_.Find(r.name), Status(r.error_code, r.error));
     } else if (r.op == HVDLITE_OP_ALLGATHER && end - i > 1) {
       std::vector<const Response*> fused;
       for (size_t k = i; k < end; ++k) fused.push_back(&ready[k]);

@@ -28,6 +28,8 @@ class Core {
   Status CheckRunning() const;
   const MpiTopology& topology() const { return topo_; }
   Status Enqueue(const hvdlite_tensor_t* tensors, int32_t n, bool group, hvdlite_handle_t* out);
+  // Sends a refusal of the op named name to the coordinator (see hvdlite_refuse).
+  Status Refuse(int32_t op, const char* name, int32_t process_set, const std::string& reason);
   HandleTable& handles() { return handles_; }
   const Counters& counters() const { return counters_; }
   Status StartTimeline(const std::string& path, bool mark_cycles);
@@ -56,6 +58,12 @@ class Core {
   // A transport failure ends the loop after this cycle, with s as the reason.
   void EndLoop(const Status& s);
   void FailEverything(const Status& s);
+  // Hands the refusals made since the last cycle to their sets (ProcessSetState::Refuse).
+  void TakeRefusals();
+  bool HasRefusals() {
+    std::lock_guard<std::mutex> lock(refusals_mutex_);
+    return !refusals_.empty();
+  }
 
   // Set before the thread starts or while it is not running; read-only otherwise.
   Config config_;
@@ -73,6 +81,8 @@ class Core {
   HandleTable handles_;
   TensorQueue queue_;
   Counters counters_;
+  std::mutex refusals_mutex_;
+  std::vector<Request> refusals_;  // Guarded by refusals_mutex_: not yet sent
   Timeline timeline_;  // used by the background thread; Start/Stop under timeline_mutex_
   std::mutex timeline_mutex_;
   ProcessSetTable sets_;

@@ -109,6 +109,13 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_enqueue_group(const hvdlite_tensor_t* te
   return Guard([&] { return hvdlite::Core::Get().Enqueue(tensors, n, true, handles); });
 }
 
+HVDLITE_EXPORT hvdlite_status_t hvdlite_refuse(hvdlite_op_t op, const char* name,
+                                               int32_t process_set_id, const char* reason) {
+  return Guard([&] {
+    return hvdlite::Core::Get().Refuse(op, name, process_set_id, reason ? reason : "");
+  });
+}
+
 HVDLITE_EXPORT hvdlite_status_t hvdlite_poll(hvdlite_handle_t handle, int32_t* done) {
   return Guard([&] {
     if (!done) return NullOut();
@@ -265,6 +272,7 @@ HVDLITE_EXPORT const char* hvdlite_status_name(hvdlite_status_t status) {
     case HVDLITE_ERR_TIMEOUT: return "HVDLITE_ERR_TIMEOUT";
     case HVDLITE_ERR_RANK_FAILED: return "HVDLITE_ERR_RANK_FAILED";
     case HVDLITE_ERR_INTERNAL: return "HVDLITE_ERR_INTERNAL";
+    case HVDLITE_ERR_ABORTED: return "HVDLITE_ERR_ABORTED";
     default: return "HVDLITE_ERR_UNKNOWN";
   }
 }

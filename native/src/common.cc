@@ -9,12 +9,12 @@
 
 namespace hvdlite {
 
-bool ValidDtype(int32_t dtype) { return dtype >= HVDLITE_UINT8 && dtype <= HVDLITE_BOOL; }
+bool ValidDtype(int32_t dtype) { return dtype >= HVDLITE_UINT8 && dtype <= HVDLITE_UINT16; }
 
 int ElementSize(int32_t dtype) {
   switch (dtype) {
     case HVDLITE_UINT8: case HVDLITE_INT8: case HVDLITE_BOOL: return 1;
-    case HVDLITE_FLOAT16: case HVDLITE_BFLOAT16: return 2;
+    case HVDLITE_FLOAT16: case HVDLITE_BFLOAT16: case HVDLITE_INT16: case HVDLITE_UINT16: return 2;
     case HVDLITE_INT32: case HVDLITE_FLOAT32: return 4;
     case HVDLITE_INT64: case HVDLITE_FLOAT64: return 8;
     default: return 0;
@@ -23,7 +23,7 @@ int ElementSize(int32_t dtype) {
 
 const char* DtypeName(int32_t dtype) {
   static const char* kNames[] = {"uint8", "int8", "int32", "int64", "float16",
-                                 "bfloat16", "float32", "float64", "bool"};
+                                 "bfloat16", "float32", "float64", "bool", "int16", "uint16"};
   return ValidDtype(dtype) ? kNames[dtype] : "unknown dtype";
 }
 

@@ -16,6 +16,8 @@ std::string Num(double v) {
 
 void Controller::AddRequest(const Request& q, Clock::time_point now) {
   if (q.rank < 0 || q.rank >= size_) return;
+  if (!q.refusal.empty()) return AddRefusal(q);
+  if (!refused_.empty() && AnswerRefused(q)) return;
   if (q.op == HVDLITE_OP_JOIN) {
     if (!joined_[q.rank]) {
       joined_[q.rank] = 1;
@@ -40,6 +42,65 @@ void Controller::AddRequest(const Request& q, Clock::time_point now) {
   if (seen < p.first_seen) p.first_seen = seen;
   p.requests[q.rank] = q;
   p.have[q.rank] = 1;
+}
+
+Response Controller::RefusalError(const std::string& name, int32_t op,
+                                  const std::string& error) const {
+  Response r;
+  r.op = op;
+  r.name = name;
+  r.error_code = HVDLITE_ERR_ABORTED;
+  r.error = error;
+  r.targets.assign(size_, 0);
+  return r;
+}
+
+void Controller::AddRefusal(const Request& q) {
+  auto known = refused_.find(q.name);
+  if (known != refused_.end()) {  // refused by another rank too: nothing owed to this one
+    known->second.owed[q.rank] = 0;
+    if (std::find(known->second.owed.begin(), known->second.owed.end(), 1) == known->second.owed.end()) {
+      refused_.erase(known);
+    }
+    return;
+  }
+  Refused f;
+  f.error = "rank " + std::to_string(Global(q.rank)) + " refused the " + OpName(q.op) + " of tensor '" +
+            q.name + "'" + where_ + " that other ranks submitted: " + q.refusal;
+  f.owed.assign(size_, 1);
+  f.owed[q.rank] = 0;
+  for (int r = 0; r < size_; ++r) {
+    if (joined_[r]) f.owed[r] = 0;  // a joined rank submits nothing more
+  }
+  Response now = RefusalError(q.name, q.op, f.error);
+  bool any_now = false;
+  auto it = table_.find(q.name);
+  if (it != table_.end()) {
+    for (int r = 0; r < size_; ++r) {
+      if (it->second.have[r]) {
+        now.targets[r] = 1;
+        f.owed[r] = 0;
+        any_now = true;
+      }
+    }
+    order_.erase(it->second.seq);
+    table_.erase(it);
+  }
+  if (any_now) refusal_errors_.push_back(now);
+  if (std::find(f.owed.begin(), f.owed.end(), 1) != f.owed.end()) refused_[q.name] = std::move(f);
+}
+
+bool Controller::AnswerRefused(const Request& q) {
+  auto known = refused_.find(q.name);
+  if (known == refused_.end() || !known->second.owed[q.rank]) return false;
+  Response late = RefusalError(q.name, q.op, known->second.error);
+  late.targets[q.rank] = 1;
+  refusal_errors_.push_back(late);
+  known->second.owed[q.rank] = 0;
+  if (std::find(known->second.owed.begin(), known->second.owed.end(), 1) == known->second.owed.end()) {
+    refused_.erase(known);
+  }
+  return true;
 }
 
 bool Controller::Ready(const PendingTensor& p) const {
@@ -96,7 +157,8 @@ Response Controller::Validate(const std::string& name, const PendingTensor& p) c
   out.postscale = base.postscale;
   out.root_rank = base.root_rank;
   out.group = base.group;
-  out.contributors = size_ - joined_count_;
+  // As in Horovod, Average divides by every rank, joined ones (which add zeros) too.
+  out.contributors = size_;
   out.joined = joined_;
 
   auto fail = [&](const std::string& what, const std::string& diff) {
@@ -174,23 +236,18 @@ Response Controller::Validate(const std::string& name, const PendingTensor& p) c
                   " is out of range for " + std::to_string(size_) + " ranks";
       return out;
     }
-    if (joined_[base.root_rank]) {
-      out.error_code = HVDLITE_ERR_INVALID_ARGUMENT;
-      out.error = "broadcast of tensor '" + name + "'" + where_ + ": root rank " +
-                  std::to_string(Global(base.root_rank)) + " has already joined";
-      return out;
-    }
   }
-  if (joined_count_ > 0) {
-    bool sum_like = op == HVDLITE_OP_ALLREDUCE &&
-                    (base.reduce_op == HVDLITE_SUM || base.reduce_op == HVDLITE_AVERAGE);
-    if (!(sum_like || op == HVDLITE_OP_ALLGATHER || op == HVDLITE_OP_BROADCAST)) {
-      out.error_code = HVDLITE_ERR_INVALID_ARGUMENT;
-      out.error = std::string(OpName(op)) + " of tensor '" + name +
-                  "' is not supported while ranks have joined (only Sum/Average allreduce, "
-                  "allgather and broadcast are)";
-      return out;
+  if (joined_count_ > 0 && op != HVDLITE_OP_ALLREDUCE) {
+    // Horovod's rule: joined ranks take part in allreduces only (with zeros).
+    std::vector<int> joined;
+    for (int r = 0; r < size_; ++r) {
+      if (joined_[r]) joined.push_back(r);
     }
+    out.error_code = HVDLITE_ERR_ABORTED;
+    out.error = std::string(OpName(op)) + " of tensor '" + name + "'" + where_ + " is not supported while " +
+                Ranks(joined) + (joined.size() == 1 ? " has" : " have") +
+                " joined; only allreduce is";
+    return out;
   }
   if (op == HVDLITE_OP_ALLGATHER) {
     out.first_dims.assign(size_, 0);
@@ -272,6 +329,7 @@ bool Controller::WantsRound(Clock::time_point now) const {
 
 std::vector<Response> Controller::BuildResponses(Clock::time_point now) {
   std::vector<Response> out;
+  out.swap(refusal_errors_);
   // Groups complete only when every member is ready; members keep arrival order.
   std::unordered_map<std::string, std::vector<std::string>> ready_groups;
   std::vector<std::string> done;

@@ -50,6 +50,11 @@ class Controller {
   // The global rank of a set rank.
   int Global(int r) const { return ranks_.empty() || r < 0 || r >= size_ ? r : ranks_[r]; }
   void CheckStalls(Clock::time_point now, std::vector<Response>* out);
+  // A rank refused a tensor: the ranks that submitted it fail now, those that submit it
+  // later fail as they do (AnswerRefused).
+  void AddRefusal(const Request& refusal);
+  bool AnswerRefused(const Request& request);
+  Response RefusalError(const std::string& name, int32_t op, const std::string& error) const;
 
   int size_;
   Config config_;
@@ -62,6 +67,12 @@ class Controller {
   int joined_count_ = 0;
   int last_joined_ = -1;
   Clock::time_point last_stall_check_;
+  struct Refused {
+    std::string error;
+    std::vector<uint8_t> owed;  // 1: the rank has not submitted it yet
+  };
+  std::unordered_map<std::string, Refused> refused_;
+  std::vector<Response> refusal_errors_;  // sent with the next responses
 };
 
 }  // namespace hvdlite

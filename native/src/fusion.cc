@@ -7,12 +7,15 @@
 namespace hvdlite {
 namespace {
 
+// Integer Average rounds toward negative infinity, as Horovod's (floor_divide) does.
 template <typename T>
 void ScaleInt(T* dst, const T* src, int64_t n, double factor, int64_t divisor) {
   for (int64_t i = 0; i < n; ++i) {
     int64_t v = factor == 1.0 ? static_cast<int64_t>(src[i])
                               : static_cast<int64_t>(static_cast<double>(src[i]) * factor);
-    dst[i] = static_cast<T>(v / divisor);
+    int64_t q = v / divisor;
+    if (v % divisor != 0 && (v < 0) != (divisor < 0)) --q;
+    dst[i] = static_cast<T>(q);
   }
 }
 
@@ -52,6 +55,12 @@ void ScaledCopy(void* dst, const void* src, int64_t count, int32_t dtype, double
       break;
     case HVDLITE_INT8:
       ScaleInt(static_cast<int8_t*>(dst), static_cast<const int8_t*>(src), count, factor, divisor);
+      break;
+    case HVDLITE_INT16:
+      ScaleInt(static_cast<int16_t*>(dst), static_cast<const int16_t*>(src), count, factor, divisor);
+      break;
+    case HVDLITE_UINT16:
+      ScaleInt(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), count, factor, divisor);
       break;
     case HVDLITE_INT32:
       ScaleInt(static_cast<int32_t*>(dst), static_cast<const int32_t*>(src), count, factor, divisor);

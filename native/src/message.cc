@@ -136,6 +136,7 @@ void SerializeRequests(const std::vector<Request>& requests, std::vector<uint8_t
     w.Str(q.group);
     w.Put<int32_t>(q.group_size);
     w.Put<int64_t>(q.wait_ms);
+    w.Str(q.refusal);
   }
 }
 
@@ -162,6 +163,7 @@ Status ParseRequests(const uint8_t* data, size_t len, std::vector<Request>* out)
     q.group = r.Str();
     q.group_size = r.Get<int32_t>();
     q.wait_ms = r.Get<int64_t>();
+    q.refusal = r.Str();
     if (r.ok() && (!ValidOp(q.op) || !ValidDtype(q.dtype))) return Corrupt("request");
     out->push_back(std::move(q));
   }
@@ -192,6 +194,7 @@ void SerializeResponses(const std::vector<Response>& responses, std::vector<uint
     w.Ints(p.first_dims);
     w.Ints(p.splits);
     w.Bytes(p.joined);
+    w.Bytes(p.targets);
   }
 }
 
@@ -220,6 +223,7 @@ Status ParseResponses(const uint8_t* data, size_t len, std::vector<Response>* ou
     p.first_dims = r.Ints();
     p.splits = r.Ints();
     p.joined = r.Bytes();
+    p.targets = r.Bytes();
     if (r.ok() && (!ValidOp(p.op) || !ValidDtype(p.dtype))) return Corrupt("response");
     out->push_back(std::move(p));
   }

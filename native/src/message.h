@@ -34,6 +34,7 @@ struct Request {
   std::string group;            // non-empty: negotiated and executed with its group
   int32_t group_size = 0;
   int64_t wait_ms = 0;          // how long it has waited on its rank when sent
+  std::string refusal;          // non-empty: the rank refuses this op, for this reason
 
   // Same tensor, same parameters: the response cache's notion of a hit.
   bool SameParams(const Request& o) const;
@@ -58,6 +59,7 @@ struct Response {
   std::vector<int64_t> first_dims;  // allgather: rows from each rank
   std::vector<int64_t> splits;      // alltoall: size x size matrix, row r = rank r's splits
   std::vector<uint8_t> joined;      // 1 for each rank that had joined
+  std::vector<uint8_t> targets;     // an error for some ranks only: 1 for each; empty: all
 };
 
 void SerializeRequests(const std::vector<Request>& requests, std::vector<uint8_t>* out);

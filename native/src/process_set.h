@@ -95,6 +95,10 @@ class ProcessSetState {
 
   // Background thread. A request of this set popped from the queue this cycle.
   void Accept(TensorEntry* e) { fresh_.push_back(e); }
+  // This rank refuses the op q names (q.refusal, see Core::Refuse): it goes to the
+  // coordinator this round, and the name's cache slot is marked invalid so that every
+  // member negotiates it afresh.
+  void Refuse(Request q);
   // One round of this set: sort the new requests (cache hit or not), coordinate,
   // negotiate what is not cached, execute, complete. heard collects the flags of the
   // members (ORed into what it holds). Returns false when the loop must end.

@@ -116,6 +116,8 @@ void ReduceTyped(void* out, const std::vector<const uint8_t*>& parts, int64_t n,
   switch (dtype) {
     case HVDLITE_UINT8: case HVDLITE_BOOL: return ReduceParts<uint8_t>(out, parts, n, op);
     case HVDLITE_INT8: return ReduceParts<int8_t>(out, parts, n, op);
+    case HVDLITE_INT16: return ReduceParts<int16_t>(out, parts, n, op);
+    case HVDLITE_UINT16: return ReduceParts<uint16_t>(out, parts, n, op);
     case HVDLITE_INT32: return ReduceParts<int32_t>(out, parts, n, op);
     case HVDLITE_INT64: return ReduceParts<int64_t>(out, parts, n, op);
     case HVDLITE_FLOAT16: return ReduceHalfParts<HalfToFloat, FloatToHalf>(out, parts, n, op);

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("native")]
 
 OPS = {"allreduce": 0, "allgather": 1, "broadcast": 2, "alltoall": 3, "reducescatter": 4,
        "barrier": 5}
-NUM_DTYPES, NUM_OPS, NUM_REDUCE_OPS = 9, 7, 5
+NUM_DTYPES, NUM_OPS, NUM_REDUCE_OPS = 11, 7, 5
 SETTINGS = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
@@ -66,14 +66,14 @@ requests = st.builds(
     wire.Request, rank=i32, name=names, op=st.integers(0, NUM_OPS - 1),
     dtype=st.integers(0, NUM_DTYPES - 1), shape=small_ints, reduce_op=i32, prescale=f64,
     postscale=f64, root_rank=i32, splits=small_ints, process_set=i32, device=i32,
-    group=names, group_size=i32, wait_ms=i64)
+    group=names, group_size=i32, wait_ms=i64, refusal=names)
 
 responses = st.builds(
     wire.Response, op=st.integers(0, NUM_OPS - 1), name=names, error=names, error_code=i32,
     dtype=st.integers(0, NUM_DTYPES - 1), shape=small_ints, reduce_op=i32, prescale=f64,
     postscale=f64, root_rank=i32, contributors=i32, last_joined_rank=i32,
     cacheable=st.booleans(), group=names, first_dims=small_ints, splits=small_ints,
-    joined=st.binary(max_size=8))
+    joined=st.binary(max_size=8), targets=st.binary(max_size=8))
 
 KINDS = [("requests", requests, wire.encode_requests),
          ("responses", responses, wire.encode_responses)]

@@ -29,6 +29,7 @@ class Request:
     group: str = ""
     group_size: int = 0
     wait_ms: int = 0
+    refusal: str = ""
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Response:
     first_dims: List[int] = field(default_factory=list)
     splits: List[int] = field(default_factory=list)
     joined: bytes = b""
+    targets: bytes = b""
 
 
 class _Writer:
@@ -119,6 +121,7 @@ def encode_requests(requests):
         w.string(q.group)
         w.put("i", q.group_size)
         w.put("q", q.wait_ms)
+        w.string(q.refusal)
     return w.bytes()
 
 
@@ -144,6 +147,7 @@ def encode_responses(responses):
         w.ints(p.first_dims)
         w.ints(p.splits)
         w.string(p.joined)
+        w.string(p.targets)
     return w.bytes()
 
 
@@ -171,6 +175,7 @@ def decode_responses(data):
         p.first_dims = r.ints()
         p.splits = r.ints()
         p.joined = r.raw(r.get("I"))
+        p.targets = r.raw(r.get("I"))
         out.append(p)
     if r.pos != len(data):
         raise ValueError("trailing bytes")

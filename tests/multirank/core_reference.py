@@ -9,7 +9,7 @@ numbers, not from the core's code:
 * integers wrap in the element type (two's complement), so Sum and Product are exact in
   any reduction order;
 * Average on integers is the wrapped sum divided by the number of ranks, rounding toward
-  zero (C integer division);
+  negative infinity (as Horovod's floor_divide);
 * integer scale factors multiply in double and truncate toward zero (only integral
   factors are used on integer tensors here, so that is exact);
 * float16 and bfloat16 reduce pairwise in float32 and round after every step, in an
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-INT_DTYPES = ("uint8", "int8", "int32", "int64")
+INT_DTYPES = ("uint8", "int8", "uint16", "int16", "int32", "int64")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 DTYPES = INT_DTYPES + FLOAT_DTYPES + ("bool",)
 OPS = ("Sum", "Average", "Min", "Max", "Product")
@@ -84,7 +84,7 @@ def contribution(seed, rank, case):
         if case.prescale != 1.0 or case.postscale != 1.0:
             # Scaled integers: small values keep the double arithmetic exact.
             lo, hi = max(lo, -1000), min(hi, 1000)
-        # Full range: sums and products wrap, and negative averages truncate.
+        # Full range: sums and products wrap, and negative averages round down.
         return np.asarray(rng.integers(lo, hi, size=shape, endpoint=True, dtype=np.int64)
                           .astype(dt))
     if case.op == "Product":
@@ -98,11 +98,9 @@ def contribution(seed, rank, case):
     return np.asarray(np.asarray(values).astype(dt))
 
 
-def _trunc_div(v, n):
-    """C integer division (toward zero) of int64 array v by n > 0, without overflow."""
-    q = v // n
-    r = v - q * n
-    return q + ((r != 0) & (v < 0))
+def _floor_div(v, n):
+    """Integer division rounding toward negative infinity of int64 array v by n > 0."""
+    return v // n
 
 
 def expected_int(contribs, case):
@@ -134,7 +132,7 @@ def expected_int(contribs, case):
         if case.postscale != 1.0:
             v = np.trunc(v.astype(np.float64) * case.postscale).astype(np.int64)
         if case.op == "Average":
-            v = _trunc_div(v, n)
+            v = _floor_div(v, n)
         return v.astype(dt).reshape(case.shape)
 
 

@@ -26,10 +26,10 @@ from hvdlite import errors, ops
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
 failures = []
-DTYPES = ["uint8", "int8", "int32", "int64", "float16", "bfloat16", "float32", "float64",
-          "bool"]
+DTYPES = ["uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "bfloat16",
+          "float32", "float64", "bool"]
 FLOATS = {"float16", "bfloat16", "float32", "float64"}
-SIGNED = {"int8", "int32", "int64"} | FLOATS
+SIGNED = {"int8", "int16", "int32", "int64"} | FLOATS
 
 
 def npdtype(name):
@@ -54,7 +54,7 @@ def reduce_expected(arrays, dt, op):
     if op in ("sum", "average"):
         total = np.sum(wide, axis=0)
         if op == "average":
-            total = total / len(arrays) if dt in FLOATS else np.trunc(total / len(arrays))
+            total = total / len(arrays) if dt in FLOATS else np.floor(total / len(arrays))
     elif op == "min":
         total = np.min(wide, axis=0)
     else:
@@ -467,6 +467,9 @@ def test_mismatches_fail_on_every_rank(np_):
 # ---------------------------------------------------------------- join
 
 JOIN = r'''
+# Horovod's join semantics: a joined rank takes part in allreduces with zeros, and
+# Average still divides by every rank; any other collective raises (AbortedError, a
+# HorovodInternalError) on the ranks that submitted it while some rank has joined.
 steps = {2: [6, 3], 3: [4, 8, 2]}.get(size) or [3 + (r * 5) % 7 for r in range(size)]
 longest = int(np.argmax(steps))
 params = np.zeros((4, 3), np.float64)
@@ -475,25 +478,40 @@ for step in range(steps[rank]):
     active = [r for r in range(size) if steps[r] > step]
     grad = data(rank, (4, 3), "float64", step)
     avg = hvd.allreduce(grad, name="grad.avg", op=hvd.Average)
-    expected_avg = np.sum([data(r, (4, 3), "float64", step) for r in active], axis=0) / len(active)
+    expected_avg = np.sum([data(r, (4, 3), "float64", step) for r in active], axis=0) / size
     check(f"join avg step {step}", avg, expected_avg)
     total = hvd.allreduce(data(rank, (5,), "int32", step), name="count.sum", op=hvd.Sum)
     check(f"join sum step {step}", total,
           np.sum([data(r, (5,), "int32", step) for r in active], axis=0).astype(np.int32))
     iavg = hvd.allreduce(data(rank, (5,), "int64", step), name="int.avg", op=hvd.Average)
     check(f"join int average step {step}", iavg,
-          reduce_expected([data(r, (5,), "int64", step) for r in active], "int64", "average"))
+          np.floor(np.sum([data(r, (5,), "int64", step) for r in active], axis=0) / size)
+          .astype(np.int64))
     grouped = hvd.grouped_allreduce([data(rank, (2,), "float32", step),
                                      data(rank, (3, 1), "float32", step + 1)],
                                     op=hvd.Sum, name="grouped")
     check(f"join group step {step}", grouped[1],
           np.sum([data(r, (3, 1), "float32", step + 1) for r in active], axis=0)
           .astype(np.float32))
-    gathered = hvd.allgather(data(rank, (rank + 1, 2), "int8", step), name="gather")
-    check(f"join allgather step {step}", gathered,
-          np.concatenate([data(r, (r + 1, 2), "int8", step) for r in active]))
-    got = hvd.broadcast(data(rank, (3,), "float32", step), longest, name="bcast")
-    check(f"join broadcast step {step}", got, data(longest, (3,), "float32", step))
+    biggest = hvd.allreduce(data(rank, (4,), "int32", step), name="max", op=hvd.Max)
+    zeros = [np.zeros(4, np.int32)] * (size - len(active))
+    check(f"join max step {step}", biggest,
+          np.max([data(r, (4,), "int32", step) for r in active] + zeros, axis=0))
+    if len(active) == size:
+        gathered = hvd.allgather(data(rank, (rank + 1, 2), "int8", step), name="gather")
+        check(f"allgather step {step}", gathered,
+              np.concatenate([data(r, (r + 1, 2), "int8", step) for r in active]))
+        got = hvd.broadcast(data(rank, (3,), "float32", step), longest, name="bcast")
+        check(f"broadcast step {step}", got, data(longest, (3,), "float32", step))
+    else:
+        joined = [r for r in range(size) if r not in active]
+        who = ("rank " if len(joined) == 1 else "ranks ") + ", ".join(map(str, joined))
+        expect_error(f"allgather while joined, step {step}", errors.AbortedError,
+                     lambda: hvd.allgather(data(rank, (rank + 1, 2), "int8", step),
+                                           name="gather"), "allgather", who, "joined")
+        expect_error(f"broadcast while joined, step {step}", errors.AbortedError,
+                     lambda: hvd.broadcast(data(rank, (3,), "float32", step), longest,
+                                           name="bcast"), "broadcast", "joined")
     params -= lr * avg
 last = hvd.join()
 if last != longest:
@@ -505,7 +523,7 @@ for step in range(max(steps)):
     active = [r for r in range(size) if steps[r] > step]
     if rank in active:
         expected_params -= lr * (np.sum([data(r, (4, 3), "float64", step) for r in active],
-                                        axis=0) / len(active))
+                                        axis=0) / size)
 check("params", params, expected_params)
 # As after uneven epochs in training: the longest-running rank's parameters win.
 params = hvd.broadcast(params, longest, name="params")
@@ -514,28 +532,25 @@ params = hvd.broadcast(params, longest, name="params")
 got = hvd.allreduce(np.full(2, rank + 1.0), name="grad.avg2", op=hvd.Average)
 check("after join", got, np.full(2, (size + 1) / 2.0))
 
-# Ops that cannot run while a rank has joined fail with a clear error on the others.
+# While rank 0 has joined, only allreduce runs on the others.
 if rank == 0:
     second = hvd.join()
 else:
-    expect_error("reducescatter while joined", errors.InvalidArgumentError,
-                 lambda: hvd.reducescatter(np.ones((size, 2), np.float32), name="rs.joined"),
-                 "joined")
-    expect_error("alltoall while joined", errors.InvalidArgumentError,
-                 lambda: hvd.alltoall(np.ones((size, 2), np.float32), name="a2a.joined"),
-                 "joined")
-    expect_error("max allreduce while joined", errors.InvalidArgumentError,
-                 lambda: hvd.allreduce(np.ones(2, np.float32), op=hvd.Max, name="max.joined"),
-                 "joined")
-    expect_error("broadcast from a joined root", errors.InvalidArgumentError,
-                 lambda: hvd.broadcast(np.ones(2, np.float32), 0, name="bc.joined"),
-                 "joined")
-    expect_error("barrier while joined", errors.InvalidArgumentError, hvd.barrier, "joined")
-    got = hvd.allgather(np.full((1, 2), rank, np.int64), name="ag.joined")
-    check("allgather while rank 0 joined", got,
-          np.array([[r, r] for r in range(1, size)], np.int64))
+    for label, call in [
+            ("reducescatter", lambda: hvd.reducescatter(np.ones((size, 2), np.float32),
+                                                        name="rs.joined")),
+            ("alltoall", lambda: hvd.alltoall(np.ones((size, 2), np.float32),
+                                              name="a2a.joined")),
+            ("broadcast", lambda: hvd.broadcast(np.ones(2, np.float32), 1, name="bc.joined")),
+            ("allgather", lambda: hvd.allgather(np.ones((1, 2), np.float32),
+                                                name="ag.joined")),
+            ("barrier", hvd.barrier)]:
+        expect_error(f"{label} while rank 0 joined", errors.AbortedError, call,
+                     label, "rank 0 has joined")
+    got = hvd.allreduce(np.ones(2, np.float32), op=hvd.Max, name="max.joined")
+    check("max while rank 0 joined", got, np.ones(2, np.float32))
     got = hvd.allreduce(np.full(2, float(rank)), op=hvd.Average, name="avg.joined")
-    check("average while rank 0 joined", got, np.full(2, sum(range(1, size)) / (size - 1)))
+    check("average while rank 0 joined", got, np.full(2, sum(range(1, size)) / size))
     if rank == size - 1:
         # Join last: no other rank submits this allreduce, so it ends only once every
         # other rank has joined (joined ranks take part with zeros).

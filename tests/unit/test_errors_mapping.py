@@ -9,7 +9,7 @@ import pytest
 from hvdlite import errors
 
 COLLECTIVE_FAILURES = ["HVDLITE_ERR_MISMATCH", "HVDLITE_ERR_SHUTDOWN", "HVDLITE_ERR_STALLED",
-                       "HVDLITE_ERR_MPI", "HVDLITE_ERR_RANK_FAILED"]
+                       "HVDLITE_ERR_MPI", "HVDLITE_ERR_RANK_FAILED", "HVDLITE_ERR_ABORTED"]
 
 
 def _header_status_names():

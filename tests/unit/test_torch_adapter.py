@@ -41,7 +41,8 @@ def test_every_mapped_dtype_uses_the_core_table(thvd):
     from hvdlite import dtypes
     from hvdlite.torch import mpi_ops
 
-    assert set(mpi_ops.TORCH_DTYPE_NAMES.values()) == set(dtypes.SUPPORTED)
+    # Every core type but uint16, which horovod.torch refuses too.
+    assert set(mpi_ops.TORCH_DTYPE_NAMES.values()) == set(dtypes.SUPPORTED) - {"uint16"}
     for torch_dtype, name in mpi_ops.TORCH_DTYPE_NAMES.items():
         assert mpi_ops.torch_dtype_name(torch_dtype) == name
         assert mpi_ops.native_dtype_code(torch_dtype) == dtypes.native_code(name)
@@ -51,7 +52,8 @@ def test_every_mapped_dtype_uses_the_core_table(thvd):
 
 
 @pytest.mark.parametrize("dtype", sorted(
-    ["float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8", "bool"]))
+    ["float32", "float64", "float16", "bfloat16", "int32", "int64", "int16", "int8", "uint8",
+     "bool"]))
 def test_each_dtype_round_trips(thvd, dtype):
     torch_dtype = getattr(torch, dtype)
     x = (torch.arange(12) % 3).to(torch_dtype).reshape(3, 4)
@@ -64,7 +66,7 @@ def test_each_dtype_round_trips(thvd, dtype):
     assert torch.equal(thvd.broadcast(x, 0, name=f"rt.bc.{dtype}"), x)
 
 
-@pytest.mark.parametrize("dtype", [torch.int16, torch.complex64, torch.uint16,
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.uint16,
                                    torch.uint32, torch.float8_e4m3fn], ids=str)
 def test_unsupported_dtype_is_refused_naming_the_tensor(thvd, dtype):
     x = torch.zeros(2, 2, dtype=dtype)
@@ -139,7 +141,7 @@ def test_bad_ops_roots_splits_and_scales(thvd):
 def test_grouped_allreduce_is_all_or_nothing(thvd):
     good = torch.ones(2)
     with pytest.raises(thvd.InvalidArgumentError, match="grp.bad.1"):
-        thvd.grouped_allreduce([good, torch.zeros(2, dtype=torch.int16)], name="grp.bad")
+        thvd.grouped_allreduce([good, torch.zeros(2, dtype=torch.complex64)], name="grp.bad")
     # Nothing was enqueued: the same names are free again.
     out = thvd.grouped_allreduce([good, good.clone()], name="grp.bad")
     assert all(torch.equal(o, good) for o in out)

@@ -37,7 +37,9 @@ enum {
   HVDLITE_ERR_ALREADY_INITIALIZED = 10,
   HVDLITE_ERR_TIMEOUT = 11,          /* hvdlite_wait timed out; the op goes on */
   HVDLITE_ERR_RANK_FAILED = 12,      /* a peer rank is gone */
-  HVDLITE_ERR_INTERNAL = 13
+  HVDLITE_ERR_INTERNAL = 13,
+  HVDLITE_ERR_ABORTED = 14           /* the op cannot run: another rank refused it, or it
+                                        is not supported while ranks have joined */
 };
 
 /* Element types. Values are part of the wire format: append only. */
@@ -51,7 +53,9 @@ enum {
   HVDLITE_BFLOAT16 = 5,
   HVDLITE_FLOAT32 = 6,
   HVDLITE_FLOAT64 = 7,
-  HVDLITE_BOOL = 8
+  HVDLITE_BOOL = 8,
+  HVDLITE_INT16 = 9,
+  HVDLITE_UINT16 = 10
 };
 
 /* Collectives. Values are part of the wire format: append only. */
@@ -72,14 +76,18 @@ enum {
 };
 
 /* Reductions. Average is Sum followed by a division by the number of contributing
- * ranks (integer types truncate toward zero). */
+ * ranks (integer types round toward negative infinity, as Horovod's floor_divide);
+ * joined ranks count, as in Horovod. */
 typedef int32_t hvdlite_reduce_op_t;
 enum {
   HVDLITE_AVERAGE = 0,
   HVDLITE_SUM = 1,
   HVDLITE_MIN = 2,
   HVDLITE_MAX = 3,
-  HVDLITE_PRODUCT = 4
+  HVDLITE_PRODUCT = 4,
+  /* Adasum runs in the Python layer (hvdlite/adasum.py, over allgather); the core
+   * refuses it. The value is here so that Python never writes a code by hand. */
+  HVDLITE_ADASUM = 5
 };
 
 /* An opaque handle to one enqueued op. 0 is never a valid handle. */
@@ -178,6 +186,15 @@ hvdlite_status_t hvdlite_enqueue_buffers(const hvdlite_tensor_t* tensor, const v
  * cycles. handles receives n entries. All or nothing: on error none is enqueued. */
 hvdlite_status_t hvdlite_enqueue_group(const hvdlite_tensor_t* tensors, int32_t n,
                                        hvdlite_handle_t* handles);
+
+/* Tells the other ranks that this rank refuses the op it would have enqueued as name
+ * (e.g. its adapter rejected the tensor): every rank that submits, or has submitted,
+ * that tensor for this collective gets HVDLITE_ERR_ABORTED naming this rank and
+ * reason, instead of waiting for a stall. Nothing is enqueued on this rank: the name
+ * stays free, and there is nothing to wait on. Returns at once; the coordinator hears
+ * of it within a cycle. */
+hvdlite_status_t hvdlite_refuse(hvdlite_op_t op, const char* name, int32_t process_set_id,
+                                const char* reason);
 
 /* *done = 1 once the op has ended (successfully or not); also for a recently released
  * handle (see hvdlite_release). */
