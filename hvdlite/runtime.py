@@ -163,7 +163,8 @@ def stats():
 
     Keys are the fields of ``hvdlite_stats_t``: cycles, coordinator_gathers, cache_hits,
     cache_misses, collectives, fused_collectives, tensors, bytes, errors,
-    shm_collectives (allreduces through shared memory). The core
+    shm_collectives (allreduces through shared memory), hierarchical_collectives
+    (allreduces over hosts in layers: README, "Hierarchical collectives"). The core
     answers at any time (after ``shutdown()`` it keeps the last counts).
     """
     out = ffi.new("hvdlite_stats_t *")

@@ -94,8 +94,12 @@ void Accumulate(T* __restrict out, const T* __restrict b, int64_t n, Op op) {
 template <typename T, typename Op>
 void ReduceParts(void* out, const std::vector<const uint8_t*>& parts, int64_t n, Op op) {
   T* o = static_cast<T*>(out);
-  Combine(o, reinterpret_cast<const T*>(parts[0]), reinterpret_cast<const T*>(parts[1]), n, op);
-  for (size_t k = 2; k < parts.size(); ++k) Accumulate(o, reinterpret_cast<const T*>(parts[k]), n, op);
+  size_t k = 1;  // out is parts[0] already: accumulate the rest into it
+  if (out != parts[0]) {
+    Combine(o, reinterpret_cast<const T*>(parts[0]), reinterpret_cast<const T*>(parts[1]), n, op);
+    k = 2;
+  }
+  for (; k < parts.size(); ++k) Accumulate(o, reinterpret_cast<const T*>(parts[k]), n, op);
 }
 
 // 16-bit floats: accumulated in float over every rank, rounded once.
@@ -122,16 +126,6 @@ void ReduceTyped(void* out, const std::vector<const uint8_t*>& parts, int64_t n,
     case HVDLITE_BFLOAT16: return ReduceHalfParts<Bf16ToFloat, FloatToBf16>(out, parts, n, op);
     case HVDLITE_FLOAT32: return ReduceParts<float>(out, parts, n, op);
     default: return ReduceParts<double>(out, parts, n, op);
-  }
-}
-
-void Reduce(void* out, const std::vector<const uint8_t*>& parts, int64_t n, int32_t dtype,
-            int32_t reduce_op) {
-  switch (reduce_op) {
-    case HVDLITE_MIN: return ReduceTyped(out, parts, n, dtype, MinOp());
-    case HVDLITE_MAX: return ReduceTyped(out, parts, n, dtype, MaxOp());
-    case HVDLITE_PRODUCT: return ReduceTyped(out, parts, n, dtype, ProductOp());
-    default: return ReduceTyped(out, parts, n, dtype, SumOp());  // Sum; Average is a scaled Sum
   }
 }
 
@@ -162,6 +156,16 @@ bool ProcessAlive(int64_t pid) {
 }
 
 }  // namespace
+
+void ReduceElements(void* out, const std::vector<const uint8_t*>& parts, int64_t n, int32_t dtype,
+                    int32_t reduce_op) {
+  switch (reduce_op) {
+    case HVDLITE_MIN: return ReduceTyped(out, parts, n, dtype, MinOp());
+    case HVDLITE_MAX: return ReduceTyped(out, parts, n, dtype, MaxOp());
+    case HVDLITE_PRODUCT: return ReduceTyped(out, parts, n, dtype, ProductOp());
+    default: return ReduceTyped(out, parts, n, dtype, SumOp());  // Sum; Average is a scaled Sum
+  }
+}
 
 ShmAllreduce::ShmAllreduce(int rank, std::vector<uint8_t*> segments, std::vector<int64_t> pids)
     : rank_(rank), size_(static_cast<int>(segments.size())), segments_(std::move(segments)),
@@ -312,7 +316,7 @@ Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, int32_t dtype, 
     if (k.hi <= k.lo) return;
     for (int r = 0; r < size_; ++r) parts[r] = In(r, k.set) + k.lo * elem;
     if (k.own_in_tensor) parts[rank_] = k.own_in_tensor;
-    Reduce(Out(rank_, k.set) + k.lo * elem, parts, k.hi - k.lo, dtype, reduce_op);
+    ReduceElements(Out(rank_, k.set) + k.lo * elem, parts, k.hi - k.lo, dtype, reduce_op);
   };
   auto copy_out = [&](const Chunk& k) {
     for (int r = 0; r < size_; ++r) {
@@ -340,6 +344,122 @@ Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, int32_t dtype, 
     current = next;
   }
   set_ = (base_set + static_cast<int>(chunks % 2)) % 2;
+  return Status::OK();
+}
+
+namespace {
+
+// Shards start on 64-byte boundaries (the vectorized loops), as Allreduce's parts do.
+int64_t ShardStart(int64_t count, int64_t elem, int size, int rank) {
+  const int64_t align = std::max<int64_t>(1, 64 / elem);
+  const int64_t shard = ((count + size - 1) / size + align - 1) / align * align;
+  return std::min(count, shard * rank);
+}
+
+// Round r of a shard walk: rank k's shard elements [lo(k), hi(k)), flat, which sit at
+// k * step elements into a slot.
+struct ShardRounds {
+  ShardRounds(int64_t count, int64_t elem, int size) : count(count), elem(elem), size(size) {
+    const int64_t align = std::max<int64_t>(1, 64 / elem);
+    step = std::max<int64_t>(1, ShmAllreduce::kChunkBytes / elem / size / align * align);
+    const int64_t longest = ShardStart(count, elem, size, 1);  // shard 0 is never shorter
+    rounds = (longest + step - 1) / step;
+  }
+  int64_t lo(int k, int64_t r) const {
+    return std::min(ShardStart(count, elem, size, k) + r * step, hi(k, r));
+  }
+  int64_t hi(int k, int64_t r) const {
+    return std::min(ShardStart(count, elem, size, k + 1), ShardStart(count, elem, size, k) + (r + 1) * step);
+  }
+  int64_t count, elem, step, rounds;
+  int size;
+};
+
+}  // namespace
+
+int64_t ShmAllreduce::ShardBegin(int64_t count, int32_t dtype, int rank) const {
+  return ShardStart(count, ElementSize(dtype), size_, rank);
+}
+
+Status ShmAllreduce::ReduceScatter(const std::vector<Piece>& pieces, int32_t dtype,
+                                   int32_t reduce_op, double prescale, void* shard) {
+  const int64_t elem = ElementSize(dtype);
+  std::vector<int64_t> starts(1, 0);
+  for (const Piece& p : pieces) starts.push_back(starts.back() + p.count);
+  const ShardRounds walk(starts.back(), elem, size_);
+  const int base_set = set_;
+  auto set_of = [&](int64_t r) { return (base_set + static_cast<int>(r % 2)) % 2; };
+  // Every shard's part of round r into this rank's in slot.
+  auto copy_in = [&](int64_t r) {
+    uint8_t* slot = In(rank_, set_of(r));
+    for (int k = 0; k < size_; ++k) {
+      const int64_t lo = walk.lo(k, r);
+      uint8_t* part = slot + k * walk.step * elem;
+      ForEachPiece(pieces, starts, lo, walk.hi(k, r), [&](const Piece& p, int64_t at, int64_t flat, int64_t len) {
+        uint8_t* dst = part + (flat - lo) * elem;
+        if (p.in) {
+          ScaledCopy(dst, static_cast<const uint8_t*>(p.in) + at * elem, len, dtype, prescale, 1);
+        } else {
+          std::memset(dst, 0, len * elem);
+        }
+      });
+    }
+  };
+  std::vector<const uint8_t*> parts(size_);
+  // This rank's part of round r, from every rank's in slot, into its shard.
+  auto reduce = [&](int64_t r) {
+    const int64_t n = walk.hi(rank_, r) - walk.lo(rank_, r);
+    if (n <= 0) return;
+    for (int k = 0; k < size_; ++k) parts[k] = In(k, set_of(r)) + rank_ * walk.step * elem;
+    ReduceElements(static_cast<uint8_t*>(shard) + r * walk.step * elem, parts, n, dtype, reduce_op);
+  };
+  if (walk.rounds == 0) return Status::OK();
+  copy_in(0);
+  for (int64_t r = 0; r < walk.rounds; ++r) {
+    Status s = Barrier(kChunkSpin);
+    if (!s.ok()) return s;
+    reduce(r);
+    if (r + 1 < walk.rounds) copy_in(r + 1);
+  }
+  set_ = set_of(walk.rounds);
+  return Status::OK();
+}
+
+Status ShmAllreduce::Allgather(const void* shard, const std::vector<Piece>& pieces, int32_t dtype,
+                               double postscale, int64_t divisor) {
+  const int64_t elem = ElementSize(dtype);
+  std::vector<int64_t> starts(1, 0);
+  for (const Piece& p : pieces) starts.push_back(starts.back() + p.count);
+  const ShardRounds walk(starts.back(), elem, size_);
+  const int base_set = set_;
+  auto set_of = [&](int64_t r) { return (base_set + static_cast<int>(r % 2)) % 2; };
+  // This rank's part of round r into its out slot.
+  auto publish = [&](int64_t r) {
+    const int64_t n = walk.hi(rank_, r) - walk.lo(rank_, r);
+    if (n > 0) std::memcpy(Out(rank_, set_of(r)), static_cast<const uint8_t*>(shard) + r * walk.step * elem, n * elem);
+  };
+  // Every rank's part of round r into the outputs.
+  auto copy_out = [&](int64_t r) {
+    for (int k = 0; k < size_; ++k) {
+      const int64_t lo = walk.lo(k, r);
+      const uint8_t* from = Out(k, set_of(r));
+      ForEachPiece(pieces, starts, lo, walk.hi(k, r), [&](const Piece& p, int64_t at, int64_t flat, int64_t len) {
+        if (p.out) {
+          ScaledCopy(static_cast<uint8_t*>(p.out) + at * elem, from + (flat - lo) * elem, len, dtype,
+                     postscale, divisor);
+        }
+      });
+    }
+  };
+  if (walk.rounds == 0) return Status::OK();
+  publish(0);
+  for (int64_t r = 0; r < walk.rounds; ++r) {
+    Status s = Barrier(kChunkSpin);
+    if (!s.ok()) return s;
+    copy_out(r);
+    if (r + 1 < walk.rounds) publish(r + 1);
+  }
+  set_ = set_of(walk.rounds);
   return Status::OK();
 }
 

@@ -57,6 +57,12 @@
 
 namespace hvdlite {
 
+// out = parts[0] op parts[1] op ... element by element, in that order (Average: Sum;
+// 16-bit floats accumulate in float and round once). out may be parts[0]; no other
+// part may overlap it.
+void ReduceElements(void* out, const std::vector<const uint8_t*>& parts, int64_t n, int32_t dtype,
+                    int32_t reduce_op);
+
 class ShmAllreduce {
  public:
   // Bytes per chunk and per rank: two sets of in and out slots of this size.
@@ -86,6 +92,20 @@ class ShmAllreduce {
   // counts, dtype, op and scaling, in the same order.
   Status Allreduce(const std::vector<Piece>& pieces, int32_t dtype, int32_t reduce_op,
                    double prescale, double postscale, int64_t divisor);
+
+  // The two halves of a hierarchical allreduce (HierarchicalAllreduce): the flat buffer
+  // of `count` elements is cut into one contiguous shard per rank, rank k's being
+  // [ShardBegin(count, dtype, k), ShardBegin(count, dtype, k + 1)). Each round moves a
+  // chunk's worth of every shard through the slots, 1/size of the in (or out) slot per
+  // shard, over one barrier per round, pipelined like Allreduce.
+  int64_t ShardBegin(int64_t count, int32_t dtype, int rank) const;
+  // shard = reduce over ranks of (pieces' in * prescale), this rank's shard only (its
+  // length from ShardBegin). Every rank calls it with the same counts, dtype and op.
+  Status ReduceScatter(const std::vector<Piece>& pieces, int32_t dtype, int32_t reduce_op,
+                       double prescale, void* shard);
+  // pieces' out = every rank's shard * postscale / divisor, in shard order.
+  Status Allgather(const void* shard, const std::vector<Piece>& pieces, int32_t dtype,
+                   double postscale, int64_t divisor);
 
   // bits[i] = AND over ranks of every rank's bits[i]; words <= kMaxBitsWords. Every
   // rank calls it with the same length, in the same order relative to Allreduce.

@@ -129,6 +129,8 @@ typedef struct {
   int64_t bytes;               /* payload bytes through collectives */
   int64_t errors;              /* ops that ended in an error */
   int64_t shm_collectives;     /* of the collectives, allreduces through shared memory */
+  int64_t hierarchical_collectives; /* of the collectives, hierarchical allreduces (hosts, then
+                                    * across hosts, then hosts again) */
 } hvdlite_stats_t;
 
 /* Starts the core: MPI (unless already initialized, e.g. by mpi4py), the background
