@@ -9,6 +9,11 @@
 //   3. allgather within the host through shared memory: every rank copies every shard
 //      into its outputs (postscaled and divided, for Average, on the way out).
 //
+// The buffer goes through in blocks (kBlockBytes), pipelined so that the network step
+// of one block overlaps the host steps of its neighbours: while block k crosses the
+// network, the host reduce-scatters block k + 1 and then allgathers block k - 1 (the
+// cross-host ring moves on between their rounds and while their barriers wait).
+//
 // Every element is reduced in the same order wherever it is reduced and then copied,
 // so every rank holds the same bits. Needs the same number of ranks on every host
 // (PlanLayers decides). Background thread only.
@@ -36,9 +41,13 @@ class HierarchicalAllreduce {
                    const StepDone& step_done);
 
  private:
+  // Bytes of the buffer per block of the pipeline: its shards are large enough for the
+  // network to run at full rate, and a 16 MiB allreduce has four blocks to overlap.
+  static constexpr int64_t kBlockBytes = 4 << 20;
+
   HostLayer* host_;
   CrossLayer* cross_;
-  std::vector<uint8_t> shard_;  // this rank's shard between the steps
+  std::vector<uint8_t> shards_[2];  // this rank's shard of blocks k and k + 1
 };
 
 }  // namespace hvdlite

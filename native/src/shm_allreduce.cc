@@ -210,9 +210,13 @@ Status ShmAllreduce::Barrier(std::chrono::microseconds spin) {
   const int32_t old_sense = sense_ ^ 1;
   while (true) {
     c->sleepers.fetch_add(1, std::memory_order_seq_cst);
-    if (c->sense.load(std::memory_order_seq_cst) == old_sense) FutexWait(&c->sense, old_sense, 100);
+    if (c->sense.load(std::memory_order_seq_cst) == old_sense) FutexWait(&c->sense, old_sense, idle_ ? 1 : 100);
     c->sleepers.fetch_sub(1, std::memory_order_seq_cst);
     if (c->sense.load(std::memory_order_acquire) == sense_) return Status::OK();
+    if (idle_) {
+      Status s = idle_();
+      if (!s.ok()) return s;
+    }
     int dead = DeadPeer();  // woken by the timeout (or a signal): is everyone still there?
     if (dead >= 0) {
       return Status(HVDLITE_ERR_RANK_FAILED,
@@ -381,21 +385,21 @@ int64_t ShmAllreduce::ShardBegin(int64_t count, int32_t dtype, int rank) const {
   return ShardStart(count, ElementSize(dtype), size_, rank);
 }
 
-Status ShmAllreduce::ReduceScatter(const std::vector<Piece>& pieces, int32_t dtype,
-                                   int32_t reduce_op, double prescale, void* shard) {
+Status ShmAllreduce::ReduceScatter(const std::vector<Piece>& pieces, int64_t first, int64_t count,
+                                   int32_t dtype, int32_t reduce_op, double prescale, void* shard) {
   const int64_t elem = ElementSize(dtype);
   std::vector<int64_t> starts(1, 0);
   for (const Piece& p : pieces) starts.push_back(starts.back() + p.count);
-  const ShardRounds walk(starts.back(), elem, size_);
+  const ShardRounds walk(count, elem, size_);
   const int base_set = set_;
   auto set_of = [&](int64_t r) { return (base_set + static_cast<int>(r % 2)) % 2; };
   // Every shard's part of round r into this rank's in slot.
   auto copy_in = [&](int64_t r) {
     uint8_t* slot = In(rank_, set_of(r));
     for (int k = 0; k < size_; ++k) {
-      const int64_t lo = walk.lo(k, r);
+      const int64_t lo = first + walk.lo(k, r);
       uint8_t* part = slot + k * walk.step * elem;
-      ForEachPiece(pieces, starts, lo, walk.hi(k, r), [&](const Piece& p, int64_t at, int64_t flat, int64_t len) {
+      ForEachPiece(pieces, starts, lo, first + walk.hi(k, r), [&](const Piece& p, int64_t at, int64_t flat, int64_t len) {
         uint8_t* dst = part + (flat - lo) * elem;
         if (p.in) {
           ScaledCopy(dst, static_cast<const uint8_t*>(p.in) + at * elem, len, dtype, prescale, 1);
@@ -420,17 +424,18 @@ Status ShmAllreduce::ReduceScatter(const std::vector<Piece>& pieces, int32_t dty
     if (!s.ok()) return s;
     reduce(r);
     if (r + 1 < walk.rounds) copy_in(r + 1);
+    if (idle_ && !(s = idle_()).ok()) return s;
   }
   set_ = set_of(walk.rounds);
   return Status::OK();
 }
 
-Status ShmAllreduce::Allgather(const void* shard, const std::vector<Piece>& pieces, int32_t dtype,
-                               double postscale, int64_t divisor) {
+Status ShmAllreduce::Allgather(const void* shard, const std::vector<Piece>& pieces, int64_t first,
+                               int64_t count, int32_t dtype, double postscale, int64_t divisor) {
   const int64_t elem = ElementSize(dtype);
   std::vector<int64_t> starts(1, 0);
   for (const Piece& p : pieces) starts.push_back(starts.back() + p.count);
-  const ShardRounds walk(starts.back(), elem, size_);
+  const ShardRounds walk(count, elem, size_);
   const int base_set = set_;
   auto set_of = [&](int64_t r) { return (base_set + static_cast<int>(r % 2)) % 2; };
   // This rank's part of round r into its out slot.
@@ -441,9 +446,9 @@ Status ShmAllreduce::Allgather(const void* shard, const std::vector<Piece>& piec
   // Every rank's part of round r into the outputs.
   auto copy_out = [&](int64_t r) {
     for (int k = 0; k < size_; ++k) {
-      const int64_t lo = walk.lo(k, r);
+      const int64_t lo = first + walk.lo(k, r);
       const uint8_t* from = Out(k, set_of(r));
-      ForEachPiece(pieces, starts, lo, walk.hi(k, r), [&](const Piece& p, int64_t at, int64_t flat, int64_t len) {
+      ForEachPiece(pieces, starts, lo, first + walk.hi(k, r), [&](const Piece& p, int64_t at, int64_t flat, int64_t len) {
         if (p.out) {
           ScaledCopy(static_cast<uint8_t*>(p.out) + at * elem, from + (flat - lo) * elem, len, dtype,
                      postscale, divisor);
@@ -458,6 +463,7 @@ Status ShmAllreduce::Allgather(const void* shard, const std::vector<Piece>& piec
     if (!s.ok()) return s;
     copy_out(r);
     if (r + 1 < walk.rounds) publish(r + 1);
+    if (idle_ && !(s = idle_()).ok()) return s;
   }
   set_ = set_of(walk.rounds);
   return Status::OK();

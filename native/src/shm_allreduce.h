@@ -51,6 +51,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "common.h"
@@ -93,19 +94,24 @@ class ShmAllreduce {
   Status Allreduce(const std::vector<Piece>& pieces, int32_t dtype, int32_t reduce_op,
                    double prescale, double postscale, int64_t divisor);
 
-  // The two halves of a hierarchical allreduce (HierarchicalAllreduce): the flat buffer
-  // of `count` elements is cut into one contiguous shard per rank, rank k's being
-  // [ShardBegin(count, dtype, k), ShardBegin(count, dtype, k + 1)). Each round moves a
-  // chunk's worth of every shard through the slots, 1/size of the in (or out) slot per
-  // shard, over one barrier per round, pipelined like Allreduce.
+  // The two halves of a hierarchical allreduce (HierarchicalAllreduce), over the flat
+  // elements [first, first + count) of the pieces: that block is cut into one
+  // contiguous shard per rank, rank k's being [ShardBegin(count, dtype, k),
+  // ShardBegin(count, dtype, k + 1)) of it. Each round moves a chunk's worth of every
+  // shard through the slots, 1/size of the in (or out) slot per shard, over one barrier
+  // per round, pipelined like Allreduce.
   int64_t ShardBegin(int64_t count, int32_t dtype, int rank) const;
-  // shard = reduce over ranks of (pieces' in * prescale), this rank's shard only (its
-  // length from ShardBegin). Every rank calls it with the same counts, dtype and op.
-  Status ReduceScatter(const std::vector<Piece>& pieces, int32_t dtype, int32_t reduce_op,
-                       double prescale, void* shard);
-  // pieces' out = every rank's shard * postscale / divisor, in shard order.
-  Status Allgather(const void* shard, const std::vector<Piece>& pieces, int32_t dtype,
-                   double postscale, int64_t divisor);
+  // shard = reduce over ranks of (the block of the pieces' ins * prescale), this rank's
+  // shard only. Every rank calls it with the same pieces' counts, block, dtype and op.
+  Status ReduceScatter(const std::vector<Piece>& pieces, int64_t first, int64_t count,
+                       int32_t dtype, int32_t reduce_op, double prescale, void* shard);
+  // The block of the pieces' outs = every rank's shard * postscale / divisor.
+  Status Allgather(const void* shard, const std::vector<Piece>& pieces, int64_t first,
+                   int64_t count, int32_t dtype, double postscale, int64_t divisor);
+  // Called between the rounds of ReduceScatter and Allgather, and every millisecond
+  // while a barrier sleeps (instead of every 100 ms), while set: the hierarchical
+  // allreduce moves its network step on there. An error ends the call with it.
+  void SetIdle(std::function<Status()> idle) { idle_ = std::move(idle); }
 
   // bits[i] = AND over ranks of every rank's bits[i]; words <= kMaxBitsWords. Every
   // rank calls it with the same length, in the same order relative to Allreduce.
@@ -128,6 +134,7 @@ class ShmAllreduce {
   int set_ = 0;    // slot set of the next chunk
   int bits_set_ = 0;  // bit-vector area of the next AndBits
   int sense_ = 0;  // this rank's barrier sense
+  std::function<Status()> idle_;
 };
 
 }  // namespace hvdlite

@@ -171,72 +171,107 @@ CrossLayer::CrossLayer(void* comm) : comm_(comm) {
 CrossLayer::~CrossLayer() { Close(false); }
 
 void CrossLayer::Close(bool collective) {
+  for (void* r : requests_) delete static_cast<MPI_Request*>(r);
+  requests_.clear();
+  steps_ = 0;
   if (!comm_) return;
   if (collective && Comm(comm_) != MPI_COMM_NULL) MPI_Comm_free(&Comm(comm_));
   delete static_cast<MPI_Comm*>(comm_);
   comm_ = nullptr;
 }
 
-Status CrossLayer::Exchange(const uint8_t* send, int64_t send_bytes, uint8_t* recv, int64_t recv_bytes) {
+uint8_t* CrossLayer::Segment(int k) const { return buf_ + count_ * k / size_ * ElementSize(dtype_); }
+
+int64_t CrossLayer::SegmentBytes(int k) const {
+  return (count_ * (k + 1) / size_ - count_ * k / size_) * ElementSize(dtype_);
+}
+
+// Ring steps. Reduce-scatter, step s: this rank passes segment rank - s on and adds the
+// previous rank's partial result of segment rank - s - 1 into its own; after size - 1
+// steps it holds segment rank + 1 reduced over every rank. Allgather, step s: the
+// reduced segment rank + 1 - s goes on, segment rank - s arrives.
+Status CrossLayer::Post() {
+  const bool reducing = step_ < size_ - 1;
+  const int s = reducing ? step_ : step_ - (size_ - 1);
+  const int out = (rank_ - s + (reducing ? 0 : 1) + size_) % size_;
+  const int in = (rank_ - s - (reducing ? 1 : 0) + 2 * size_) % size_;
+  const uint8_t* send = Segment(out);
+  uint8_t* recv = reducing ? scratch_.data() : Segment(in);
+  const int64_t send_bytes = SegmentBytes(out), recv_bytes = SegmentBytes(in);
   const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
-  std::vector<MPI_Request> reqs;
-  for (int64_t done = 0; done < recv_bytes; done += kMaxMessage) {
-    reqs.emplace_back();
-    int n = static_cast<int>(std::min(kMaxMessage, recv_bytes - done));
-    Status s = Check(MPI_Irecv(recv + done, n, MPI_BYTE, prev, 0, Comm(comm_), &reqs.back()), "MPI_Irecv (cross-host ring)");
-    if (!s.ok()) return s;
+  for (void* r : requests_) delete static_cast<MPI_Request*>(r);
+  requests_.clear();
+  for (int64_t done = 0; done < recv_bytes || done < send_bytes; done += kMaxMessage) {
+    if (done < recv_bytes) {
+      MPI_Request* r = new MPI_Request;
+      requests_.push_back(r);
+      int n = static_cast<int>(std::min(kMaxMessage, recv_bytes - done));
+      Status st = Check(MPI_Irecv(recv + done, n, MPI_BYTE, prev, 0, Comm(comm_), r), "MPI_Irecv (cross-host ring)");
+      if (!st.ok()) return st;
+    }
+    if (done < send_bytes) {
+      MPI_Request* r = new MPI_Request;
+      requests_.push_back(r);
+      int n = static_cast<int>(std::min(kMaxMessage, send_bytes - done));
+      Status st = Check(MPI_Isend(send + done, n, MPI_BYTE, next, 0, Comm(comm_), r), "MPI_Isend (cross-host ring)");
+      if (!st.ok()) return st;
+    }
   }
-  for (int64_t done = 0; done < send_bytes; done += kMaxMessage) {
-    reqs.emplace_back();
-    int n = static_cast<int>(std::min(kMaxMessage, send_bytes - done));
-    Status s = Check(MPI_Isend(send + done, n, MPI_BYTE, next, 0, Comm(comm_), &reqs.back()), "MPI_Isend (cross-host ring)");
-    if (!s.ok()) return s;
+  return Status::OK();
+}
+
+Status CrossLayer::Start(void* buf, int64_t count, int32_t dtype, int32_t reduce_op) {
+  buf_ = static_cast<uint8_t*>(buf);
+  count_ = count;
+  dtype_ = dtype;
+  reduce_op_ = reduce_op;
+  step_ = 0;
+  steps_ = size_ == 1 || count == 0 ? 0 : 2 * (size_ - 1);
+  if (done()) return Status::OK();
+  scratch_.resize(SegmentBytes(size_ - 1));  // the longest segment
+  return Post();
+}
+
+Status CrossLayer::Progress() {
+  if (done()) return Status::OK();
+  for (void* r : requests_) {
+    int flag = 0;
+    Status st = Check(MPI_Test(static_cast<MPI_Request*>(r), &flag, MPI_STATUS_IGNORE),
+                      "MPI_Test (cross-host ring)");
+    if (!st.ok() || !flag) return st;
   }
+  if (step_ < size_ - 1) {
+    const int in = (rank_ - step_ - 1 + size_) % size_;
+    const std::vector<const uint8_t*> parts = {Segment(in), scratch_.data()};
+    ReduceElements(Segment(in), parts, SegmentBytes(in) / ElementSize(dtype_), dtype_, reduce_op_);
+  }
+  ++step_;
+  return done() ? Status::OK() : Post();
+}
+
+Status CrossLayer::Wait() {
   // A step moves megabytes at network speed: poll briefly, then sleep between polls
   // (20 us doubling to 200 us; each poll lets MPI push more into the socket, whose
   // buffer holds far more than the link carries in 200 us).
   auto sleep = std::chrono::microseconds(20);
   const auto spin_end = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
-  while (true) {
-    int done = 0;
-    Status s = Check(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE),
-                     "MPI_Testall (cross-host ring)");
-    if (!s.ok() || done) return s;
-    if (std::chrono::steady_clock::now() >= spin_end) {
+  while (!done()) {
+    const int step = step_;
+    Status st = Progress();
+    if (!st.ok()) return st;
+    if (step_ != step) {
+      sleep = std::chrono::microseconds(20);
+    } else if (std::chrono::steady_clock::now() >= spin_end) {
       std::this_thread::sleep_for(sleep);
       sleep = std::min(sleep * 2, std::chrono::microseconds(200));
     }
   }
+  return Status::OK();
 }
 
 Status CrossLayer::Allreduce(void* buf, int64_t count, int32_t dtype, int32_t reduce_op) {
-  if (size_ == 1 || count == 0) return Status::OK();
-  const int64_t elem = ElementSize(dtype);
-  uint8_t* data = static_cast<uint8_t*>(buf);
-  // Segment k: elements [begin(k), begin(k + 1)).
-  auto begin = [&](int k) { return count * k / size_; };
-  auto seg = [&](int k) { return data + begin(k) * elem; };
-  auto bytes = [&](int k) { return (begin(k + 1) - begin(k)) * elem; };
-  scratch_.resize(bytes(size_ - 1));  // the longest segment
-  std::vector<const uint8_t*> parts(2);
-  // Reduce-scatter: at step s this rank passes segment rank - s on and adds the
-  // previous rank's partial sum of segment rank - s - 1 into its own; after size - 1
-  // steps it holds segment rank + 1 reduced over every rank.
-  for (int s = 0; s < size_ - 1; ++s) {
-    const int out = (rank_ - s + size_) % size_, in = (rank_ - s - 1 + size_) % size_;
-    Status st = Exchange(seg(out), bytes(out), scratch_.data(), bytes(in));
-    if (!st.ok()) return st;
-    parts[0] = seg(in);
-    parts[1] = scratch_.data();
-    ReduceElements(seg(in), parts, bytes(in) / elem, dtype, reduce_op);
-  }
-  // Allgather: the reduced segments go round the ring once.
-  for (int s = 0; s < size_ - 1; ++s) {
-    const int out = (rank_ + 1 - s + size_) % size_, in = (rank_ - s + size_) % size_;
-    Status st = Exchange(seg(out), bytes(out), seg(in), bytes(in));
-    if (!st.ok()) return st;
-  }
-  return Status::OK();
+  Status st = Start(buf, count, dtype, reduce_op);
+  return st.ok() ? Wait() : st;
 }
 
 }  // namespace hvdlite

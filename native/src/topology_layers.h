@@ -87,17 +87,33 @@ class CrossLayer {
   void Close(bool collective);
   // buf = reduce over the layer's ranks of buf (Average: Sum), in place.
   Status Allreduce(void* buf, int64_t count, int32_t dtype, int32_t reduce_op);
+  // The same in parts, for overlapping it with other work: Start posts the first step,
+  // Progress tests the step in flight and, once it is done, reduces what it brought
+  // and posts the next; Wait progresses until done(). One allreduce at a time; buf
+  // must stay until done().
+  Status Start(void* buf, int64_t count, int32_t dtype, int32_t reduce_op);
+  Status Progress();
+  Status Wait();
+  bool done() const { return step_ >= steps_; }
   int rank() const { return rank_; }
   int size() const { return size_; }
 
  private:
-  // Sends [send, send + send_bytes) to the next rank while receiving recv_bytes from the
-  // previous one into recv, in messages MPI's int counts can carry.
-  Status Exchange(const uint8_t* send, int64_t send_bytes, uint8_t* recv, int64_t recv_bytes);
+  // Posts ring step step_: sends a segment to the next rank while receiving one from
+  // the previous, in messages MPI's int counts can carry.
+  Status Post();
+  uint8_t* Segment(int k) const;
+  int64_t SegmentBytes(int k) const;
 
   void* comm_ = nullptr;  // MPI_Comm*
   int rank_ = 0, size_ = 1;
   std::vector<uint8_t> scratch_;  // a received segment, before it is reduced in
+  // The allreduce in flight: steps 0 .. size - 2 reduce-scatter, the rest allgather.
+  uint8_t* buf_ = nullptr;
+  int64_t count_ = 0;
+  int32_t dtype_ = 0, reduce_op_ = 0;
+  int step_ = 0, steps_ = 0;
+  std::vector<void*> requests_;  // MPI_Request*, of the step in flight
 };
 
 }  // namespace hvdlite

@@ -50,6 +50,12 @@ for dtype in dtypes:
     # the last one partial; 2-D, so rows do not line up with shards.
     big_op = "Max" if dtype == "bool" else "Sum"
     cases.append(Case(f"{dtype}.{big_op}.big", dtype, big_op, (2 * CHUNK // item // 3 + 5, 3)))
+# Several blocks of the pipeline (4 MiB each), the last one partial.
+BLOCK = 4 << 20
+for dtype, op in (("float32", "Sum"), ("int64", "Product")):
+    if dtype in dtypes:
+        cases.append(Case(f"{dtype}.{op}.blocks", dtype, op,
+                          (2 * BLOCK // np_dtype(dtype).itemsize + 4099,)))
 if "float64" in dtypes:
     cases.append(Case("float64.Average.big.scaled", "float64", "Average", (CHUNK // 8 * 3 + 7,),
                       0.5, 3.0))
