@@ -26,7 +26,9 @@ Status HierarchicalAllreduce::Allreduce(const std::vector<ShmAllreduce::Piece>& 
   const int64_t elem = ElementSize(dtype);
   int64_t count = 0;
   for (const ShmAllreduce::Piece& p : pieces) count += p.count;
-  const int64_t block = std::max<int64_t>(1, kBlockBytes / elem);
+  // At least kMinBlocks blocks where that keeps them kMinBlockBytes or more.
+  const int64_t block = std::max<int64_t>(
+      1, std::min(kBlockBytes, std::max(kMinBlockBytes, count * elem / kMinBlocks)) / elem);
   const int64_t blocks = (count + block - 1) / block;
   ShmAllreduce& shm = host_->shm();
   const int me = host_->rank();

@@ -41,9 +41,12 @@ class HierarchicalAllreduce {
                    const StepDone& step_done);
 
  private:
-  // Bytes of the buffer per block of the pipeline: its shards are large enough for the
-  // network to run at full rate, and a 16 MiB allreduce has four blocks to overlap.
+  // Bytes of the buffer per block of the pipeline: at most kBlockBytes, whose shards are
+  // large enough for the network to run at full rate, and smaller for a smaller buffer,
+  // so that it too has kMinBlocks blocks to overlap, down to kMinBlockBytes.
   static constexpr int64_t kBlockBytes = 4 << 20;
+  static constexpr int64_t kMinBlockBytes = 256 << 10;
+  static constexpr int64_t kMinBlocks = 4;
 
   HostLayer* host_;
   CrossLayer* cross_;

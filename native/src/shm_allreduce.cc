@@ -417,16 +417,22 @@ Status ShmAllreduce::ReduceScatter(const std::vector<Piece>& pieces, int64_t fir
     for (int k = 0; k < size_; ++k) parts[k] = In(k, set_of(r)) + rank_ * walk.step * elem;
     ReduceElements(static_cast<uint8_t*>(shard) + r * walk.step * elem, parts, n, dtype, reduce_op);
   };
-  if (walk.rounds == 0) return Status::OK();
-  copy_in(0);
-  for (int64_t r = 0; r < walk.rounds; ++r) {
+  return Rounds(walk.rounds, copy_in, reduce);
+}
+
+Status ShmAllreduce::Rounds(int64_t rounds, const std::function<void(int64_t)>& fill,
+                            const std::function<void(int64_t)>& drain) {
+  if (rounds == 0) return Status::OK();
+  const int base_set = set_;
+  fill(0);
+  for (int64_t r = 0; r < rounds; ++r) {
     Status s = Barrier(kChunkSpin);
     if (!s.ok()) return s;
-    reduce(r);
-    if (r + 1 < walk.rounds) copy_in(r + 1);
+    drain(r);
+    if (r + 1 < rounds) fill(r + 1);
     if (idle_ && !(s = idle_()).ok()) return s;
   }
-  set_ = set_of(walk.rounds);
+  set_ = (base_set + static_cast<int>(rounds % 2)) % 2;
   return Status::OK();
 }
 
@@ -456,17 +462,7 @@ Status ShmAllreduce::Allgather(const void* shard, const std::vector<Piece>& piec
       });
     }
   };
-  if (walk.rounds == 0) return Status::OK();
-  publish(0);
-  for (int64_t r = 0; r < walk.rounds; ++r) {
-    Status s = Barrier(kChunkSpin);
-    if (!s.ok()) return s;
-    copy_out(r);
-    if (r + 1 < walk.rounds) publish(r + 1);
-    if (idle_ && !(s = idle_()).ok()) return s;
-  }
-  set_ = set_of(walk.rounds);
-  return Status::OK();
+  return Rounds(walk.rounds, publish, copy_out);
 }
 
 }  // namespace hvdlite

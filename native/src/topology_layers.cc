@@ -201,21 +201,20 @@ Status CrossLayer::Post() {
   const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
   for (void* r : requests_) delete static_cast<MPI_Request*>(r);
   requests_.clear();
+  // One message of at most kMaxMessage bytes from `done` on, if any are left.
+  auto post = [&](bool receiving, int64_t done) {
+    const int64_t total = receiving ? recv_bytes : send_bytes;
+    if (done >= total) return Status::OK();
+    MPI_Request* r = new MPI_Request;
+    requests_.push_back(r);
+    const int n = static_cast<int>(std::min(kMaxMessage, total - done));
+    return receiving ? Check(MPI_Irecv(recv + done, n, MPI_BYTE, prev, 0, Comm(comm_), r), "MPI_Irecv (cross-host ring)")
+                     : Check(MPI_Isend(send + done, n, MPI_BYTE, next, 0, Comm(comm_), r), "MPI_Isend (cross-host ring)");
+  };
   for (int64_t done = 0; done < recv_bytes || done < send_bytes; done += kMaxMessage) {
-    if (done < recv_bytes) {
-      MPI_Request* r = new MPI_Request;
-      requests_.push_back(r);
-      int n = static_cast<int>(std::min(kMaxMessage, recv_bytes - done));
-      Status st = Check(MPI_Irecv(recv + done, n, MPI_BYTE, prev, 0, Comm(comm_), r), "MPI_Irecv (cross-host ring)");
-      if (!st.ok()) return st;
-    }
-    if (done < send_bytes) {
-      MPI_Request* r = new MPI_Request;
-      requests_.push_back(r);
-      int n = static_cast<int>(std::min(kMaxMessage, send_bytes - done));
-      Status st = Check(MPI_Isend(send + done, n, MPI_BYTE, next, 0, Comm(comm_), r), "MPI_Isend (cross-host ring)");
-      if (!st.ok()) return st;
-    }
+    Status st = post(true, done);
+    if (st.ok()) st = post(false, done);
+    if (!st.ok()) return st;
   }
   return Status::OK();
 }

@@ -24,11 +24,11 @@ import numpy as np
 layout = sys.argv[1]
 os.environ["HVDLITE_HOST_ID"] = "host-" + layout[int(os.environ["HVDLITE_RANK"])]
 import hvdlite as hvd
-from core_reference import Case, DTYPES, FLOAT_DTYPES, ops_for, contribution, check, np_dtype
+from core_reference import (Case, DTYPES, FLOAT_DTYPES, allreduce_case, check, contribution,
+                            np_dtype, ops_for)
 
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
-OPS = {name: getattr(hvd, name) for name in ("Sum", "Average", "Min", "Max", "Product")}
 CHUNK = 1 << 19  # the core's chunk size in bytes
 
 # A third argument names the dtypes to run (a lighter job of more ranks).
@@ -74,20 +74,12 @@ def record(case, got):
 
 allreduces = tensors = 0  # collectives (a group fuses into one); tensors
 for i, case in enumerate(cases):
-    mine = contribution(1, rank, case)
-    kwargs = dict(name=case.name, op=OPS[case.op], prescale_factor=case.prescale,
-                  postscale_factor=case.postscale)
-    if i % 2:
-        got = mine.copy()
-        hvd.allreduce(got, out=got, **kwargs)  # in place
-    else:
-        got = hvd.allreduce(mine, **kwargs)
     allreduces += 1
-    record(case, got)
+    record(case, allreduce_case(hvd, case, rank, in_place=i % 2 == 1))
 tensors += allreduces
 for group in groups:
     got = hvd.grouped_allreduce([contribution(1, rank, c) for c in group], name=group[0].name,
-                                op=OPS[group[0].op])
+                                op=getattr(hvd, group[0].op))
     allreduces += 1
     tensors += len(group)
     for case, g in zip(group, got):
