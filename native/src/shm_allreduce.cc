@@ -353,6 +353,13 @@ Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, int32_t dtype, 
 
 namespace {
 
+// starts[i]: piece i's first element in the flat buffer; starts.back(): the total.
+std::vector<int64_t> PieceStarts(const std::vector<ShmAllreduce::Piece>& pieces) {
+  std::vector<int64_t> starts(1, 0);
+  for (const ShmAllreduce::Piece& p : pieces) starts.push_back(starts.back() + p.count);
+  return starts;
+}
+
 // Shards start on 64-byte boundaries (the vectorized loops), as Allreduce's parts do.
 int64_t ShardStart(int64_t count, int64_t elem, int size, int rank) {
   const int64_t align = std::max<int64_t>(1, 64 / elem);
@@ -388,14 +395,11 @@ int64_t ShmAllreduce::ShardBegin(int64_t count, int32_t dtype, int rank) const {
 Status ShmAllreduce::ReduceScatter(const std::vector<Piece>& pieces, int64_t first, int64_t count,
                                    int32_t dtype, int32_t reduce_op, double prescale, void* shard) {
   const int64_t elem = ElementSize(dtype);
-  std::vector<int64_t> starts(1, 0);
-  for (const Piece& p : pieces) starts.push_back(starts.back() + p.count);
+  const std::vector<int64_t> starts = PieceStarts(pieces);
   const ShardRounds walk(count, elem, size_);
-  const int base_set = set_;
-  auto set_of = [&](int64_t r) { return (base_set + static_cast<int>(r % 2)) % 2; };
   // Every shard's part of round r into this rank's in slot.
-  auto copy_in = [&](int64_t r) {
-    uint8_t* slot = In(rank_, set_of(r));
+  auto copy_in = [&](int64_t r, int set) {
+    uint8_t* slot = In(rank_, set);
     for (int k = 0; k < size_; ++k) {
       const int64_t lo = first + walk.lo(k, r);
       uint8_t* part = slot + k * walk.step * elem;
@@ -411,25 +415,26 @@ Status ShmAllreduce::ReduceScatter(const std::vector<Piece>& pieces, int64_t fir
   };
   std::vector<const uint8_t*> parts(size_);
   // This rank's part of round r, from every rank's in slot, into its shard.
-  auto reduce = [&](int64_t r) {
+  auto reduce = [&](int64_t r, int set) {
     const int64_t n = walk.hi(rank_, r) - walk.lo(rank_, r);
     if (n <= 0) return;
-    for (int k = 0; k < size_; ++k) parts[k] = In(k, set_of(r)) + rank_ * walk.step * elem;
+    for (int k = 0; k < size_; ++k) parts[k] = In(k, set) + rank_ * walk.step * elem;
     ReduceElements(static_cast<uint8_t*>(shard) + r * walk.step * elem, parts, n, dtype, reduce_op);
   };
   return Rounds(walk.rounds, copy_in, reduce);
 }
 
-Status ShmAllreduce::Rounds(int64_t rounds, const std::function<void(int64_t)>& fill,
-                            const std::function<void(int64_t)>& drain) {
+Status ShmAllreduce::Rounds(int64_t rounds, const std::function<void(int64_t, int)>& fill,
+                            const std::function<void(int64_t, int)>& drain) {
   if (rounds == 0) return Status::OK();
   const int base_set = set_;
-  fill(0);
+  auto set_of = [&](int64_t r) { return (base_set + static_cast<int>(r % 2)) % 2; };
+  fill(0, set_of(0));
   for (int64_t r = 0; r < rounds; ++r) {
     Status s = Barrier(kChunkSpin);
     if (!s.ok()) return s;
-    drain(r);
-    if (r + 1 < rounds) fill(r + 1);
+    drain(r, set_of(r));
+    if (r + 1 < rounds) fill(r + 1, set_of(r + 1));
     if (idle_ && !(s = idle_()).ok()) return s;
   }
   set_ = (base_set + static_cast<int>(rounds % 2)) % 2;
@@ -439,21 +444,18 @@ Status ShmAllreduce::Rounds(int64_t rounds, const std::function<void(int64_t)>& 
 Status ShmAllreduce::Allgather(const void* shard, const std::vector<Piece>& pieces, int64_t first,
                                int64_t count, int32_t dtype, double postscale, int64_t divisor) {
   const int64_t elem = ElementSize(dtype);
-  std::vector<int64_t> starts(1, 0);
-  for (const Piece& p : pieces) starts.push_back(starts.back() + p.count);
+  const std::vector<int64_t> starts = PieceStarts(pieces);
   const ShardRounds walk(count, elem, size_);
-  const int base_set = set_;
-  auto set_of = [&](int64_t r) { return (base_set + static_cast<int>(r % 2)) % 2; };
   // This rank's part of round r into its out slot.
-  auto publish = [&](int64_t r) {
+  auto publish = [&](int64_t r, int set) {
     const int64_t n = walk.hi(rank_, r) - walk.lo(rank_, r);
-    if (n > 0) std::memcpy(Out(rank_, set_of(r)), static_cast<const uint8_t*>(shard) + r * walk.step * elem, n * elem);
+    if (n > 0) std::memcpy(Out(rank_, set), static_cast<const uint8_t*>(shard) + r * walk.step * elem, n * elem);
   };
   // Every rank's part of round r into the outputs.
-  auto copy_out = [&](int64_t r) {
+  auto copy_out = [&](int64_t r, int set) {
     for (int k = 0; k < size_; ++k) {
       const int64_t lo = first + walk.lo(k, r);
-      const uint8_t* from = Out(k, set_of(r));
+      const uint8_t* from = Out(k, set);
       ForEachPiece(pieces, starts, lo, first + walk.hi(k, r), [&](const Piece& p, int64_t at, int64_t flat, int64_t len) {
         if (p.out) {
           ScaledCopy(static_cast<uint8_t*>(p.out) + at * elem, from + (flat - lo) * elem, len, dtype,

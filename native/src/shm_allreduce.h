@@ -122,9 +122,9 @@ class ShmAllreduce {
   uint8_t* In(int rank, int set) const;
   uint8_t* Out(int rank, int set) const;
   // The rounds of ReduceScatter and Allgather, over one barrier each: fill(0), then
-  // after barrier r drain(r) and fill(r + 1). Round r uses slot set (set_ + r) % 2.
-  Status Rounds(int64_t rounds, const std::function<void(int64_t)>& fill,
-                const std::function<void(int64_t)>& drain);
+  // after barrier r drain(r) and fill(r + 1), each given round r's slot set.
+  Status Rounds(int64_t rounds, const std::function<void(int64_t, int)>& fill,
+                const std::function<void(int64_t, int)>& drain);
   // Spins for `spin` before sleeping.
   Status Barrier(std::chrono::microseconds spin);
   static constexpr std::chrono::microseconds kChunkSpin{20};
