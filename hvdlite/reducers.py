@@ -69,13 +69,16 @@ class TopK(Reducer):
     Each rank adds its residual to the gradient, keeps the k = ceil(ratio * n) entries
     of largest magnitude, sends their values and indices (allgather), and keeps the
     rest as its next residual. Every rank sums what all ranks sent, duplicates summed,
-    and divides by the number of ranks.
+    and divides by the number of ranks. Gradients of fewer than ``dense_below`` entries
+    (biases, small layers: few bytes, and starved by a per-tensor k of one or two) are
+    sent whole, through the same exchange.
     """
 
-    def __init__(self, ratio):
+    def __init__(self, ratio, dense_below=1024):
         if not 0.0 < float(ratio) <= 1.0:
             raise ValueError(f"top-k ratio must be in (0, 1], got {ratio}")
         self.ratio = float(ratio)
+        self.dense_below = int(dense_below)
         self._residuals = {}
 
     def __repr__(self):
@@ -86,7 +89,8 @@ class TopK(Reducer):
         for name, array in zip(names, arrays):
             _check_float(name, array)
             acc = _as_float32(array) + self._residuals.get(name, 0.0)
-            k = max(1, math.ceil(self.ratio * acc.size))
+            k = acc.size if acc.size < self.dense_below else max(
+                1, math.ceil(self.ratio * acc.size))
             if k < acc.size:
                 index = np.argpartition(np.abs(acc), acc.size - k)[acc.size - k:]
             else:

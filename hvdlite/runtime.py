@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 
+from hvdlite import peer_faults
 from hvdlite._native import check, ffi, lib
 
 _log = logging.getLogger("hvdlite")
@@ -57,6 +58,7 @@ def init(comm=None):
         options = ffi.new("hvdlite_init_options_t *")
         options.comm_f2c = _comm_f2c(comm)
         check(lib.hvdlite_init(options))
+        peer_faults.start_listening()
         if not _atexit_registered:
             atexit.register(_shutdown_at_exit)
             _atexit_registered = True
@@ -67,11 +69,17 @@ def init(comm=None):
 def shutdown():
     """Stops the core on every rank; pending handles fail with ShutdownError.
 
-    Idempotent: calling it when not initialized does nothing.
+    Idempotent: calling it when not initialized does nothing. After the launcher
+    reported lost peers it does nothing either: the core's thread may be blocked on a
+    peer that will never answer, and the launcher ends the job.
 
     Raises:
         HvdliteError: the core reported an error while stopping.
     """
+    if peer_faults.failure() is not None:
+        _log.warning("hvdlite: not shutting down the core after lost peers (%s)",
+                     peer_faults.failure())
+        return
     check(lib.hvdlite_shutdown())
 
 

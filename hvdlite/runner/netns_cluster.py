@@ -455,9 +455,9 @@ class NetnsCluster:
         makes ``hvdliterun -H ...`` started in a host reach the other hosts.
         """
         env = dict(os.environ if base is None else base)
-        env.update({"HVDLITE_REMOTE_SHELL": self.remote_shell(), "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": HOST_INTERFACE,
-                    "FI_PROVIDER": "tcp", "FI_TCP_IFACE": HOST_INTERFACE,
-                    "HVDLITE_NETWORK_INTERFACE": HOST_INTERFACE})
+        env.update({"HVDLITE_REMOTE_SHELL": self.remote_shell(), "UCX_TLS": "tcp,self",
+                    "UCX_NET_DEVICES": HOST_INTERFACE, "FI_PROVIDER": "tcp",
+                    "FI_TCP_IFACE": HOST_INTERFACE})
         return env
 
 

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Optional, Sequence
 
 import harness
@@ -41,6 +42,9 @@ def run_in_cluster(cluster: NetnsCluster, command: Sequence[str], *, host: str =
                    timeout: float = 120, env=None) -> harness.JobResult:
     """Runs ``command`` inside ``host`` and parses its rank-tagged output.
 
+    The result's ``leftovers`` maps each host to the processes still running there after
+    the command ended (then killed): a launcher that cleans up leaves none.
+
     Raises:
         AssertionError: the command timed out; the message has the output's tail.
     """
@@ -58,10 +62,33 @@ def run_in_cluster(cluster: NetnsCluster, command: Sequence[str], *, host: str =
             f"--- stdout tail ---\n{harness._tail(stdout)}\n"
             f"--- stderr tail ---\n{harness._tail(stderr)}") from None
     finally:
+        leftovers = _leftovers(cluster)
         kill_cluster_processes(cluster)
     result = harness.JobResult(proc.returncode, stdout, stderr, list(command))
     harness._parse(result)
+    result.leftovers = leftovers
     return result
+
+
+def _leftovers(cluster: NetnsCluster, settle_s: float = 5.0):
+    """host -> commands of processes still running in it once the job ended (after
+    giving exiting processes ``settle_s`` to go)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        found = {}
+        for host in cluster.hosts:
+            names = []
+            for pid in cluster.pids(host.name):
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        names.append(f"{pid}: " + f.read().replace(b"\0", b" ").decode()[:200])
+                except OSError:
+                    continue
+            if names:
+                found[host.name] = names
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
 
 
 def run_cluster_job(cluster: NetnsCluster, hosts: str, script: str, *, np: Optional[int] = None,

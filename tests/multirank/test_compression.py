@@ -14,7 +14,7 @@ import pytest
 from harness import assert_ok, run_job
 
 pytest.importorskip("torch")
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "torch_scripts", "compression.py")
@@ -25,7 +25,7 @@ from compression import SHAPES, STEPS, gradient  # noqa: E402 - the rank script'
 def job(request, native):
     size = request.param
     # Flat MPI allreduce, so that the wire counters see every collective the same way.
-    result = assert_ok(run_job(size, SCRIPT, timeout=240,
+    result = assert_ok(run_job(size, SCRIPT, timeout=400,
                                env={"HVDLITE_SHM_ALLREDUCE": "0"}))
     return size, [result.result(rank) for rank in range(size)]
 
@@ -127,7 +127,7 @@ def seeded_gradients(step, rank):  # as the TF rank script makes them
 @pytest.mark.parametrize("size", [2, 3])
 def test_tensorflow_tape_and_keras_use_the_reducers(native, size):
     pytest.importorskip("tensorflow")
-    result = assert_ok(run_job(size, TF_SCRIPT, timeout=240))
+    result = assert_ok(run_job(size, TF_SCRIPT, timeout=400))
     bodies = [result.result(rank) for rank in range(size)]
     for key in bodies[0]:
         for rank in range(1, size):

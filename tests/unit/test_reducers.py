@@ -34,7 +34,7 @@ def test_quantize_is_unbiased(hvd):
 
 
 def test_topk_keeps_the_rest_for_the_next_step(hvd):
-    topk = reducers.TopK(0.25)
+    topk = reducers.TopK(0.25, dense_below=0)
     g1 = np.array([4.0, -1.0, 0.5, -3.0, 0.1, 2.0, 0.0, -0.2], np.float32)
     (u1,) = topk.finish_all([topk.start(["g"], [g1])])[0]
     np.testing.assert_array_equal(u1, [4.0, 0, 0, -3.0, 0, 0, 0, 0])
@@ -53,6 +53,14 @@ def test_powersgd_recovers_a_low_rank_gradient(hvd):
     # Rank 2 spans a rank-2 gradient exactly (one power step suffices); error ~ 0.
     np.testing.assert_allclose(updates[-1], g, rtol=1e-3, atol=1e-3)
     assert psgd.residual("m") is not None and np.abs(psgd.residual("m")).max() < 1e-3
+
+
+def test_topk_sends_small_gradients_whole(hvd):
+    topk = reducers.TopK(0.01, dense_below=100)
+    small, large = np.arange(99, dtype=np.float32), np.arange(100, dtype=np.float32)
+    u_small, u_large = topk.finish_all([topk.start(["s", "l"], [small, large])])[0]
+    np.testing.assert_array_equal(u_small, small)
+    assert np.count_nonzero(u_large) == 1 and u_large[99] == 99
 
 
 def test_bad_reducer_arguments_are_refused():

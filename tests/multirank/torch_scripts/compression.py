@@ -74,7 +74,7 @@ def main():
     torch.set_num_threads(1)
     hvd.init()
     out = {
-        "topk": run_reducer(lambda: reducers.TopK(0.1)),
+        "topk": run_reducer(lambda: reducers.TopK(0.1, dense_below=0)),
         "quantize8": run_reducer(lambda: reducers.Quantize(8, chunk=64, seed=5)),
         "quantize4": run_reducer(lambda: reducers.Quantize(4, chunk=64, seed=5)),
         "powersgd": run_reducer(lambda: reducers.PowerSGD(rank=2)),
