@@ -45,7 +45,7 @@ class HierarchicalAllreduce {
   // large enough for the network to run at full rate, and smaller for a smaller buffer,
   // so that it too has kMinBlocks blocks to overlap, down to kMinBlockBytes.
   static constexpr int64_t kBlockBytes = 4 << 20;
-  static constexpr int64_t kMinBlockBytes = 256 << 10;
+  static constexpr int64_t kMinBlockBytes = 1 << 20;
   static constexpr int64_t kMinBlocks = 4;
 
   HostLayer* host_;

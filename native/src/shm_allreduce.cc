@@ -129,10 +129,10 @@ void ReduceTyped(void* out, const std::vector<const uint8_t*>& parts, int64_t n,
   }
 }
 
-// Sleeps while *word == expected, at most timeout_ms (shared between processes: no
+// Sleeps while *word == expected, at most timeout_us (shared between processes: no
 // FUTEX_PRIVATE_FLAG). Returns early when woken, on a signal, or if the word changed.
-void FutexWait(std::atomic<int32_t>* word, int32_t expected, int timeout_ms) {
-  struct timespec ts = {timeout_ms / 1000, (timeout_ms % 1000) * 1000000L};
+void FutexWait(std::atomic<int32_t>* word, int32_t expected, int64_t timeout_us) {
+  struct timespec ts = {static_cast<time_t>(timeout_us / 1000000), (timeout_us % 1000000) * 1000L};
   syscall(SYS_futex, reinterpret_cast<int32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
 }
 
@@ -210,7 +210,7 @@ Status ShmAllreduce::Barrier(std::chrono::microseconds spin) {
   const int32_t old_sense = sense_ ^ 1;
   while (true) {
     c->sleepers.fetch_add(1, std::memory_order_seq_cst);
-    if (c->sense.load(std::memory_order_seq_cst) == old_sense) FutexWait(&c->sense, old_sense, idle_ ? 1 : 100);
+    if (c->sense.load(std::memory_order_seq_cst) == old_sense) FutexWait(&c->sense, old_sense, idle_ ? kIdleWakeUs : 100000);
     c->sleepers.fetch_sub(1, std::memory_order_seq_cst);
     if (c->sense.load(std::memory_order_acquire) == sense_) return Status::OK();
     if (idle_) {

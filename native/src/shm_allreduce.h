@@ -108,7 +108,7 @@ class ShmAllreduce {
   // The block of the pieces' outs = every rank's shard * postscale / divisor.
   Status Allgather(const void* shard, const std::vector<Piece>& pieces, int64_t first,
                    int64_t count, int32_t dtype, double postscale, int64_t divisor);
-  // Called between the rounds of ReduceScatter and Allgather, and every millisecond
+  // Called between the rounds of ReduceScatter and Allgather, and every kIdleWakeUs
   // while a barrier sleeps (instead of every 100 ms), while set: the hierarchical
   // allreduce moves its network step on there. An error ends the call with it.
   void SetIdle(std::function<Status()> idle) { idle_ = std::move(idle); }
@@ -129,6 +129,9 @@ class ShmAllreduce {
   Status Barrier(std::chrono::microseconds spin);
   static constexpr std::chrono::microseconds kChunkSpin{20};
   static constexpr std::chrono::microseconds kCoordinationSpin{50};
+  // How often a sleeping barrier wakes to call idle_: a ring step that ends while the
+  // host waits is noticed within this, and the next one posted.
+  static constexpr int64_t kIdleWakeUs = 200;
   // The first rank whose process has ended, or -1.
   int DeadPeer() const;
 
