@@ -221,6 +221,19 @@ def assert_ok(result):
     return result
 
 
+def assert_checks_pass(np, script, *, min_checks, timeout=240):
+    """Runs a rank script that ends with ``HVDLITE_RESULT {"failures": [...], "checks":
+    n, ...}`` (``torch_scripts/checks.py``) and fails unless every rank ran at least
+    ``min_checks`` checks and none failed. Returns the ranks' result objects."""
+    result = assert_ok(run_job(np, script, timeout=timeout))
+    bodies = [result.result(rank) for rank in range(np)]
+    for rank, body in enumerate(bodies):
+        assert body["checks"] >= min_checks, f"rank {rank}: {body['checks']} checks\n" + \
+            describe(result)
+        assert body["failures"] == [], f"rank {rank}: {body['failures']}\n" + describe(result)
+    return bodies
+
+
 def require_native():
     """Skips the calling test unless the native library loads (checked in a child)."""
     import pytest
