@@ -63,7 +63,8 @@ class MpiBackend {
                        int32_t dtype, int32_t reduce_op);
   Status Barrier();
 
-  // Whether Init set up the shared-memory allreduce (every rank on this machine).
+  // Whether the allreduce goes through shared memory (every rank of this communicator
+  // on one host).
   bool shared_memory() const { return host_ != nullptr && !hierarchical_; }
   // The allreduce through shared memory; only when shared_memory().
   Status SharedAllreduce(const std::vector<ShmAllreduce::Piece>& pieces, int32_t dtype,
@@ -81,7 +82,7 @@ class MpiBackend {
   // After comm_ is set: errors as codes, the 16-bit reductions, the topology of comm_
   // and its layers (SetUpLayers). Collective over comm_.
   Status Attach(const LayerSettings& layers, MpiTopology* topo);
-  // Collective over every rank: the layers PlanLayers chooses, built from the host
+  // Collective over comm_: the layers PlanLayers chooses, built from the host
   // communicator `local` and the cross-host one `cross` (both MPI_Comm*, taken over).
   Status SetUpLayers(const LayerSettings& settings, const MpiTopology& topo, void* local, void* cross);
 
