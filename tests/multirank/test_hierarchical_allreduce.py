@@ -272,6 +272,7 @@ got = hvd.allreduce(np.full(4, rank + 1.0), op=hvd.Sum, name="after", process_se
     if sets["shm"].included() else None
 if got is not None and got.tolist() != [float(1 + 2 + 5)] * 4:
     failures.append(f"after removal: {got.tolist()}")
+hvd.barrier()  # no rank shuts the job down while the set {0, 1, 4} still works
 print("HVDLITE_RESULT", json.dumps({"failures": failures, "counts": counts}))
 hvd.shutdown()
 """
