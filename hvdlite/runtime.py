@@ -181,7 +181,8 @@ def stats():
     shm_collectives (allreduces through shared memory), wire_bytes (bytes this rank
     sent to the others, counted as a bandwidth-optimal algorithm sends them: an
     allreduce of S bytes on n ranks counts 2(n-1)/n S, an allgather whose result is S
-    bytes (n-1)/n S; what compression saves shows here). The core
+    bytes (n-1)/n S; what compression saves shows here), hierarchical_collectives
+    (allreduces over hosts in layers: README, "Hierarchical collectives"). The core
     answers at any time (after ``shutdown()`` it keeps the last counts).
     """
     out = ffi.new("hvdlite_stats_t *")

@@ -2,7 +2,6 @@
 
 #include <mpi.h>
 
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -79,7 +78,7 @@ Status MpiBackend::Check(int rc, const char* what) {
   return Status(HVDLITE_ERR_MPI, std::string(what) + " failed: " + std::string(text, len));
 }
 
-Status MpiBackend::Init(int64_t comm_f2c, bool thread_multiple, bool shared_memory,
+Status MpiBackend::Init(int64_t comm_f2c, bool thread_multiple, const LayerSettings& layers,
                         MpiTopology* topo) {
   InstallMpiFaultGuard();
   int initialized = 0;
@@ -110,11 +109,10 @@ Status MpiBackend::Init(int64_t comm_f2c, bool thread_multiple, bool shared_memo
   comm_ = new MPI_Comm(MPI_COMM_NULL);
   Status s = Check(MPI_Comm_dup(base, &Comm(comm_)), "MPI_Comm_dup");
   if (!s.ok()) return s;
-  Attach(shared_memory, topo);
-  return Status::OK();
+  return Attach(layers, topo);
 }
 
-Status MpiBackend::InitSubset(const MpiBackend& parent, bool member, bool shared_memory) {
+Status MpiBackend::InitSubset(const MpiBackend& parent, bool member, const LayerSettings& layers) {
   int parent_rank = 0;
   MPI_Comm_rank(Comm(parent.comm_), &parent_rank);
   MPI_Comm sub = MPI_COMM_NULL;
@@ -123,37 +121,14 @@ Status MpiBackend::InitSubset(const MpiBackend& parent, bool member, bool shared
   if (!s.ok() || !member) return s;
   comm_ = new MPI_Comm(sub);
   MpiTopology topo;
-  Attach(shared_memory, &topo);
-  return Status::OK();
+  return Attach(layers, &topo);
 }
 
-void MpiBackend::Attach(bool shared_memory, MpiTopology* topo) {
+Status MpiBackend::Attach(const LayerSettings& layers, MpiTopology* topo) {
   // Failures come back as codes that become statuses instead of aborting the job.
   MPI_Comm_set_errhandler(Comm(comm_), MPI_ERRORS_RETURN);
   MPI_Comm_rank(Comm(comm_), &topo->rank);
   MPI_Comm_size(Comm(comm_), &topo->size);
-  MPI_Comm local, cross;
-  MPI_Comm_split_type(Comm(comm_), MPI_COMM_TYPE_SHARED, topo->rank, MPI_INFO_NULL, &local);
-  MPI_Comm_rank(local, &topo->local_rank);
-  MPI_Comm_size(local, &topo->local_size);
-  MPI_Comm_split(Comm(comm_), topo->local_rank, topo->rank, &cross);
-  MPI_Comm_rank(cross, &topo->cross_rank);
-  MPI_Comm_size(cross, &topo->cross_size);
-  // Every rank decides alike (setting it up is collective): the sizes are the same
-  // everywhere when all share a machine, and HVDLITE_SHM_ALLREDUCE=0 on any rank turns
-  // it off on all.
-  if (topo->size > 1 && topo->local_size == topo->size) {
-    int want = shared_memory ? 1 : 0, all_want = 0;
-    MPI_Allreduce(&want, &all_want, 1, MPI_INT, MPI_MIN, local);
-    if (all_want) {
-      SetUpSharedMemory(&local, topo->rank);
-    } else if (want) {
-      HVDLITE_LOG(WARNING) << "HVDLITE_SHM_ALLREDUCE=0 on another rank: every rank "
-                              "allreduces through MPI";
-    }
-  }
-  MPI_Comm_free(&local);
-  MPI_Comm_free(&cross);
   for (int kind = 0; kind < 2; ++kind) {
     for (int op = 0; op < 5; ++op) {
       MPI_Op* mop = new MPI_Op;
@@ -161,51 +136,81 @@ void MpiBackend::Attach(bool shared_memory, MpiTopology* topo) {
       ops_.push_back(mop);
     }
   }
+  MPI_Comm* local = new MPI_Comm(MPI_COMM_NULL);
+  MPI_Comm* cross = new MPI_Comm(MPI_COMM_NULL);
+  Status s = SplitHosts(comm_, layers.host_id, local);
+  if (s.ok()) {
+    MPI_Comm_rank(*local, &topo->local_rank);
+    MPI_Comm_size(*local, &topo->local_size);
+    s = Check(MPI_Comm_split(Comm(comm_), topo->local_rank, topo->rank, cross), "MPI_Comm_split (cross)");
+  }
+  if (s.ok()) {
+    MPI_Comm_rank(*cross, &topo->cross_rank);
+    MPI_Comm_size(*cross, &topo->cross_size);
+    return SetUpLayers(layers, *topo, local, cross);
+  }
+  if (*local != MPI_COMM_NULL) MPI_Comm_free(local);
+  delete local;
+  delete cross;
+  return s;
 }
 
-void MpiBackend::SetUpSharedMemory(void* local_comm, int rank) {
-  MPI_Comm local = *static_cast<MPI_Comm*>(local_comm);
-  MPI_Comm_set_errhandler(local, MPI_ERRORS_RETURN);
-  int size = 0;
-  MPI_Comm_size(local, &size);
-  MPI_Win* win = new MPI_Win(MPI_WIN_NULL);
-  void* mine = nullptr;
-  int rc = MPI_Win_allocate_shared(ShmAllreduce::kSegmentBytes, 1, MPI_INFO_NULL, local, &mine, win);
-  // Whether every rank got its segment: all use it or none does.
-  int ok = rc == MPI_SUCCESS ? 1 : 0, all_ok = 0;
-  MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, local);
-  if (!all_ok) {
-    if (rc == MPI_SUCCESS) MPI_Win_free(win);
-    delete win;
-    HVDLITE_LOG(WARNING) << "no shared-memory window for the allreduce ("
-                         << (rc == MPI_SUCCESS ? "on another rank" : Check(rc, "MPI_Win_allocate_shared").message())
-                         << "); using MPI_Allreduce";
-    return;
+Status MpiBackend::SetUpLayers(const LayerSettings& settings, const MpiTopology& topo,
+                               void* local, void* cross) {
+  // Every rank learns every rank's place and settings and decides alike.
+  const int mine[4] = {topo.local_rank, topo.local_size, settings.hierarchical_allreduce,
+                       settings.shared_memory ? 1 : 0};
+  std::vector<int> all(4 * topo.size);
+  Status s = Check(MPI_Allgather(mine, 4, MPI_INT, all.data(), 4, MPI_INT, Comm(comm_)),
+                   "MPI_Allgather (topology)");
+  std::vector<RankPlace> places(topo.size);
+  for (int r = 0; r < topo.size; ++r) {
+    places[r] = RankPlace{all[4 * r], all[4 * r + 1], all[4 * r + 2], all[4 * r + 3]};
   }
-  std::vector<uint8_t*> segments(size);
-  for (int k = 0; k < size; ++k) {
-    MPI_Aint bytes = 0;
-    int disp = 0;
-    void* base = nullptr;
-    MPI_Win_shared_query(*win, k, &bytes, &disp, &base);
-    segments[k] = static_cast<uint8_t*>(base);
+  LayerPlan plan = PlanLayers(places);
+  if (s.ok() && !plan.error.empty()) {
+    // Every rank found the same disagreement: end MPI together, as a failed init must.
+    for (void* c : {local, cross}) MPI_Comm_free(static_cast<MPI_Comm*>(c));
+    delete static_cast<MPI_Comm*>(local);
+    delete static_cast<MPI_Comm*>(cross);
+    Shutdown(true);
+    return InvalidArgument(plan.error);
   }
-  if (rank == 0) std::memset(segments[0], 0, ShmAllreduce::kControlBytes);  // the barrier's state
-  int64_t pid = static_cast<int64_t>(getpid());
-  std::vector<int64_t> pids(size);
-  MPI_Allgather(&pid, 1, MPI_INT64_T, pids.data(), 1, MPI_INT64_T, local);  // also a barrier
-  window_ = win;
-  shm_.reset(new ShmAllreduce(rank, std::move(segments), std::move(pids)));
+  if (!plan.notice.empty() && topo.rank == 0) {
+    HVDLITE_LOG(WARNING) << plan.notice;
+  }
+  if (s.ok() && (plan.world_shared_memory || plan.hierarchical_allreduce)) {
+    host_ = HostLayer::Open(local);
+    local = nullptr;  // the layer's now, or freed with it
+  }
+  if (s.ok() && plan.hierarchical_allreduce) {
+    // Every host must have its shared-memory group, or every rank goes flat.
+    int ok = host_ ? 1 : 0, all_ok = 0;
+    s = Check(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, Comm(comm_)), "MPI_Allreduce (layers)");
+    if (s.ok() && all_ok) {
+      cross_.reset(new CrossLayer(cross));
+      cross = nullptr;
+      hierarchical_.reset(new HierarchicalAllreduce(host_.get(), cross_.get()));
+    } else if (host_) {
+      host_->Close(true);
+      host_.reset();
+    }
+  }
+  for (void* c : {local, cross}) {
+    if (!c) continue;
+    MPI_Comm_free(static_cast<MPI_Comm*>(c));
+    delete static_cast<MPI_Comm*>(c);
+  }
+  return s;
 }
 
 void MpiBackend::Shutdown(bool finalize) {
-  shm_.reset();
-  if (window_) {
-    // Freeing is collective: only on a shutdown every rank takes part in.
-    if (finalize) MPI_Win_free(static_cast<MPI_Win*>(window_));
-    delete static_cast<MPI_Win*>(window_);
-    window_ = nullptr;
-  }
+  // Freeing is collective: only on a shutdown every rank takes part in.
+  hierarchical_.reset();
+  if (cross_) cross_->Close(finalize);
+  if (host_) host_->Close(finalize);
+  cross_.reset();
+  host_.reset();
   if (finalize) {
     for (void* p : ops_) MPI_Op_free(static_cast<MPI_Op*>(p));
     if (comm_ && Comm(comm_) != MPI_COMM_NULL) MPI_Comm_free(&Comm(comm_));
@@ -241,7 +246,7 @@ Status MpiBackend::WaitBackoff(void* request, const char* what) {
 
 Status MpiBackend::AndBits(std::vector<uint64_t>* bits) {
   const int64_t words = static_cast<int64_t>(bits->size());
-  if (shm_ && words <= ShmAllreduce::kMaxBitsWords) return shm_->AndBits(bits->data(), words);
+  if (shared_memory() && words <= ShmAllreduce::kMaxBitsWords) return host_->shm().AndBits(bits->data(), words);
   InMpiCall in_mpi("MPI_Iallreduce (coordination)");
   MPI_Request req;
   Status s = Check(MPI_Iallreduce(MPI_IN_PLACE, bits->data(), static_cast<int>(bits->size()),

@@ -13,7 +13,9 @@
 #include <vector>
 
 #include "common.h"
+#include "hierarchical_allreduce.h"
 #include "shm_allreduce.h"
+#include "topology_layers.h"
 
 namespace hvdlite {
 
@@ -26,13 +28,17 @@ class MpiBackend {
  public:
   // comm_f2c < 0: MPI_COMM_WORLD. Initializes MPI when nobody has, from the calling
   // (background) thread, at MPI_THREAD_MULTIPLE if thread_multiple, else FUNNELED.
-  // shared_memory: when every rank is on this machine, allreduce (and AND the
-  // coordination's bits) through a shared memory window (ShmAllreduce) instead of MPI.
-  Status Init(int64_t comm_f2c, bool thread_multiple, bool shared_memory, MpiTopology* topo);
+  // Builds the topology layers (topology_layers.h) as `layers` and PlanLayers say: on
+  // one host, allreduce (and AND the coordination's bits) through shared memory
+  // (ShmAllreduce) instead of MPI; on several, the hierarchical allreduce.
+  Status Init(int64_t comm_f2c, bool thread_multiple, const LayerSettings& layers,
+              MpiTopology* topo);
   // The communicator of a process set: its members among parent's ranks, in parent's
-  // rank order. Collective over every rank of parent; a rank that is not a member
-  // passes member = false and gets no communicator (this backend stays unused).
-  Status InitSubset(const MpiBackend& parent, bool member, bool shared_memory);
+  // rank order, with layers of its own built from the same settings (its hosts are
+  // its members' hosts, split the same way). Collective over every rank of parent; a
+  // rank that is not a member passes member = false and gets no communicator (this
+  // backend stays unused).
+  Status InitSubset(const MpiBackend& parent, bool member, const LayerSettings& layers);
   // Frees the core's communicators; finalizes MPI if Init initialized it and
   // `finalize` is set (not after a transport failure, where it could hang).
   void Shutdown(bool finalize);
@@ -57,31 +63,37 @@ class MpiBackend {
                        int32_t dtype, int32_t reduce_op);
   Status Barrier();
 
-  // Whether Init set up the shared-memory allreduce (every rank on this machine).
-  bool shared_memory() const { return shm_ != nullptr; }
+  // Whether the allreduce goes through shared memory (every rank of this communicator
+  // on one host).
+  bool shared_memory() const { return host_ != nullptr && !hierarchical_; }
   // The allreduce through shared memory; only when shared_memory().
   Status SharedAllreduce(const std::vector<ShmAllreduce::Piece>& pieces, int32_t dtype,
                          int32_t reduce_op, double prescale, double postscale, int64_t divisor) {
-    return shm_->Allreduce(pieces, dtype, reduce_op, prescale, postscale, divisor);
+    return host_->shm().Allreduce(pieces, dtype, reduce_op, prescale, postscale, divisor);
   }
+  // The hierarchical allreduce over the layers, or null when allreduce goes flat.
+  HierarchicalAllreduce* hierarchical() { return hierarchical_.get(); }
 
   static std::string LibraryVersion();
 
  private:
   Status Check(int rc, const char* what);
   Status WaitBackoff(void* request, const char* what);
-  // After comm_ is set: errors as codes, the topology of comm_, the shared-memory
-  // allreduce where every rank of comm_ is on this machine, the 16-bit reductions.
-  void Attach(bool shared_memory, MpiTopology* topo);
-  // Collective over the ranks of this machine (all of them): the window and the
-  // reducer, or a warning and MPI_Allreduce if the window cannot be had.
-  void SetUpSharedMemory(void* local_comm, int rank);
+  // After comm_ is set: errors as codes, the 16-bit reductions, the topology of comm_
+  // and its layers (SetUpLayers). Collective over comm_.
+  Status Attach(const LayerSettings& layers, MpiTopology* topo);
+  // Collective over comm_: the layers PlanLayers chooses, built from the host
+  // communicator `local` and the cross-host one `cross` (both MPI_Comm*, taken over).
+  Status SetUpLayers(const LayerSettings& settings, const MpiTopology& topo, void* local, void* cross);
 
   void* comm_ = nullptr;  // MPI_Comm*, kept opaque so mpi.h stays in one file
   bool initialized_mpi_ = false;
   std::vector<void*> ops_;  // user-defined reductions for 16-bit floats
-  void* window_ = nullptr;  // MPI_Win* of the shared segments, or null
-  std::unique_ptr<ShmAllreduce> shm_;
+  // The layers in use: host_ alone (every rank on one host, shared memory), all three
+  // (hierarchical allreduce), or none (flat MPI).
+  std::unique_ptr<HostLayer> host_;
+  std::unique_ptr<CrossLayer> cross_;
+  std::unique_ptr<HierarchicalAllreduce> hierarchical_;
 };
 
 }  // namespace hvdlite

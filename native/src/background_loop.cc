@@ -201,7 +201,7 @@ Status Core::Init(int64_t comm_f2c) {
     prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
     MpiTopology topo;
     std::unique_ptr<MpiBackend> world(new MpiBackend());
-    Status st = world->Init(comm_f2c, config_.mpi_thread_multiple, config_.shm_allreduce, &topo);
+    Status st = world->Init(comm_f2c, config_.mpi_thread_multiple, LayersOf(config_), &topo);
     if (st.ok()) {
       topo_ = topo;
       SetLogRank(topo.rank);
@@ -995,7 +995,8 @@ void ProcessSetState::ExecuteAllreduce(const std::vector<const Response*>& fused
   Activities activities(timeline_, names, queue_start_us_);
   activities.Done("QUEUE");
   Status s;
-  if (mpi_->shared_memory()) {
+  HierarchicalAllreduce* hierarchical = mpi_->hierarchical();
+  if (mpi_->shared_memory() || hierarchical) {
     // Straight from the inputs through shared memory into the outputs, scaled on the
     // way: no fusion buffer and no separate scaling pass.
     std::vector<ShmAllreduce::Piece> pieces;
@@ -1004,8 +1005,14 @@ void ProcessSetState::ExecuteAllreduce(const std::vector<const Response*>& fused
       TensorEntry* e = entries[k];  // null: this rank joined and contributes zeros
       pieces.push_back({e ? e->input : nullptr, e ? e->output : nullptr, NumElements(fused[k]->shape)});
     }
-    s = mpi_->SharedAllreduce(pieces, dtype, mpi_op, first.prescale, first.postscale, divisor);
-    activities.Done("SHM_ALLREDUCE");
+    if (hierarchical) {
+      // The plan's steps over the topology layers (hierarchical_allreduce.h).
+      s = hierarchical->Allreduce(pieces, dtype, mpi_op, first.prescale, first.postscale, divisor,
+                                  [&](const char* step) { activities.Done(step); });
+    } else {
+      s = mpi_->SharedAllreduce(pieces, dtype, mpi_op, first.prescale, first.postscale, divisor);
+      activities.Done("SHM_ALLREDUCE");
+    }
   } else if (fused.size() == 1 && entries[0]) {
     // One tensor: reduce in its output buffer, no fusion-buffer round trip.
     TensorEntry* e = entries[0];
@@ -1046,6 +1053,7 @@ void ProcessSetState::ExecuteAllreduce(const std::vector<const Response*>& fused
   if (tl) timeline_.EndAll(names);  // ALLREDUCE
   counters_.collectives++;
   if (mpi_->shared_memory()) counters_.shm_collectives++;
+  if (hierarchical) counters_.hierarchical_collectives++;
   if (fused.size() > 1) counters_.fused_collectives++;
   counters_.bytes += total * elem;
   counters_.wire_bytes += WireBytes(HVDLITE_OP_ALLREDUCE, total * elem, size_);

@@ -171,6 +171,7 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_stats(hvdlite_stats_t* out) {
     out->errors = c.errors;
     out->shm_collectives = c.shm_collectives;
     out->wire_bytes = c.wire_bytes;
+    out->hierarchical_collectives = c.hierarchical_collectives;
     return hvdlite::Status::OK();
   });
 }

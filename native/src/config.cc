@@ -34,6 +34,22 @@ Status ReadInt(const char* var, int64_t min, int64_t* out) {
   return Status::OK();
 }
 
+// A 0/1 switch that may also be set under Horovod's name; ours wins. Unset: -1.
+Status ReadSwitch(const char* var, const char* horovod_var, int* out) {
+  const char* used = std::getenv(var) && *std::getenv(var) ? var : horovod_var;
+  const char* env = std::getenv(used);
+  if (!env || !*env) return Status::OK();
+  const std::string v = env;
+  if (v == "1" || v == "true") {
+    *out = 1;
+  } else if (v == "0" || v == "false") {
+    *out = 0;
+  } else {
+    return InvalidArgument(std::string(used) + "='" + v + "' must be 0 or 1");
+  }
+  return Status::OK();
+}
+
 }  // namespace
 
 Status LoadConfig(Config* c) {
@@ -53,6 +69,11 @@ Status LoadConfig(Config* c) {
   if (const char* m = std::getenv("HVDLITE_SHM_ALLREDUCE")) {
     c->shm_allreduce = !(std::string(m) == "0" || std::string(m) == "false");
   }
+  if (!(s = ReadSwitch("HVDLITE_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE",
+                       &c->hierarchical_allreduce)).ok()) {
+    return s;
+  }
+  if (const char* h = std::getenv("HVDLITE_HOST_ID")) c->host_id = h;
   if (const char* m = std::getenv("HVDLITE_MPI_THREAD_FUNNELED")) {
     c->mpi_thread_multiple = !(std::string(m) == "1" || std::string(m) == "true");
   }

@@ -26,6 +26,12 @@ struct Config {
   // HVDLITE_SHM_ALLREDUCE=0: allreduce with MPI_Allreduce even when every rank is on
   // one machine (by default those go through shared memory: ShmAllreduce).
   bool shm_allreduce = true;
+  // HVDLITE_HIERARCHICAL_ALLREDUCE=0/1 (or Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE;
+  // ours wins when both are set): -1 when unset, the hierarchical allreduce then on
+  // with more than one host and more than one rank on each (topology_layers.h).
+  int hierarchical_allreduce = -1;
+  // HVDLITE_HOST_ID: ranks with equal ids count as one host (testing, advanced).
+  std::string host_id;
 };
 
 // Reads the environment; a malformed value is an error naming the variable.

@@ -4,6 +4,10 @@
 
 namespace hvdlite {
 
+LayerSettings LayersOf(const Config& config) {
+  return LayerSettings{config.host_id, config.hierarchical_allreduce, config.shm_allreduce};
+}
+
 ProcessSetMembers::ProcessSetMembers(int32_t id_, std::vector<int> ranks_, int global_rank)
     : id(id_), ranks(std::move(ranks_)), rank(-1) {
   rank = SetRank(global_rank);
@@ -57,7 +61,7 @@ Status ProcessSetState::AddSet(const Response& r, OpOutput* out) {
   const int me = members_->ranks[rank_];
   auto members = std::make_shared<const ProcessSetMembers>(sets_.FreeId(), ranks, me);
   std::unique_ptr<MpiBackend> mpi(new MpiBackend());
-  Status s = mpi->InitSubset(*mpi_, members->included(), config_.shm_allreduce);
+  Status s = mpi->InitSubset(*mpi_, members->included(), LayersOf(config_));
   if (!s.ok()) return s;
   out->first_dim = members->id;
   HVDLITE_LOG(DEBUG) << "added " << members->Describe();

@@ -35,8 +35,12 @@ namespace hvdlite {
 struct Counters {
   std::atomic<int64_t> cycles{0}, coordinator_gathers{0}, cache_hits{0}, cache_misses{0},
       collectives{0}, fused_collectives{0}, tensors{0}, bytes{0}, errors{0}, shm_collectives{0},
-      wire_bytes{0};
+      wire_bytes{0}, hierarchical_collectives{0};
 };
+
+// The topology-layer knobs of config, the same for every process set's communicator
+// (the world's and each subset's: a subset's hosts are its members' hosts).
+LayerSettings LayersOf(const Config& config);
 
 // Who is in a set. Immutable once made; framework threads read it (validation at
 // enqueue) while the background thread may be removing the set, hence shared.

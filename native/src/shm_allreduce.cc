@@ -94,8 +94,12 @@ void Accumulate(T* __restrict out, const T* __restrict b, int64_t n, Op op) {
 template <typename T, typename Op>
 void ReduceParts(void* out, const std::vector<const uint8_t*>& parts, int64_t n, Op op) {
   T* o = static_cast<T*>(out);
-  Combine(o, reinterpret_cast<const T*>(parts[0]), reinterpret_cast<const T*>(parts[1]), n, op);
-  for (size_t k = 2; k < parts.size(); ++k) Accumulate(o, reinterpret_cast<const T*>(parts[k]), n, op);
+  size_t k = 1;  // out is parts[0] already: accumulate the rest into it
+  if (out != parts[0]) {
+    Combine(o, reinterpret_cast<const T*>(parts[0]), reinterpret_cast<const T*>(parts[1]), n, op);
+    k = 2;
+  }
+  for (; k < parts.size(); ++k) Accumulate(o, reinterpret_cast<const T*>(parts[k]), n, op);
 }
 
 // 16-bit floats: accumulated in float over every rank, rounded once.
@@ -127,20 +131,10 @@ void ReduceTyped(void* out, const std::vector<const uint8_t*>& parts, int64_t n,
   }
 }
 
-void Reduce(void* out, const std::vector<const uint8_t*>& parts, int64_t n, int32_t dtype,
-            int32_t reduce_op) {
-  switch (reduce_op) {
-    case HVDLITE_MIN: return ReduceTyped(out, parts, n, dtype, MinOp());
-    case HVDLITE_MAX: return ReduceTyped(out, parts, n, dtype, MaxOp());
-    case HVDLITE_PRODUCT: return ReduceTyped(out, parts, n, dtype, ProductOp());
-    default: return ReduceTyped(out, parts, n, dtype, SumOp());  // Sum; Average is a scaled Sum
-  }
-}
-
-// Sleeps while *word == expected, at most timeout_ms (shared between processes: no
+// Sleeps while *word == expected, at most timeout_us (shared between processes: no
 // FUTEX_PRIVATE_FLAG). Returns early when woken, on a signal, or if the word changed.
-void FutexWait(std::atomic<int32_t>* word, int32_t expected, int timeout_ms) {
-  struct timespec ts = {timeout_ms / 1000, (timeout_ms % 1000) * 1000000L};
+void FutexWait(std::atomic<int32_t>* word, int32_t expected, int64_t timeout_us) {
+  struct timespec ts = {static_cast<time_t>(timeout_us / 1000000), (timeout_us % 1000000) * 1000L};
   syscall(SYS_futex, reinterpret_cast<int32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
 }
 
@@ -164,6 +158,16 @@ bool ProcessAlive(int64_t pid) {
 }
 
 }  // namespace
+
+void ReduceElements(void* out, const std::vector<const uint8_t*>& parts, int64_t n, int32_t dtype,
+                    int32_t reduce_op) {
+  switch (reduce_op) {
+    case HVDLITE_MIN: return ReduceTyped(out, parts, n, dtype, MinOp());
+    case HVDLITE_MAX: return ReduceTyped(out, parts, n, dtype, MaxOp());
+    case HVDLITE_PRODUCT: return ReduceTyped(out, parts, n, dtype, ProductOp());
+    default: return ReduceTyped(out, parts, n, dtype, SumOp());  // Sum; Average is a scaled Sum
+  }
+}
 
 ShmAllreduce::ShmAllreduce(int rank, std::vector<uint8_t*> segments, std::vector<int64_t> pids)
     : rank_(rank), size_(static_cast<int>(segments.size())), segments_(std::move(segments)),
@@ -208,9 +212,13 @@ Status ShmAllreduce::Barrier(std::chrono::microseconds spin) {
   const int32_t old_sense = sense_ ^ 1;
   while (true) {
     c->sleepers.fetch_add(1, std::memory_order_seq_cst);
-    if (c->sense.load(std::memory_order_seq_cst) == old_sense) FutexWait(&c->sense, old_sense, 100);
+    if (c->sense.load(std::memory_order_seq_cst) == old_sense) FutexWait(&c->sense, old_sense, idle_ ? kIdleWakeUs : 100000);
     c->sleepers.fetch_sub(1, std::memory_order_seq_cst);
     if (c->sense.load(std::memory_order_acquire) == sense_) return Status::OK();
+    if (idle_) {
+      Status s = idle_();
+      if (!s.ok()) return s;
+    }
     int dead = DeadPeer();  // woken by the timeout (or a signal): is everyone still there?
     if (dead >= 0) {
       return Status(HVDLITE_ERR_RANK_FAILED,
@@ -314,7 +322,7 @@ Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, int32_t dtype, 
     if (k.hi <= k.lo) return;
     for (int r = 0; r < size_; ++r) parts[r] = In(r, k.set) + k.lo * elem;
     if (k.own_in_tensor) parts[rank_] = k.own_in_tensor;
-    Reduce(Out(rank_, k.set) + k.lo * elem, parts, k.hi - k.lo, dtype, reduce_op);
+    ReduceElements(Out(rank_, k.set) + k.lo * elem, parts, k.hi - k.lo, dtype, reduce_op);
   };
   auto copy_out = [&](const Chunk& k) {
     for (int r = 0; r < size_; ++r) {
@@ -343,6 +351,122 @@ Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, int32_t dtype, 
   }
   set_ = (base_set + static_cast<int>(chunks % 2)) % 2;
   return Status::OK();
+}
+
+namespace {
+
+// starts[i]: piece i's first element in the flat buffer; starts.back(): the total.
+std::vector<int64_t> PieceStarts(const std::vector<ShmAllreduce::Piece>& pieces) {
+  std::vector<int64_t> starts(1, 0);
+  for (const ShmAllreduce::Piece& p : pieces) starts.push_back(starts.back() + p.count);
+  return starts;
+}
+
+// Shards start on 64-byte boundaries (the vectorized loops), as Allreduce's parts do.
+int64_t ShardStart(int64_t count, int64_t elem, int size, int rank) {
+  const int64_t align = std::max<int64_t>(1, 64 / elem);
+  const int64_t shard = ((count + size - 1) / size + align - 1) / align * align;
+  return std::min(count, shard * rank);
+}
+
+// Round r of a shard walk: rank k's shard elements [lo(k), hi(k)), flat, which sit at
+// k * step elements into a slot.
+struct ShardRounds {
+  ShardRounds(int64_t count, int64_t elem, int size) : count(count), elem(elem), size(size) {
+    const int64_t align = std::max<int64_t>(1, 64 / elem);
+    step = std::max<int64_t>(1, ShmAllreduce::kChunkBytes / elem / size / align * align);
+    const int64_t longest = ShardStart(count, elem, size, 1);  // shard 0 is never shorter
+    rounds = (longest + step - 1) / step;
+  }
+  int64_t lo(int k, int64_t r) const {
+    return std::min(ShardStart(count, elem, size, k) + r * step, hi(k, r));
+  }
+  int64_t hi(int k, int64_t r) const {
+    return std::min(ShardStart(count, elem, size, k + 1), ShardStart(count, elem, size, k) + (r + 1) * step);
+  }
+  int64_t count, elem, step, rounds;
+  int size;
+};
+
+}  // namespace
+
+int64_t ShmAllreduce::ShardBegin(int64_t count, int32_t dtype, int rank) const {
+  return ShardStart(count, ElementSize(dtype), size_, rank);
+}
+
+Status ShmAllreduce::ReduceScatter(const std::vector<Piece>& pieces, int64_t first, int64_t count,
+                                   int32_t dtype, int32_t reduce_op, double prescale, void* shard) {
+  const int64_t elem = ElementSize(dtype);
+  const std::vector<int64_t> starts = PieceStarts(pieces);
+  const ShardRounds walk(count, elem, size_);
+  // Every shard's part of round r into this rank's in slot.
+  auto copy_in = [&](int64_t r, int set) {
+    uint8_t* slot = In(rank_, set);
+    for (int k = 0; k < size_; ++k) {
+      const int64_t lo = first + walk.lo(k, r);
+      uint8_t* part = slot + k * walk.step * elem;
+      ForEachPiece(pieces, starts, lo, first + walk.hi(k, r), [&](const Piece& p, int64_t at, int64_t flat, int64_t len) {
+        uint8_t* dst = part + (flat - lo) * elem;
+        if (p.in) {
+          ScaledCopy(dst, static_cast<const uint8_t*>(p.in) + at * elem, len, dtype, prescale, 1);
+        } else {
+          std::memset(dst, 0, len * elem);
+        }
+      });
+    }
+  };
+  std::vector<const uint8_t*> parts(size_);
+  // This rank's part of round r, from every rank's in slot, into its shard.
+  auto reduce = [&](int64_t r, int set) {
+    const int64_t n = walk.hi(rank_, r) - walk.lo(rank_, r);
+    if (n <= 0) return;
+    for (int k = 0; k < size_; ++k) parts[k] = In(k, set) + rank_ * walk.step * elem;
+    ReduceElements(static_cast<uint8_t*>(shard) + r * walk.step * elem, parts, n, dtype, reduce_op);
+  };
+  return Rounds(walk.rounds, copy_in, reduce);
+}
+
+Status ShmAllreduce::Rounds(int64_t rounds, const std::function<void(int64_t, int)>& fill,
+                            const std::function<void(int64_t, int)>& drain) {
+  if (rounds == 0) return Status::OK();
+  const int base_set = set_;
+  auto set_of = [&](int64_t r) { return (base_set + static_cast<int>(r % 2)) % 2; };
+  fill(0, set_of(0));
+  for (int64_t r = 0; r < rounds; ++r) {
+    Status s = Barrier(kChunkSpin);
+    if (!s.ok()) return s;
+    drain(r, set_of(r));
+    if (r + 1 < rounds) fill(r + 1, set_of(r + 1));
+    if (idle_ && !(s = idle_()).ok()) return s;
+  }
+  set_ = (base_set + static_cast<int>(rounds % 2)) % 2;
+  return Status::OK();
+}
+
+Status ShmAllreduce::Allgather(const void* shard, const std::vector<Piece>& pieces, int64_t first,
+                               int64_t count, int32_t dtype, double postscale, int64_t divisor) {
+  const int64_t elem = ElementSize(dtype);
+  const std::vector<int64_t> starts = PieceStarts(pieces);
+  const ShardRounds walk(count, elem, size_);
+  // This rank's part of round r into its out slot.
+  auto publish = [&](int64_t r, int set) {
+    const int64_t n = walk.hi(rank_, r) - walk.lo(rank_, r);
+    if (n > 0) std::memcpy(Out(rank_, set), static_cast<const uint8_t*>(shard) + r * walk.step * elem, n * elem);
+  };
+  // Every rank's part of round r into the outputs.
+  auto copy_out = [&](int64_t r, int set) {
+    for (int k = 0; k < size_; ++k) {
+      const int64_t lo = first + walk.lo(k, r);
+      const uint8_t* from = Out(k, set);
+      ForEachPiece(pieces, starts, lo, first + walk.hi(k, r), [&](const Piece& p, int64_t at, int64_t flat, int64_t len) {
+        if (p.out) {
+          ScaledCopy(static_cast<uint8_t*>(p.out) + at * elem, from + (flat - lo) * elem, len, dtype,
+                     postscale, divisor);
+        }
+      });
+    }
+  };
+  return Rounds(walk.rounds, publish, copy_out);
 }
 
 }  // namespace hvdlite

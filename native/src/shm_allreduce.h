@@ -51,11 +51,18 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "common.h"
 
 namespace hvdlite {
+
+// out = parts[0] op parts[1] op ... element by element, in that order (Average: Sum;
+// 16-bit floats accumulate in float and round once). out may be parts[0]; no other
+// part may overlap it.
+void ReduceElements(void* out, const std::vector<const uint8_t*>& parts, int64_t n, int32_t dtype,
+                    int32_t reduce_op);
 
 class ShmAllreduce {
  public:
@@ -87,6 +94,25 @@ class ShmAllreduce {
   Status Allreduce(const std::vector<Piece>& pieces, int32_t dtype, int32_t reduce_op,
                    double prescale, double postscale, int64_t divisor);
 
+  // The two halves of a hierarchical allreduce (HierarchicalAllreduce), over the flat
+  // elements [first, first + count) of the pieces: that block is cut into one
+  // contiguous shard per rank, rank k's being [ShardBegin(count, dtype, k),
+  // ShardBegin(count, dtype, k + 1)) of it. Each round moves a chunk's worth of every
+  // shard through the slots, 1/size of the in (or out) slot per shard, over one barrier
+  // per round, pipelined like Allreduce.
+  int64_t ShardBegin(int64_t count, int32_t dtype, int rank) const;
+  // shard = reduce over ranks of (the block of the pieces' ins * prescale), this rank's
+  // shard only. Every rank calls it with the same pieces' counts, block, dtype and op.
+  Status ReduceScatter(const std::vector<Piece>& pieces, int64_t first, int64_t count,
+                       int32_t dtype, int32_t reduce_op, double prescale, void* shard);
+  // The block of the pieces' outs = every rank's shard * postscale / divisor.
+  Status Allgather(const void* shard, const std::vector<Piece>& pieces, int64_t first,
+                   int64_t count, int32_t dtype, double postscale, int64_t divisor);
+  // Called between the rounds of ReduceScatter and Allgather, and every kIdleWakeUs
+  // while a barrier sleeps (instead of every 100 ms), while set: the hierarchical
+  // allreduce moves its network step on there. An error ends the call with it.
+  void SetIdle(std::function<Status()> idle) { idle_ = std::move(idle); }
+
   // bits[i] = AND over ranks of every rank's bits[i]; words <= kMaxBitsWords. Every
   // rank calls it with the same length, in the same order relative to Allreduce.
   Status AndBits(uint64_t* bits, int64_t words);
@@ -95,10 +121,17 @@ class ShmAllreduce {
   uint64_t* Bits(int rank, int set) const;
   uint8_t* In(int rank, int set) const;
   uint8_t* Out(int rank, int set) const;
+  // The rounds of ReduceScatter and Allgather, over one barrier each: fill(0), then
+  // after barrier r drain(r) and fill(r + 1), each given round r's slot set.
+  Status Rounds(int64_t rounds, const std::function<void(int64_t, int)>& fill,
+                const std::function<void(int64_t, int)>& drain);
   // Spins for `spin` before sleeping.
   Status Barrier(std::chrono::microseconds spin);
   static constexpr std::chrono::microseconds kChunkSpin{20};
   static constexpr std::chrono::microseconds kCoordinationSpin{50};
+  // How often a sleeping barrier wakes to call idle_: a ring step that ends while the
+  // host waits is noticed within this, and the next one posted.
+  static constexpr int64_t kIdleWakeUs = 200;
   // The first rank whose process has ended, or -1.
   int DeadPeer() const;
 
@@ -108,6 +141,7 @@ class ShmAllreduce {
   int set_ = 0;    // slot set of the next chunk
   int bits_set_ = 0;  // bit-vector area of the next AndBits
   int sense_ = 0;  // this rank's barrier sense
+  std::function<Status()> idle_;
 };
 
 }  // namespace hvdlite

@@ -186,3 +186,16 @@ def check(got, contribs, case):
                 f"{want.ravel()[i]!r} (inputs "
                 f"{[np.asarray(c).ravel()[i].item() for c in contribs]})")
     return None
+
+
+def allreduce_case(hvd, case, rank, in_place):
+    """Runs ``case`` through ``hvd.allreduce`` with this rank's contribution (into a copy
+    of it when ``in_place``) and returns the result."""
+    mine = contribution(1, rank, case)
+    kwargs = dict(name=case.name, op=getattr(hvd, case.op), prescale_factor=case.prescale,
+                  postscale_factor=case.postscale)
+    if in_place:
+        got = mine.copy()
+        hvd.allreduce(got, out=got, **kwargs)
+        return got
+    return hvd.allreduce(mine, **kwargs)

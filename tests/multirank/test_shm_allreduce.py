@@ -17,11 +17,10 @@ SCRIPT = r"""
 import json, sys
 import numpy as np
 import hvdlite as hvd
-from core_reference import Case, DTYPES, FLOAT_DTYPES, contribution, check, np_dtype
+from core_reference import Case, DTYPES, FLOAT_DTYPES, allreduce_case, contribution, check, np_dtype
 
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
-OPS = {name: getattr(hvd, name) for name in ("Sum", "Average", "Min", "Max", "Product")}
 CHUNK = 1 << 19  # the core's chunk size in bytes
 
 cases = []
@@ -40,14 +39,7 @@ cases.append(Case("float64.Average.big.scaled", "float64", "Average", (CHUNK // 
 
 failures, disagree = [], []
 for i, case in enumerate(cases):
-    mine = contribution(1, rank, case)
-    kwargs = dict(name=case.name, op=OPS[case.op], prescale_factor=case.prescale,
-                  postscale_factor=case.postscale)
-    if i % 2:
-        got = mine.copy()
-        hvd.allreduce(got, out=got, **kwargs)  # in place
-    else:
-        got = hvd.allreduce(mine, **kwargs)
+    got = allreduce_case(hvd, case, rank, in_place=i % 2 == 1)
     problem = check(got, [contribution(1, r, case) for r in range(size)], case)
     if problem:
         failures.append(problem)

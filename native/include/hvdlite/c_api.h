@@ -151,6 +151,8 @@ typedef struct {
                                 * bytes on n ranks: 2(n-1)/n S; allgather, broadcast,
                                 * reducescatter of a result of S bytes: (n-1)/n S;
                                 * alltoall: the rows sent to other ranks) */
+  int64_t hierarchical_collectives; /* of the collectives, hierarchical allreduces (hosts, then
+                                    * across hosts, then hosts again) */
 } hvdlite_stats_t;
 
 /* Starts the core: MPI (unless already initialized, e.g. by mpi4py), the background

@@ -1,0 +1,119 @@
+// Topology in layers: the ranks of one host, which share memory, and the network
+// between hosts, where the ranks of one local rank (one per host) form a layer of
+// their own. Each layer is an object with its own communicator and buffers, built from
+// communicators handed to it, so that a process set can own a set of them.
+//
+// This file and backend_mpi.cc are the only ones that include mpi.h; communicators
+// travel as void* (MPI_Comm*) everywhere else. Background thread only.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "shm_allreduce.h"
+
+namespace hvdlite {
+
+// What decides the layers, from the HVDLITE_* knobs (config.h).
+struct LayerSettings {
+  // HVDLITE_HOST_ID: ranks with equal ids count as one host (for tests: "hosts" on one
+  // machine; or a cluster where MPI's own idea of a node is wrong). Empty: MPI's split
+  // by shared memory (MPI_COMM_TYPE_SHARED).
+  std::string host_id;
+  // HVDLITE_HIERARCHICAL_ALLREDUCE (HOROVOD_HIERARCHICAL_ALLREDUCE): -1 when unset (on
+  // with more than one host and more than one rank on each), 0 off, 1 on.
+  int hierarchical_allreduce = -1;
+  // HVDLITE_SHM_ALLREDUCE: whether the ranks of a host may reduce through shared memory
+  // (the host layer of the hierarchy, or every rank when all share one host).
+  bool shared_memory = true;
+};
+
+// Splits world (collectively) into the ranks of this rank's host, in world rank order:
+// by host_id when given, else by MPI_COMM_TYPE_SHARED. *local receives an MPI_Comm.
+Status SplitHosts(void* world, const std::string& host_id, void* local);
+
+// Where one rank sits, as every rank learns it at init.
+struct RankPlace {
+  int local_rank = 0, local_size = 1;
+  int hierarchical_allreduce = -1;  // its LayerSettings value
+  int shared_memory = 1;
+};
+
+// The layers every rank uses, decided alike everywhere from every rank's place.
+struct LayerPlan {
+  bool world_shared_memory = false;  // one host: every rank reduces through shared memory
+  bool hierarchical_allreduce = false;
+  std::string error;   // settings that disagree across ranks
+  std::string notice;  // why a requested hierarchy is not used (rank 0 logs it)
+};
+LayerPlan PlanLayers(const std::vector<RankPlace>& ranks);
+
+// The ranks of one host: their communicator and the shared-memory group through which
+// they reduce (ShmAllreduce over one segment per rank).
+class HostLayer {
+ public:
+  // Collective over comm (an MPI_Comm*, which the layer keeps and frees). Null (with a
+  // warning) when some rank of the host got no shared segment.
+  static std::unique_ptr<HostLayer> Open(void* comm);
+  ~HostLayer();
+  // Frees the window and communicator; collective when `collective` (a shutdown every
+  // rank takes part in), else only forgets them.
+  void Close(bool collective);
+  ShmAllreduce& shm() { return *shm_; }
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+ private:
+  HostLayer() = default;
+  void* comm_ = nullptr;    // MPI_Comm*
+  void* window_ = nullptr;  // MPI_Win*
+  int rank_ = 0, size_ = 1;
+  std::unique_ptr<ShmAllreduce> shm_;
+};
+
+// The ranks of one local rank, one per host: the network layer. Its allreduce is a ring
+// (reduce-scatter, then allgather, over h - 1 steps each), so each rank sends and
+// receives 2 (h - 1) / h of the buffer, what a bandwidth-optimal allreduce must, and the
+// result is bit-identical on every rank. It waits on nonblocking MPI with short sleeps:
+// a rank waiting on the network does not spin a core (MPICH's blocking waits do).
+class CrossLayer {
+ public:
+  // Takes comm (an MPI_Comm*) over; frees it in Close.
+  explicit CrossLayer(void* comm);
+  ~CrossLayer();
+  void Close(bool collective);
+  // buf = reduce over the layer's ranks of buf (Average: Sum), in place.
+  Status Allreduce(void* buf, int64_t count, int32_t dtype, int32_t reduce_op);
+  // The same in parts, for overlapping it with other work: Start posts the first step,
+  // Progress tests the step in flight and, once it is done, reduces what it brought
+  // and posts the next; Wait progresses until done(). One allreduce at a time; buf
+  // must stay until done().
+  Status Start(void* buf, int64_t count, int32_t dtype, int32_t reduce_op);
+  Status Progress();
+  Status Wait();
+  bool done() const { return step_ >= steps_; }
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+ private:
+  // Posts ring step step_: sends a segment to the next rank while receiving one from
+  // the previous, in messages MPI's int counts can carry.
+  Status Post();
+  uint8_t* Segment(int k) const;
+  int64_t SegmentBytes(int k) const;
+
+  void* comm_ = nullptr;  // MPI_Comm*
+  int rank_ = 0, size_ = 1;
+  std::vector<uint8_t> scratch_;  // a received segment, before it is reduced in
+  // The allreduce in flight: steps 0 .. size - 2 reduce-scatter, the rest allgather.
+  uint8_t* buf_ = nullptr;
+  int64_t count_ = 0;
+  int32_t dtype_ = 0, reduce_op_ = 0;
+  int step_ = 0, steps_ = 0;
+  std::vector<void*> requests_;  // MPI_Request*, of the step in flight
+};
+
+}  // namespace hvdlite
