@@ -21,7 +21,8 @@ from hvdlite.runtime import (cross_rank, cross_size, init, is_initialized, local
                              local_size, mpi_threads_supported, rank, shutdown, size,
                              start_timeline, stop_timeline)
 from hvdlite.tensorflow.compression import Compression
-from hvdlite.tensorflow.functions import (allgather_object, broadcast_global_variables,
+from hvdlite.tensorflow.functions import (BroadcastGlobalVariablesHook, allgather_object,
+                                          broadcast_global_variables,
                                           broadcast_object, broadcast_object_fn,
                                           broadcast_variables)
 from hvdlite.tensorflow.gradient_tape import (DistributedGradientTape, DistributedOptimizer,

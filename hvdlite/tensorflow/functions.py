@@ -91,3 +91,25 @@ def allgather_object(obj, session=None, name=None, process_set=None):
     """
     mpi_ops._check_process_set(process_set)
     return objects.allgather_object(obj, name)
+
+
+class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
+    """A TF1 SessionRunHook that broadcasts every global variable from ``root_rank``
+    when the session is created (consistent initialization, or a restored checkpoint
+    on the root only)."""
+
+    def __init__(self, root_rank, device=""):
+        """Args:
+            root_rank: the rank whose values everyone receives.
+            device: accepted for Horovod compatibility.
+        """
+        super().__init__()
+        self.root_rank = root_rank
+        self.bcast_op = None
+
+    def begin(self):
+        if self.bcast_op is None or self.bcast_op.graph != tf.compat.v1.get_default_graph():
+            self.bcast_op = broadcast_global_variables(self.root_rank)
+
+    def after_create_session(self, session, coord):
+        session.run(self.bcast_op)

@@ -6,7 +6,7 @@ allreduces, the gradients of allgather / broadcast / alltoall / reducescatter as
 Horovod defines them, tf.IndexedSlices alone and mixed with dense tensors in one
 grouped allreduce, a tape with dense and IndexedSlices gradients, alltoall without
 splits on uneven ranks, grouped allgather / reducescatter, broadcast_, the rank/size
-tensors, and mismatches raised as the tf.errors classes Horovod raises (after which
+tensors, BroadcastGlobalVariablesHook, and mismatches raised as the tf.errors classes Horovod raises (after which
 the job goes on). Values are recomputed with numpy from rank and size. A hang is a
 timeout with every rank's output.
 """
@@ -27,7 +27,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf_scripts", 
 BLOCKS = ["fused_allreduce", "allgather_grad", "broadcast_grad", "sparse",
           "mixed_gradients", "alltoall_even_split", "alltoall_grad",
           "grouped_gather_scatter", "reducescatter_grad", "mismatch", "broadcast_",
-          "process_tensors"]
+          "process_tensors", "global_variables"]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])

@@ -263,7 +263,19 @@ def process_tensors(evaluate):
     assert [int(g) for g in got] == [R, N, hvd.local_rank(), hvd.local_size(), 1], got
 
 
-for name, body in [("fused_allreduce", fused_allreduce), ("allgather_grad", allgather_grad),
+def global_variables(evaluate):
+    if tf.executing_eagerly():  # TF2 keeps no global variables: Horovod refuses
+        expect(RuntimeError, lambda: hvd.broadcast_global_variables(0), "eager")
+        return
+    v = tf.compat.v1.get_variable("v", initializer=tf.constant(base([3], R)))
+    hook = hvd.BroadcastGlobalVariablesHook(N - 1)
+    hook.begin()
+    evaluate(tf.compat.v1.global_variables_initializer())
+    hook.after_create_session(tf.compat.v1.get_default_session(), None)
+    check_close(evaluate(v.read_value()), base([3], N - 1), "hook")
+
+
+for name, body in [("global_variables", global_variables), ("fused_allreduce", fused_allreduce), ("allgather_grad", allgather_grad),
                    ("broadcast_grad", broadcast_grad), ("sparse", sparse_and_mixed),
                    ("mixed_gradients", mixed_gradients),
                    ("alltoall_even_split", alltoall_even_split),
