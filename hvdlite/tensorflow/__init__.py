@@ -35,6 +35,7 @@ from hvdlite.tensorflow.mpi_ops import (Average, Max, Min, Product, Sum, allgath
                                         local_rank_op, local_size_op,
                                         process_set_included_op, rank_op, reducescatter,
                                         size_op)
+from hvdlite.tensorflow.sync_batch_norm import SyncBatchNormalization
 
 
 def vars_to_refs(variables):

@@ -31,7 +31,7 @@ STATUS_TO_TF = (
     (hvd_errors.HvdliteError, tf.errors.UnknownError),
 )
 
-# Codes a graph node hands to raise_in_graph (indexes of its switch_case).
+# Codes a graph node hands to raise_in_graph.
 OK, FAILED_PRECONDITION, INVALID_ARGUMENT = 0, 1, 2
 _GRAPH_CODES = {tf.errors.FailedPreconditionError: FAILED_PRECONDITION,
                 tf.errors.InvalidArgumentError: INVALID_ARGUMENT}
@@ -92,25 +92,24 @@ def graph_code(error):
 
 
 def raise_in_graph(code, message):
-    """Returns a node that fails with the tf.errors class of ``code`` (0: passes).
+    """Returns an op that fails with the tf.errors class of ``code`` (OK: passes).
+
+    Plain ops, no conditional: each step reads ``/dev/null`` when there is nothing to
+    raise. The read feeds the Assert, a stateful op, so graph optimizations that drop
+    a control dependency on a stateless op keep it.
 
     Args:
         code: an int32 scalar tensor: OK, FAILED_PRECONDITION or INVALID_ARGUMENT.
         message: a string scalar tensor, the error's message.
     """
-    def passes():
-        return tf.constant(0, tf.int32)
-
-    def failed_precondition():
-        path = tf.strings.join(["/dev/null/[hvdlite] ", tf.strings.substr(message, 0,
-                                                                 _MAX_PATH_MESSAGE)])
-        return tf.strings.length(tf.io.read_file(path))
-
-    def invalid_argument():
-        with tf.control_dependencies([tf.debugging.Assert(False, [message])]):
-            return tf.constant(0, tf.int32)
-
-    return tf.switch_case(code, [passes, failed_precondition, invalid_argument])
+    path = tf.where(tf.equal(code, FAILED_PRECONDITION),
+                    tf.strings.join(["/dev/null/[hvdlite] ",
+                                     tf.strings.substr(message, 0, _MAX_PATH_MESSAGE)]),
+                    "/dev/null")
+    read = tf.io.read_file(path)
+    return tf.debugging.Assert(
+        tf.logical_and(tf.not_equal(code, INVALID_ARGUMENT),
+                       tf.equal(tf.strings.length(read), 0)), [message])
 
 
 def tf_errors(fn):

@@ -13,10 +13,11 @@ Nothing here is compiled against TensorFlow.
   or two ranks each wait, with every thread taken, for a node the other has not
   started (a fused step of many allreduces in a TF1 ``Session.run``, or the two
   allgathers of a tf.IndexedSlices, hung so). Each collective node therefore has a
-  control dependency on the previous one of its graph: program order, as
-  tf.function's automatic control dependencies give. (In a TF1 graph, running a late
-  node also runs the earlier ones it follows; not XLA-compilable: use
-  ``jit_compile=False``.)
+  control dependency on the previous one of its graph, unless that one has run
+  already (the previous step): program order, as tf.function's automatic control
+  dependencies give, without making a TF1 session rerun earlier steps. (A session run
+  that mixes nodes of an earlier step with new ones gets no such order; not
+  XLA-compilable: use ``jit_compile=False``.)
 * Names: an explicit ``name`` is used as is. Unnamed eager calls take the counter-based
   names of ``hvdlite.ops`` (``"allreduce.noname.<n>"``). Unnamed calls in a graph are
   named at trace time after the input tensor's graph name, Horovod-style
@@ -94,7 +95,8 @@ def _check_static(tensor, name, op=None, scales=None, min_ndim=0):
 
 _check_rank = errors.tf_errors(ops._check_rank)
 
-# graph -> the op of its last collective node (see the module doc). Weak keys.
+# graph -> (op, ran) of its last collective node (see the module doc): ``ran`` is set
+# once the node has run. Weak keys.
 _last_collective = weakref.WeakKeyDictionary()
 
 
@@ -119,7 +121,10 @@ def _graph_node(fn, inputs, out_dtypes, out_shapes):
     turn a raised error into UnknownError); the outputs pass through identities that
     wait on ``errors.raise_in_graph``, which fails the step with the right class.
     """
+    ran = threading.Event()
+
     def node(*args):
+        ran.set()
         try:
             outputs = list(fn(*args))
             code, message = errors.OK, ""
@@ -132,16 +137,28 @@ def _graph_node(fn, inputs, out_dtypes, out_shapes):
         return outputs + [tf.constant(code, tf.int32), tf.constant(message)]
 
     graph = tf.compat.v1.get_default_graph()
-    previous = _last_collective.get(graph)
-    with tf.control_dependencies([] if previous is None else [previous]):
+    with tf.control_dependencies(_follow(graph)):
         results = tf.py_function(node, inputs, Tout=list(out_dtypes) + [tf.int32,
                                                                         tf.string])
-    _last_collective[graph] = results[0].op
+    _last_collective[graph] = (results[0].op, ran)
     with tf.control_dependencies([errors.raise_in_graph(results[-2], results[-1])]):
         outputs = [tf.identity(result) for result in results[:-2]]
     for output, shape in zip(outputs, out_shapes):
         output.set_shape(shape)
     return outputs
+
+
+def _follow(graph):
+    """Returns the control inputs of a new collective node of ``graph``.
+
+    The previous collective node, unless it has already run: then the program is at a
+    new step (build a node, run it, build the next...), every rank has run it, and a
+    dependency would only make each later run of a TF1 session run it again.
+    """
+    previous = _last_collective.get(graph)
+    if previous is None or previous[1].is_set():
+        return []
+    return [previous[0]]
 
 
 def _trailing(shape, first=None):

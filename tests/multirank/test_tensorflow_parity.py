@@ -51,3 +51,12 @@ def test_every_block_ran_on_every_rank(parity_job):
     bodies, result = parity_job
     for body in bodies:
         assert body["checks"] == 2 * len(BLOCKS), describe(result)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_sync_batch_norm_equals_one_batch_norm_over_all_ranks(native, np_):
+    script = os.path.join(os.path.dirname(SCRIPT), "sync_batch_norm.py")
+    result = assert_ok(run_job(np_, script, timeout=240, env={"TF_CPP_MIN_LOG_LEVEL": "2"}))
+    for rank in range(np_):
+        body = result.result(rank)
+        assert body["checks"] == 8 and body["failures"] == {}, body["failures"]

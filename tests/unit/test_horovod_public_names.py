@@ -57,7 +57,6 @@ ABSENT = {
         "elastic": _ELASTIC,
         "LocalGradientAggregationHelper": "TF1 graph-mode gradient accumulation, "
                                           "not built",
-        "SyncBatchNormalization": "not built",
     },
     "hvdlite.tensorflow.keras": {
         "ProcessSet": _PROCESS_SETS, "global_process_set": _PROCESS_SETS,
