@@ -36,6 +36,8 @@ from hvdlite.tensorflow.mpi_ops import (Average, Max, Min, Product, Sum, allgath
                                         process_set_included_op, rank_op, reducescatter,
                                         size_op)
 from hvdlite.tensorflow.sync_batch_norm import SyncBatchNormalization
+from hvdlite.tensorflow import util
+from hvdlite.tensorflow.util import _executing_eagerly  # noqa: F401 (Horovod's suites use it)
 
 
 def vars_to_refs(variables):

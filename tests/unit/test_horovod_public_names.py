@@ -92,6 +92,17 @@ def test_the_built_queries_answer_like_a_cpu_mpi_horovod():
         True, True, False, True, False, True]
 
 
+def test_horovods_private_helpers_that_its_suites_use():
+    import tensorflow as tf
+
+    import hvdlite.tensorflow as hvd
+    from hvdlite.tensorflow.util import _executing_eagerly
+
+    assert hvd._executing_eagerly() and hvd.util._executing_eagerly() and _executing_eagerly()
+    with tf.Graph().as_default():
+        assert not hvd._executing_eagerly()
+
+
 def test_keras_callbacks_are_hvdlite_keras_ones():
     import hvdlite.keras.callbacks as shared
     import hvdlite.tensorflow.keras as hvd
