@@ -28,6 +28,9 @@ def parse_args():
     parser.add_argument("--lr", type=float, default=0.05, help="for one rank; scaled by size")
     parser.add_argument("--fp16-allreduce", action="store_true",
                         help="compress gradients to float16 for the allreduce")
+    parser.add_argument("--compression", default=None,
+                        help="none, fp16, bf16, topk:RATIO, quantize:BITS or powersgd:RANK "
+                             "(README, 'Gradient compression')")
     parser.add_argument("--seed", type=int, default=42)
     return parser.parse_args()
 
@@ -65,7 +68,8 @@ def main():
                                 torch.nn.Linear(64, 10))
     # The effective batch is size() times larger: scale the learning rate alike.
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
-    compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
+    compression = hvd.Compression.parse(args.compression or
+                                        ("fp16" if args.fp16_allreduce else "none"))
     optimizer = hvd.DistributedOptimizer(optimizer,
                                          named_parameters=model.named_parameters(),
                                          compression=compression)

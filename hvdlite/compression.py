@@ -5,7 +5,11 @@ context) and turns the reduced result back (``decompress``). The reduction happe
 the compressed type: float16 and bfloat16 are summed in float32 per element pair by the
 core, so compression costs precision only at the two casts. Each adapter supplies the
 three framework operations a cast compressor needs.
+
+Top-k, quantization and PowerSGD change the collective itself: they are reducers
+(``hvdlite.reducers``), offered under the same ``Compression`` name by every adapter.
 """
+from hvdlite import reducers
 
 
 class Compressor:
@@ -51,3 +55,36 @@ class CastCompressor(Compressor):
     @classmethod
     def decompress(cls, tensor, ctx):
         return tensor if ctx is None else cls.cast(tensor, ctx)
+
+
+class ReducerChoices:
+    """The reducers every adapter's ``Compression`` offers beside its cast compressors.
+
+    Each call makes a reducer with state of its own (error-feedback residuals): give each
+    optimizer or tape its own.
+    """
+
+    topk = reducers.TopK
+    quantize = reducers.Quantize
+    powersgd = reducers.PowerSGD
+
+    @classmethod
+    def parse(cls, text):
+        """The compressor or a new reducer named by ``text``, for command lines:
+        ``none``, ``fp16``, ``bf16`` (where the adapter has it), ``topk:RATIO``,
+        ``quantize:BITS``, ``powersgd:RANK``.
+
+        Raises:
+            ValueError: an unknown name or a bad number.
+        """
+        name, _, arg = text.partition(":")
+        make = {"topk": (cls.topk, float), "quantize": (cls.quantize, int),
+                "powersgd": (cls.powersgd, int)}.get(name)
+        if make is not None:
+            if not arg:
+                raise ValueError(f"compression '{text}': say {name}:NUMBER")
+            return make[0](make[1](arg))
+        compressor = getattr(cls, name, None) if not arg else None
+        if not (isinstance(compressor, type) and issubclass(compressor, Compressor)):
+            raise ValueError(f"unknown compression '{text}'")
+        return compressor

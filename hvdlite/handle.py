@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from hvdlite import errors
+from hvdlite import errors, peer_faults
 from hvdlite._native import check, error_for, ffi, last_error, lib
 
 # Waits are cut into slices so that Ctrl-C reaches the main thread between them.
@@ -100,10 +100,12 @@ def _wait_slices(wait, handle_id, deadline, name):
     returns its status (the message, if any, is the calling thread's last error).
 
     The wait is cut into slices so that the main thread handles Ctrl-C between them
-    (other threads just wake once per slice, which costs nothing measurable).
+    (other threads just wake once per slice, which costs nothing measurable), and so
+    that a peer the launcher reported lost ends the wait (see peer_faults.py).
 
     Raises:
         WaitTimeoutError: ``deadline`` (time.monotonic(), or None) passed first.
+        RankFailedError: the launcher reported lost ranks while the op was pending.
     """
     while True:
         if deadline is None:
@@ -114,6 +116,9 @@ def _wait_slices(wait, handle_id, deadline, name):
         status = wait(handle_id, timeout)
         if status != _TIMEOUT:
             return status
+        lost = peer_faults.failure()
+        if lost is not None:
+            raise lost
         if deadline is not None and time.monotonic() >= deadline:
             raise error_for(_TIMEOUT, f"waiting for {name!r} timed out; the op goes on")
 

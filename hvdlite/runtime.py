@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 
-from hvdlite import env_aliases
+from hvdlite import env_aliases, peer_faults
 from hvdlite._native import check, ffi, lib
 
 _log = logging.getLogger("hvdlite")
@@ -62,6 +62,7 @@ def init(comm=None):
         options = ffi.new("hvdlite_init_options_t *")
         options.comm_f2c = _comm_f2c(comm)
         check(lib.hvdlite_init(options))
+        peer_faults.start_listening()
         if not _atexit_registered:
             atexit.register(_shutdown_at_exit)
             _atexit_registered = True
@@ -72,11 +73,17 @@ def init(comm=None):
 def shutdown():
     """Stops the core on every rank; pending handles fail with ShutdownError.
 
-    Idempotent: calling it when not initialized does nothing.
+    Idempotent: calling it when not initialized does nothing. After the launcher
+    reported lost peers it does nothing either: the core's thread may be blocked on a
+    peer that will never answer, and the launcher ends the job.
 
     Raises:
         HvdliteError: the core reported an error while stopping.
     """
+    if peer_faults.failure() is not None:
+        _log.warning("hvdlite: not shutting down the core after lost peers (%s)",
+                     peer_faults.failure())
+        return
     check(lib.hvdlite_shutdown())
 
 
@@ -168,7 +175,10 @@ def stats():
 
     Keys are the fields of ``hvdlite_stats_t``: cycles, coordinator_gathers, cache_hits,
     cache_misses, collectives, fused_collectives, tensors, bytes, errors,
-    shm_collectives (allreduces through shared memory). The core
+    shm_collectives (allreduces through shared memory), wire_bytes (bytes this rank
+    sent to the others, counted as a bandwidth-optimal algorithm sends them: an
+    allreduce of S bytes on n ranks counts 2(n-1)/n S, an allgather whose result is S
+    bytes (n-1)/n S; what compression saves shows here). The core
     answers at any time (after ``shutdown()`` it keeps the last counts).
     """
     out = ffi.new("hvdlite_stats_t *")

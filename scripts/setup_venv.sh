@@ -4,6 +4,15 @@
 # unpinned torch would pull gigabytes of CUDA packages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The namespace-cluster tests (tests/cluster) need ip/tc (iproute2), unshare (util-linux)
+# and nft (link loss). Installed only where that is possible (root with apt); elsewhere
+# those tests skip with the reason.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+    && ! { command -v tc && command -v nft && command -v unshare; } >/dev/null 2>&1; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      iproute2 nftables util-linux >/dev/null; } \
+    || echo "setup_venv.sh: could not install iproute2/nftables; cluster tests may skip" >&2
+fi
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
 .venv/bin/python -m pip install -q "torch==2.13.0"

@@ -4,7 +4,7 @@ Same interface as ``hvdlite.tensorflow.Compression`` (see ``hvdlite.compression`
 """
 import keras
 
-from hvdlite.compression import CastCompressor, Compressor, NoneCompressor
+from hvdlite.compression import CastCompressor, Compressor, NoneCompressor, ReducerChoices
 
 __all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor"]
 
@@ -18,8 +18,9 @@ class FP16Compressor(CastCompressor):
     cast = staticmethod(keras.ops.cast)
 
 
-class Compression:
-    """The available compressors: ``Compression.none`` and ``Compression.fp16``."""
+class Compression(ReducerChoices):
+    """The cast compressors ``none`` and ``fp16``, and the reducers ``topk(ratio)``,
+    ``quantize(bits)``, ``powersgd(rank)``."""
 
     none = NoneCompressor
     fp16 = FP16Compressor

@@ -41,6 +41,15 @@ def _allreduce_torch(grads, settings, postscale):
 
     compression = settings["compression"]
     present = [i for i, g in enumerate(grads) if g is not None]
+    if getattr(compression, "is_reducer", False):
+        from hvdlite.torch.optimizer import reduce_through
+
+        out = list(grads)
+        scaled = [grads[i] * postscale if postscale != 1.0 else grads[i] for i in present]
+        for i, g in zip(present, reduce_through(compression, scaled,
+                                                [f"grad.{i}" for i in present])):
+            out[i] = g
+        return out
     wire, contexts = [], []
     for i in present:
         tensor, ctx = compression.compress(grads[i].contiguous())

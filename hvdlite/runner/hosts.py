@@ -174,6 +174,20 @@ def is_local_host(host: str) -> bool:
     return host in (own, own.split(".", 1)[0])
 
 
+def rank_hosts(hosts, num_ranks: int) -> List[str]:
+    """The host each rank runs on when ranks fill hosts in order (hydra's and Open MPI's
+    ``--map-by slot`` placement for a host list): rank -> host name.
+
+    Args:
+        hosts: the host list, or None (every rank on this machine).
+        num_ranks: the job's size.
+    """
+    if not hosts:
+        return [socket.gethostname()] * num_ranks
+    placed = [entry.host for entry in hosts for _ in range(entry.slots)]
+    return placed[:num_ranks]
+
+
 def all_local(hosts: Sequence[HostSlots]) -> bool:
     """Whether every host in ``hosts`` is this machine."""
     return all(is_local_host(h.host) for h in hosts)

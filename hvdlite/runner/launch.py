@@ -16,6 +16,7 @@ import os
 import shlex
 import socket
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -28,6 +29,7 @@ logger = logging.getLogger("hvdlite")
 PROG = "hvdliterun"
 DEFAULT_START_TIMEOUT_S = 60.0
 _RANK_WRAPPER_PATH = os.path.abspath(rank_wrapper.__file__)
+_REMOTE_START_PATH = os.path.join(os.path.dirname(_RANK_WRAPPER_PATH), "remote_start.py")
 
 
 class UsageError(ValueError):
@@ -107,7 +109,22 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--mpi-args", default="", metavar="\"ARGS\"",
                         help="extra arguments for mpiexec, as one quoted string")
     launch.add_argument("--verbose", action="store_true",
-                        help="log the launcher's decisions and the mpiexec command")
+                        help="log the launcher's decisions and the mpiexec command; tag "
+                             "output lines with the rank's host too ([1@host]<stdout>:)")
+    remote = parser.add_argument_group("many hosts")
+    remote.add_argument("-p", "--ssh-port", type=int, metavar="PORT",
+                        help="ssh port on the hosts")
+    remote.add_argument("-i", "--ssh-identity-file", metavar="FILE",
+                        help="ssh private key file")
+    remote.add_argument("--remote-shell", metavar="\"CMD\"",
+                        help="start processes on other hosts with CMD instead of ssh, called "
+                             "as 'CMD HOST COMMAND' ({host} in CMD marks where the host "
+                             "goes), e.g. 'docker exec {host} sh -c'; default "
+                             "$HVDLITE_REMOTE_SHELL, else ssh")
+    remote.add_argument("--network-interface", "--network-interfaces",
+                        dest="network_interface", metavar="NIC",
+                        help="network interface for MPI and for ranks calling back to the "
+                             "launcher, e.g. eth0")
     info = parser.add_argument_group("information")
     info.add_argument("--check-build", action="store_true",
                       help="show frameworks, MPI, NCCL/CUDA and the native library, and exit")
@@ -131,6 +148,8 @@ class LaunchConfig:
     mpi_args: List[str] = field(default_factory=list)
     verbose: bool = False
     check_build: bool = False
+    remote_shell: Optional[str] = None
+    network_interface: Optional[str] = None
 
 
 def _number(value: float) -> str:
@@ -176,6 +195,44 @@ def tuning_env(args: argparse.Namespace) -> Dict[str, str]:
     return env
 
 
+def remote_shell_command(args: argparse.Namespace) -> Optional[str]:
+    """The command that starts processes on other hosts (None: mpiexec's default).
+
+    ``--remote-shell``, else an ssh command like Horovod's from ``--ssh-port``/
+    ``--ssh-identity-file`` (no password prompts, new host keys accepted, a connect
+    timeout of ``--start-timeout``), else ``$HVDLITE_REMOTE_SHELL``.
+
+    Raises:
+        UsageError: both --remote-shell and ssh flags, a bad port, or an unreadable key.
+    """
+    ssh_flags = args.ssh_port is not None or args.ssh_identity_file is not None
+    if args.remote_shell is not None:
+        if ssh_flags:
+            raise UsageError("--remote-shell replaces ssh: --ssh-port/--ssh-identity-file "
+                             "cannot go with it (put them in the remote shell command)")
+        try:
+            words = shlex.split(args.remote_shell)
+        except ValueError as exc:
+            raise UsageError(f"--remote-shell: cannot split {args.remote_shell!r}: "
+                             f"{exc}") from exc
+        if not words:
+            raise UsageError("--remote-shell must not be empty")
+        return args.remote_shell
+    if not ssh_flags:
+        return os.environ.get("HVDLITE_REMOTE_SHELL") or None
+    words = ["ssh", "-o", "PasswordAuthentication=no", "-o", "StrictHostKeyChecking=no",
+             "-o", f"ConnectTimeout={max(1, int(args.start_timeout))}"]
+    if args.ssh_port is not None:
+        if not 0 < args.ssh_port < 65536:
+            raise UsageError(f"--ssh-port must be 1-65535, got {args.ssh_port}")
+        words += ["-p", str(args.ssh_port)]
+    if args.ssh_identity_file is not None:
+        if not os.path.isfile(args.ssh_identity_file):
+            raise UsageError(f"--ssh-identity-file: no such file {args.ssh_identity_file!r}")
+        words += ["-i", os.path.abspath(args.ssh_identity_file)]
+    return shlex.join(words)
+
+
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     """Validates parsed arguments into a :class:`LaunchConfig`.
 
@@ -209,7 +266,9 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     config = LaunchConfig(num_ranks=0, command=command, hosts=hosts, tuning_env=env,
                           output_dir=args.output_filename, start_timeout=args.start_timeout,
                           mpi_args=mpi_args, verbose=args.verbose,
-                          check_build=args.check_build)
+                          check_build=args.check_build,
+                          remote_shell=remote_shell_command(args),
+                          network_interface=args.network_interface)
     if args.check_build:
         return config
     if not command:
@@ -298,7 +357,8 @@ def rank_command(command: Sequence[str], python: str = sys.executable) -> List[s
 
 def build_job_command(config: LaunchConfig, launcher: mpi_command.MpiLauncher,
                       env: Dict[str, str], python: str = sys.executable,
-                      run_as_root: Optional[bool] = None) -> List[str]:
+                      run_as_root: Optional[bool] = None,
+                      remote_start: Optional[str] = None) -> List[str]:
     """The full mpiexec argv for a request (pure: nothing is started).
 
     Args:
@@ -307,6 +367,8 @@ def build_job_command(config: LaunchConfig, launcher: mpi_command.MpiLauncher,
         env: the environment the ranks will get (names are forwarded for Open MPI).
         python: the interpreter that runs the rank wrapper.
         run_as_root: add Open MPI's --allow-run-as-root; defaults to whether we are root.
+        remote_start: the script mpiexec starts remote processes with (see
+            :func:`write_remote_start_script`), or None for mpiexec's ssh.
 
     Returns:
         The argument vector.
@@ -319,8 +381,72 @@ def build_job_command(config: LaunchConfig, launcher: mpi_command.MpiLauncher,
         rank_command=rank_command(config.command, python), hosts=hosts,
         set_env=dict(config.tuning_env),
         forward_env=mpi_command.forwardable_env_names(env),
-        extra_args=config.mpi_args, run_as_root=run_as_root)
+        extra_args=config.mpi_args, run_as_root=run_as_root, remote_start=remote_start,
+        network_interface=config.network_interface)
     return mpi_command.build_mpi_command(options)
+
+
+def write_remote_start_script(directory: str, remote_shell: str,
+                              python: str = sys.executable) -> str:
+    """Writes the executable mpiexec calls to start processes on other hosts.
+
+    mpiexec takes one program path (hydra's ``-launcher-exec``, Open MPI's
+    ``plm_rsh_agent``); the script runs remote_start.py with the remote shell command.
+
+    Returns:
+        The script's path.
+    """
+    path = os.path.join(directory, "remote-start")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("#!/bin/sh\nexec " + shlex.join([python, "-I", _REMOTE_START_PATH, "--shell",
+                                                 remote_shell, "--"]) + ' "$@"\n')
+    os.chmod(path, 0o755)
+    return path
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface ``name``.
+
+    Raises:
+        UsageError: no such interface, or it has no IPv4 address.
+    """
+    import fcntl
+    import struct
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            packed = fcntl.ioctl(sock.fileno(), siocgifaddr,
+                                 struct.pack("256s", name.encode()[:15]))
+        except OSError as exc:
+            raise UsageError(f"--network-interface {name}: no IPv4 address on this host "
+                             f"({exc.strerror})") from exc
+    return socket.inet_ntoa(packed[20:24])
+
+
+def launcher_address(hosts: Sequence[hostlib.HostSlots], interface: Optional[str],
+                     env: Dict[str, str]) -> str:
+    """The address ranks on other hosts call the launcher back at.
+
+    ``HVDLITE_LAUNCHER_HOST`` if set; else the address of ``--network-interface``; else
+    the local address the kernel would use towards the first remote host (so a name
+    that resolves differently elsewhere, or to 127.0.1.1, does not matter); else the
+    fully qualified host name.
+    """
+    if env.get("HVDLITE_LAUNCHER_HOST"):
+        return env["HVDLITE_LAUNCHER_HOST"]
+    if interface:
+        return interface_address(interface)
+    for entry in hosts:
+        if hostlib.is_local_host(entry.host):
+            continue
+        try:
+            family, _, _, _, addr = socket.getaddrinfo(entry.host, 9, type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect(addr[:2])  # no packet is sent: only the route is chosen
+                return probe.getsockname()[0]
+        except OSError:
+            continue
+    return socket.getfqdn()
 
 
 def _setup_logging(verbose: bool):
@@ -359,18 +485,38 @@ def run(config: LaunchConfig) -> int:
     if local:
         bind, advertise = "127.0.0.1", "127.0.0.1"
     else:
-        # Ranks on other hosts connect back to this one by name; HVDLITE_LAUNCHER_HOST
-        # picks the address when the host name does not resolve on the others.
-        bind = "0.0.0.0"
-        advertise = os.environ.get("HVDLITE_LAUNCHER_HOST") or socket.getfqdn()
+        try:
+            advertise = launcher_address(config.hosts, config.network_interface, os.environ)
+        except UsageError as exc:
+            sys.stderr.write(f"{PROG}: {exc}\n")
+            return 2
+        bind = advertise if config.network_interface else "0.0.0.0"
+        logger.debug("ranks call the launcher back at %s", advertise)
+    try:
+        peer_timeout = rank_wrapper.peer_timeout(os.environ)
+    except ValueError as exc:
+        sys.stderr.write(f"{PROG}: {exc}\n")
+        return 2
     supervisor = JobSupervisor(config.num_ranks, config.start_timeout, config.output_dir,
-                               bind_host=bind, advertise_host=advertise)
+                               bind_host=bind, advertise_host=advertise,
+                               rank_hosts=hostlib.rank_hosts(config.hosts, config.num_ranks),
+                               tag_hosts=config.verbose)
+    supervisor.peer_timeout = peer_timeout
     env = dict(os.environ)
     env.update(config.tuning_env)
     env.update(supervisor.rank_env())
-    argv = build_job_command(config, launcher, env)
-    logger.debug("running: %s", shlex.join(argv))
-    return supervisor.run(argv, env).exit_code
+    if config.network_interface:
+        # The mpich wheel's transports pick their interface from these.
+        env.setdefault("UCX_NET_DEVICES", config.network_interface)
+        env.setdefault("FI_TCP_IFACE", config.network_interface)
+    with tempfile.TemporaryDirectory(prefix="hvdliterun-") as tmpdir:
+        remote_start = None
+        if config.remote_shell and not local:
+            remote_start = write_remote_start_script(tmpdir, config.remote_shell)
+            logger.debug("starting remote processes with: %s", config.remote_shell)
+        argv = build_job_command(config, launcher, env, remote_start=remote_start)
+        logger.debug("running: %s", shlex.join(argv))
+        return supervisor.run(argv, env).exit_code
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

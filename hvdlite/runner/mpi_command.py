@@ -70,6 +70,9 @@ class MpiCommandOptions:
             forwards nothing by default to remote hosts); hydra forwards everything.
         extra_args: user's --mpi-args, already split.
         run_as_root: add Open MPI's --allow-run-as-root.
+        remote_start: an executable mpiexec calls like rsh (``[options] HOST COMMAND``)
+            to start processes on other hosts, instead of its own ssh; None for ssh.
+        network_interface: the interface MPI's own traffic should use, or None.
     """
 
     launcher: MpiLauncher
@@ -80,6 +83,8 @@ class MpiCommandOptions:
     forward_env: Sequence[str] = ()
     extra_args: Sequence[str] = ()
     run_as_root: bool = False
+    remote_start: Optional[str] = None
+    network_interface: Optional[str] = None
 
 
 def read_build_info(path: str = BUILD_INFO_PATH) -> Dict[str, object]:
@@ -277,6 +282,11 @@ def build_mpi_command(options: MpiCommandOptions) -> List[str]:
         argv += ["--bind-to", "none", "--map-by", "slot"]
         if options.run_as_root:
             argv += ["--allow-run-as-root"]
+        if options.remote_start:
+            argv += ["--mca", "plm_rsh_agent", options.remote_start]
+        if options.network_interface:
+            argv += ["--mca", "btl_tcp_if_include", options.network_interface,
+                     "--mca", "oob_tcp_if_include", options.network_interface]
         for name in options.forward_env:
             if name not in options.set_env:
                 argv += ["-x", name]
@@ -286,6 +296,10 @@ def build_mpi_command(options: MpiCommandOptions) -> List[str]:
         argv += ["-n", str(options.num_ranks)]
         if options.hosts:
             argv += ["-hosts", format_host_list(options.hosts)]
+        if options.remote_start:
+            argv += ["-launcher", "rsh", "-launcher-exec", options.remote_start]
+        if options.network_interface:
+            argv += ["-iface", options.network_interface]
         # Hydra forwards the environment to local and remote proxies alike.
         argv += ["-genvall"]
         for name, value in options.set_env.items():

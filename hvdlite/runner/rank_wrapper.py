@@ -10,6 +10,11 @@ vector, never a shell string) with its output on pipes, in a session of its own,
   the command's output as whole lines, and finally the exit status;
 * ends the command's whole process group when the launcher says so, when the control
   connection drops (the launcher died), or when the wrapper itself is signalled;
+* exchanges heartbeats with the launcher: a launcher silent for ``HVDLITE_PEER_TIMEOUT``
+  seconds (a cut link) is lost, and the command is ended;
+* passes the launcher's lost-peer notices (and its own, for a lost launcher) to the
+  command through a pipe (``HVDLITE_FAULT_FD``): hvdlite raises RankFailedError in
+  the rank's pending waits (see hvdlite/peer_faults.py) before the rank is ended;
 * without a launcher (variables unset) writes the tagged lines to its own stdout/stderr.
 
 This file is run by path, not as ``hvdlite.runner.rank_wrapper``, so that each rank
@@ -34,10 +39,21 @@ MSG_STDOUT = b"O"   # wrapper -> launcher, one or more whole lines of the comman
 MSG_STDERR = b"E"   # wrapper -> launcher, same for stderr
 MSG_EXIT = b"X"     # wrapper -> launcher, JSON: rank, returncode (negative: signal)
 MSG_KILL = b"K"     # launcher -> wrapper: end the command now
+MSG_HEARTBEAT = b"B"  # both ways, every HEARTBEAT_INTERVAL_S: "still here"
+MSG_PEER_LOST = b"L"  # launcher -> wrapper, JSON: ranks, hosts, reason (for the command)
 MAX_FRAME = 1 << 24
 
 ENV_ADDR = "HVDLITE_LAUNCHER_ADDR"
 ENV_TOKEN = "HVDLITE_LAUNCHER_TOKEN"
+ENV_PEER_TIMEOUT = "HVDLITE_PEER_TIMEOUT"
+ENV_FAULT_FD = "HVDLITE_FAULT_FD"
+
+HEARTBEAT_INTERVAL_S = 1.0
+# Seconds of silence after which the other end of a control connection is lost.
+DEFAULT_PEER_TIMEOUT_S = 30.0
+# After a lost-peer notice, how long a rank gets to raise (and print why) before it is
+# ended.
+NOTICE_GRACE_S = 5.0
 
 # Rank variables set by the MPI launchers we know, in order of preference.
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
@@ -113,6 +129,24 @@ def rank_info(env):
     }
 
 
+def peer_timeout(env):
+    """``HVDLITE_PEER_TIMEOUT`` in seconds (default DEFAULT_PEER_TIMEOUT_S).
+
+    Raises:
+        ValueError: not a number > 0.
+    """
+    text = env.get(ENV_PEER_TIMEOUT, "").strip()
+    if not text:
+        return DEFAULT_PEER_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{ENV_PEER_TIMEOUT}={text!r}: expected seconds > 0")
+    return value
+
+
 def _inherited_fds(env):
     fds = []
     for name in _INHERITED_FD_VARS:
@@ -169,7 +203,7 @@ class _Sink:
         out = b"".join(prefix + line + b"\n" for line in data.split(b"\n")[:-1])
         _write_all(1 if kind == MSG_STDOUT else 2, out)
 
-    def send(self, kind, payload):
+    def send(self, kind, payload=b""):
         if self.sock is None or self.broken:
             return
         try:
@@ -219,6 +253,13 @@ class RankWrapper:
         self.partial = {}
         self.sink = None
         self._sig_r, self._sig_w = socket.socketpair()
+        try:
+            self.peer_timeout = peer_timeout(self.env)
+        except ValueError:
+            self.peer_timeout = DEFAULT_PEER_TIMEOUT_S
+        self.last_heard = self.last_sent = time.monotonic()
+        self.kill_at = None           # monotonic time of a kill scheduled after a notice
+        self.fault_r = self.fault_w = None
 
     def _child_env(self):
         env = dict(self.env)
@@ -229,7 +270,18 @@ class RankWrapper:
         env["HVDLITE_SIZE"] = str(self.info["size"])
         env["HVDLITE_LOCAL_RANK"] = str(self.info["local_rank"])
         env["HVDLITE_LOCAL_SIZE"] = str(self.info["local_size"])
+        if self.fault_r is not None:
+            env[ENV_FAULT_FD] = str(self.fault_r)
         return env
+
+    def notify(self, notice):
+        """Passes a lost-peer notice (a dict) to the command, once."""
+        if self.fault_w is None:
+            return
+        try:
+            os.write(self.fault_w, json.dumps(notice).encode() + b"\n")
+        except OSError:
+            pass
 
     def _on_signal(self, signum, frame):
         try:
@@ -254,7 +306,9 @@ class RankWrapper:
                 _write_all(2, f"[{self.info['rank']}]<stderr>:hvdlite rank wrapper: cannot "
                               f"reach the launcher at {addr}: {exc}\n".encode())
                 return 1
-            sock.settimeout(None)
+            # A send blocked this long (a cut link) breaks the connection, not the wrapper.
+            sock.settimeout(self.peer_timeout)
+            self.fault_r, self.fault_w = os.pipe()
         self.sink = _Sink(self.info["rank"], sock)
 
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -263,8 +317,8 @@ class RankWrapper:
             self.child = subprocess.Popen(
                 self.command, env=self._child_env(), stdin=None,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=_inherited_fds(self.env), start_new_session=True,
-                preexec_fn=_parent_death_setter())
+                pass_fds=_inherited_fds(self.env) + ([self.fault_r] if self.fault_r else []),
+                start_new_session=True, preexec_fn=_parent_death_setter())
         except OSError as exc:
             self.sink.send(MSG_HELLO, self._hello(os.getpid()))
             self.sink.lines(MSG_STDERR, f"hvdliterun: cannot run {self.command[0]!r}: "
@@ -274,6 +328,8 @@ class RankWrapper:
                 {"rank": self.info["rank"], "returncode": returncode}).encode())
             return returncode
         self.sink.send(MSG_HELLO, self._hello(self.child.pid))
+        if self.fault_r is not None:
+            os.close(self.fault_r)  # the command's now
 
         self._sig_r.setblocking(False)
         self.sel.register(self._sig_r, selectors.EVENT_READ, "signal")
@@ -301,6 +357,8 @@ class RankWrapper:
         returncode = self.child.returncode
         self.sink.send(MSG_EXIT, json.dumps(
             {"rank": self.info["rank"], "returncode": returncode}).encode())
+        if returncode != 0 and self.kill_started is None and not self.sink.broken:
+            self._linger(sock, reader)
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_WR)
@@ -328,6 +386,11 @@ class RankWrapper:
                     and now - self.kill_started > KILL_GRACE_S):
                 self.killed_hard = True
                 _killpg(self.child.pid, signal.SIGKILL)
+            if sock is not None:
+                self._keep_alive(now)
+            if self.kill_at is not None and now >= self.kill_at:
+                self.kill_at = None
+                self.start_kill()
             if (self.child_exit_time is not None
                     and now - self.child_exit_time > DRAIN_AFTER_EXIT_S):
                 _killpg(self.child.pid, signal.SIGKILL)
@@ -348,11 +411,51 @@ class RankWrapper:
                 else:
                     self._on_output(key, tag)
 
+    def _linger(self, sock, reader):
+        """After the command failed on its own: stays until the launcher's kill order.
+
+        mpiexec ends every rank as soon as one of its processes fails; staying lets the
+        launcher first tell the survivors which rank was lost (they raise, naming it).
+        """
+        deadline = time.monotonic() + NOTICE_GRACE_S + KILL_GRACE_S
+        sock.settimeout(0.5)
+        while time.monotonic() < deadline:
+            try:
+                data = sock.recv(4096)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            try:
+                frames = reader.feed(data)
+            except ValueError:
+                return
+            if any(kind == MSG_KILL for kind, _ in frames):
+                return
+
+    def _keep_alive(self, now):
+        """Sends a heartbeat when one is due; a launcher silent too long is lost."""
+        if self.sink.broken:
+            return
+        if now - self.last_sent >= HEARTBEAT_INTERVAL_S:
+            self.last_sent = now
+            self.sink.send(MSG_HEARTBEAT)
+        if now - self.last_heard > self.peer_timeout and self.kill_at is None \
+                and self.kill_started is None:
+            self.sink.broken = True
+            self.notify({"reason": f"no word from the launcher at {self.env.get(ENV_ADDR)} "
+                                   f"for {self.peer_timeout:g} s ({ENV_PEER_TIMEOUT}): "
+                                   f"this host's link or the launcher's host is down"})
+            self.kill_at = now + NOTICE_GRACE_S
+
     def _on_control(self, sock, reader, key):
         try:
             data = sock.recv(4096)
         except OSError:
             data = b""
+        self.last_heard = time.monotonic()
         if not data:
             # The launcher is gone: nobody can end this job any more but us.
             self.sel.unregister(key.fileobj)
@@ -363,6 +466,12 @@ class RankWrapper:
             frames = reader.feed(data)
         except ValueError:
             frames = [(MSG_KILL, b"")]
+        for kind, payload in frames:
+            if kind == MSG_PEER_LOST:
+                try:
+                    self.notify(json.loads(payload))
+                except ValueError:
+                    self.notify({"reason": "lost peers"})
         if any(kind == MSG_KILL for kind, _ in frames):
             self.start_kill()
 

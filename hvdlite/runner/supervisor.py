@@ -5,6 +5,12 @@ listens on. Through it come each rank's hello, its output as whole lines and its
 status; back through it goes the order to end the rank. The supervisor is one thread
 with one selector: output is written in whole tagged lines with single writes, so ranks
 never interleave mid-line, and the first failure is seen and acted on at once.
+
+Lost ranks (one that exited with an error, a wrapper gone without an exit status, or
+ranks silent for ``HVDLITE_PEER_TIMEOUT`` seconds: heartbeats flow both ways each
+second, so a cut link shows as silence) are first announced to every surviving wrapper,
+which passes the notice to its rank (hvdlite raises RankFailedError there, naming the
+lost ranks and hosts); NOTICE_GRACE_S later every rank is ordered to end.
 """
 import json
 import logging
@@ -19,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from hvdlite.runner import rank_wrapper as wire
+from hvdlite.runner.remote_start import UNREACHABLE_PREFIX
 
 logger = logging.getLogger("hvdlite")
 
@@ -88,13 +95,17 @@ class _Connection:
         self.reader = wire.FrameReader()
         self.rank: Optional[int] = None
         self.exited = False
+        self.closed = False
+        self.last_heard = time.monotonic()
 
 
 class _OutputSink:
     """Writes tagged lines to the console and untagged ones to per-rank log files."""
 
-    def __init__(self, output_dir: Optional[str]):
+    def __init__(self, output_dir: Optional[str], tag_hosts: bool = False):
         self.output_dir = output_dir
+        self.tag_hosts = tag_hosts
+        self.hosts: Dict[int, str] = {}   # rank -> host, from the hellos
         self.files = {}
         self.console_broken = {1: False, 2: False}
         if output_dir:
@@ -103,7 +114,8 @@ class _OutputSink:
     def write(self, rank: int, kind: bytes, data: bytes):
         stream = "stdout" if kind == wire.MSG_STDOUT else "stderr"
         fd = 1 if kind == wire.MSG_STDOUT else 2
-        prefix = f"[{rank}]<{stream}>:".encode()
+        where = f"@{self.hosts.get(rank, '?')}" if self.tag_hosts else ""
+        prefix = f"[{rank}{where}]<{stream}>:".encode()
         lines = data.split(b"\n")[:-1]
         self._console(fd, b"".join(prefix + line + b"\n" for line in lines))
         if self.output_dir:
@@ -141,10 +153,13 @@ class JobSupervisor:
         output_dir: --output-filename directory, or None.
         bind_host: address to listen on (127.0.0.1 for one machine, 0.0.0.0 for many).
         advertise_host: the name ranks connect to.
+        rank_hosts: the host each rank is placed on (for messages), if known.
+        tag_hosts: tag output lines with the host too (``[1@host]<stdout>:``).
     """
 
     def __init__(self, num_ranks: int, start_timeout: float, output_dir: Optional[str] = None,
-                 bind_host: str = "127.0.0.1", advertise_host: str = "127.0.0.1"):
+                 bind_host: str = "127.0.0.1", advertise_host: str = "127.0.0.1",
+                 rank_hosts: Optional[Sequence[str]] = None, tag_hosts: bool = False):
         self.num_ranks = num_ranks
         self.start_timeout = start_timeout
         self.token = secrets.token_hex(16)
@@ -154,7 +169,12 @@ class JobSupervisor:
         port = self.server.getsockname()[1]
         host = f"[{advertise_host}]" if ":" in advertise_host else advertise_host
         self.address = f"{host}:{port}"
-        self.output = _OutputSink(output_dir)
+        self.output = _OutputSink(output_dir, tag_hosts)
+        self.rank_hosts = list(rank_hosts or [])
+        self._mpiexec_partial = b""
+        self.peer_timeout = wire.DEFAULT_PEER_TIMEOUT_S
+        self.kill_due: Optional[float] = None   # the kill order after a lost-peer notice
+        self.last_heartbeat = time.monotonic()
         self.ranks: Dict[int, RankState] = {}
         self.connections: List[_Connection] = []
         self.proc: Optional[subprocess.Popen] = None
@@ -185,19 +205,38 @@ class JobSupervisor:
 
     # -- ending the job ----------------------------------------------------------------
 
-    def _fail(self, exit_code: int, message: str, rank: Optional[int] = None):
-        """Records the first failure, reports it and orders every rank to end."""
+    def _fail(self, exit_code: int, message: str, rank: Optional[int] = None,
+              lost: Sequence[int] = (), reason: str = ""):
+        """Records the first failure, reports it and orders every rank to end: at once,
+        or, when ranks were ``lost`` (for ``reason``), after telling the others."""
         if self.result is not None:
             return
         self.result = JobResult(exit_code=exit_code, failed_rank=rank, message=message)
         self.output._console(2, f"hvdliterun: {message}\n".encode())
-        self._kill_all()
+        if not lost:
+            self._kill_all()
+            return
+        hosts = sorted({self.ranks[r].host for r in lost if r in self.ranks and
+                        self.ranks[r].host})
+        notice = json.dumps({"ranks": sorted(lost), "hosts": hosts, "reason": reason}).encode()
+        for conn in self.connections:
+            if not conn.exited and conn.rank is not None and conn.rank not in lost:
+                self._send(conn, wire.MSG_PEER_LOST, notice)
+        self.kill_due = time.monotonic() + wire.NOTICE_GRACE_S
+
+    def _send(self, conn, kind, payload=b""):
+        try:
+            conn.sock.sendall(wire.encode_frame(kind, payload))
+        except OSError:
+            pass
 
     def _kill_all(self):
         if self.kill_time is not None:
             return
         self.kill_time = time.monotonic()
-        others = [c for c in self.connections if not c.exited]
+        # Also the wrappers of ranks that failed: they wait for this order (see
+        # rank_wrapper.RankWrapper._linger).
+        others = [c for c in self.connections if not c.closed]
         logger.debug("ordering %d rank(s) to end", len(others))
         for conn in others:
             try:
@@ -304,16 +343,53 @@ class JobSupervisor:
     def _check_deadlines(self, now, started):
         if self.result is None and len(self.ranks) < self.num_ranks \
                 and now - started > self.start_timeout:
-            missing = sorted(set(range(self.num_ranks)) - set(self.ranks))
             self._fail(1, f"only {len(self.ranks)} of {self.num_ranks} ranks started within "
-                          f"{self.start_timeout:g} s (--start-timeout); missing ranks: "
-                          f"{_short_list(missing)}")
+                          f"{self.start_timeout:g} s (--start-timeout); "
+                          f"{self._missing_ranks()}")
+        if self.kill_due is not None and now >= self.kill_due:
+            self.kill_due = None
+            self._kill_all()
+        if now - self.last_heartbeat >= wire.HEARTBEAT_INTERVAL_S:
+            self.last_heartbeat = now
+            self._keep_alive(now)
         if self.kill_time is not None:
             if self.term_time is None and now - self.kill_time > KILL_GRACE_S:
                 self._terminate_group(signal.SIGTERM)
             elif self.term_time is not None and not self.killed_group \
                     and now - self.term_time > TERM_GRACE_S:
                 self._terminate_group(signal.SIGKILL)
+
+    def _keep_alive(self, now):
+        """Heartbeats to every wrapper; ranks silent past the peer timeout are lost."""
+        silent = []
+        for conn in self.connections:
+            if conn.exited or conn.rank is None:
+                continue
+            self._send(conn, wire.MSG_HEARTBEAT)
+            if now - conn.last_heard > self.peer_timeout:
+                silent.append(conn.rank)
+        if silent and self.result is None:
+            silent.sort()
+            reason = (f"no word from them for {self.peer_timeout:g} s "
+                      f"({wire.ENV_PEER_TIMEOUT}): their host or its link is down")
+            self._fail(1, f"lost ranks {_short_list(silent)}{self._hosts_of(silent, True)}: "
+                          f"{reason}; ending the job", lost=silent, reason=reason)
+
+    def _missing_ranks(self) -> str:
+        """``missing ranks: 2, 3 on host h2`` for the ranks that have not said hello."""
+        missing = sorted(set(range(self.num_ranks)) - set(self.ranks))
+        return f"missing ranks: {_short_list(missing)}{self._hosts_of(missing)}"
+
+    def _hosts_of(self, ranks, started=False) -> str:
+        """`` on host h2`` / `` on hosts h2, h3`` for ranks placed there (``started``:
+        where they said they run), or ``""``."""
+        if started:
+            hosts = sorted({self.ranks[r].host for r in ranks if r in self.ranks})
+        else:
+            hosts = sorted({self.rank_hosts[r] for r in ranks if r < len(self.rank_hosts)})
+        if not hosts:
+            return ""
+        return (" on host " if len(hosts) == 1 else " on hosts ") + ", ".join(hosts)
 
     def _dispatch(self, key):
         tag, extra = key.data
@@ -349,6 +425,7 @@ class JobSupervisor:
         if not data:
             self._on_conn_closed(key, conn)
             return
+        conn.last_heard = time.monotonic()
         try:
             frames = conn.reader.feed(data)
         except ValueError:
@@ -380,6 +457,7 @@ class JobSupervisor:
             logger.warning("dropped a control connection with a wrong token")
             return False
         conn.rank = int(hello["rank"])
+        self.output.hosts[conn.rank] = str(hello.get("host", ""))
         self.ranks[conn.rank] = RankState(rank=conn.rank, host=str(hello.get("host", "")),
                                           pid=int(hello.get("pid", 0)))
         logger.debug("rank %d started: pid %s on %s", conn.rank, hello.get("pid"),
@@ -401,7 +479,8 @@ class JobSupervisor:
             where = f" (pid {state.pid} on {state.host})" if state.pid else ""
             self._fail(exit_code_for(returncode),
                        f"rank {conn.rank}{where} {describe_returncode(returncode)}; "
-                       f"ending the other ranks", rank=conn.rank)
+                       f"ending the other ranks", rank=conn.rank, lost=[conn.rank],
+                       reason=describe_returncode(returncode))
 
     def _on_conn_closed(self, key, conn):
         try:
@@ -409,11 +488,19 @@ class JobSupervisor:
         except (KeyError, ValueError):
             pass
         conn.sock.close()
+        conn.closed = True
         if conn.rank is not None and not conn.exited:
             conn.exited = True
-            if self.kill_time is None:
+            if self.kill_time is None and len(self.ranks) < self.num_ranks:
+                # mpiexec gave up starting the job (a host it could not set up) and
+                # ended the ranks it had started.
+                self._fail(1, f"the job did not start: only {len(self.ranks)} of "
+                              f"{self.num_ranks} ranks started before rank {conn.rank} was "
+                              f"ended; {self._missing_ranks()}", rank=conn.rank)
+            elif self.kill_time is None:
                 self._fail(1, f"lost contact with rank {conn.rank} (its wrapper ended without "
-                              f"an exit status); ending the other ranks", rank=conn.rank)
+                              f"an exit status); ending the other ranks", rank=conn.rank,
+                           lost=[conn.rank], reason="its wrapper ended without an exit status")
         else:
             conn.exited = True
 
@@ -424,16 +511,32 @@ class JobSupervisor:
             return
         if fd == 2:
             self.mpiexec_stderr.append(data)
+            self._scan_for_unreachable(data)
         # Once the job is being ended, mpiexec's complaints about killed ranks are noise.
         if self.kill_time is None or logger.isEnabledFor(logging.DEBUG):
             self.output._console(fd, data)
+
+    def _scan_for_unreachable(self, data: bytes):
+        """Ends the job naming the host when the remote start reports it unreachable."""
+        text = self._mpiexec_partial + data
+        lines = text.split(b"\n")
+        self._mpiexec_partial = lines.pop()
+        for line in lines:
+            message = line.decode("utf-8", "replace").strip()
+            if not message.startswith(UNREACHABLE_PREFIX):
+                continue
+            host, _, reason = message[len(UNREACHABLE_PREFIX):].partition(": ")
+            ranks = [r for r, h in enumerate(self.rank_hosts) if h == host]
+            what = f"ranks {_short_list(ranks)}" if ranks else "ranks"
+            self._fail(1, f"cannot start {what} on host {host}: it cannot be reached "
+                          f"({reason})")
 
     def _on_mpiexec_exit(self):
         code = self.proc.returncode
         if self.result is None and len(self.ranks) < self.num_ranks:
             self._fail(exit_code_for(code) or 1,
                        f"mpiexec {describe_returncode(code)} before all ranks started "
-                       f"({len(self.ranks)} of {self.num_ranks})")
+                       f"({len(self.ranks)} of {self.num_ranks}); {self._missing_ranks()}")
 
     def _finish(self) -> JobResult:
         # Pick up output that mpiexec wrote just before it ended.

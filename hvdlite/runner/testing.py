@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_TAG_RE = re.compile(r"^\[(\d+)\]<(stdout|stderr)>:(.*)$")
+_TAG_RE = re.compile(r"^\[(\d+)(?:@[^\]]*)?\]<(stdout|stderr)>:(.*)$")  # [1@host] with --verbose
 
 
 class LauncherTimeout(AssertionError):

@@ -1,7 +1,7 @@
 """``hvd.Compression`` for TensorFlow: none and fp16 (see ``hvdlite.compression``)."""
 import tensorflow as tf
 
-from hvdlite.compression import CastCompressor, Compressor, NoneCompressor
+from hvdlite.compression import CastCompressor, Compressor, NoneCompressor, ReducerChoices
 
 __all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor"]
 
@@ -15,8 +15,9 @@ class FP16Compressor(CastCompressor):
     cast = staticmethod(tf.cast)
 
 
-class Compression:
-    """The available compressors: ``Compression.none`` and ``Compression.fp16``."""
+class Compression(ReducerChoices):
+    """The cast compressors ``none`` and ``fp16``, and the reducers ``topk(ratio)``,
+    ``quantize(bits)``, ``powersgd(rank)`` (gradient tapes and optimizers only)."""
 
     none = NoneCompressor
     fp16 = FP16Compressor

@@ -1,5 +1,6 @@
 """DistributedGradientTape (a tf.GradientTape whose gradients are allreduced),
 PartialDistributedGradientTape, and the TF1 DistributedOptimizer."""
+import numpy as np
 import tensorflow as tf
 
 from hvdlite import ops, runtime
@@ -18,7 +19,9 @@ def allreduce_gradients(grads, compression=Compression.none, op=mpi_ops.Average,
 
     Args:
         grads: a structure of tensors, tf.IndexedSlices and Nones.
-        compression: Compression.none or Compression.fp16.
+        compression: Compression.none or Compression.fp16, or a reducer
+            (Compression.topk(ratio), quantize(bits), powersgd(rank); Average only,
+            IndexedSlices made dense).
         op: Average or Sum.
         sparse_as_dense: convert tf.IndexedSlices to dense tensors before reducing.
         gradient_predivide_factor: with op=Average, divide by this before the sum and
@@ -37,19 +40,45 @@ def allreduce_gradients(grads, compression=Compression.none, op=mpi_ops.Average,
     op, prescale, postscale = ops.predivide_scaling(op, gradient_predivide_factor)
     flat = tf.nest.flatten(grads, expand_composites=False)
     present = [i for i, g in enumerate(flat) if g is not None]
+    reducer = getattr(compression, "is_reducer", False)
     values = []
     for i in present:
         g = flat[i]
-        if sparse_as_dense and isinstance(g, tf.IndexedSlices):
+        if (sparse_as_dense or reducer) and isinstance(g, tf.IndexedSlices):
             g = tf.convert_to_tensor(g)
         values.append(g)
-    reduced = mpi_ops.grouped_allreduce(values, compression=compression, op=op,
-                                        prescale_factor=prescale,
-                                        postscale_factor=postscale, name=name)
+    if reducer:
+        reduced = _reduce_through(compression, values, op, prescale, postscale,
+                                  [f"grad.{i}" for i in present])
+    else:
+        reduced = mpi_ops.grouped_allreduce(values, compression=compression, op=op,
+                                            prescale_factor=prescale,
+                                            postscale_factor=postscale, name=name)
     out = list(flat)
     for i, g in zip(present, reduced):
         out[i] = g
     return tf.nest.pack_sequence_as(grads, out, expand_composites=False)
+
+
+def _reduce_through(reducer, values, op, prescale, postscale, names):
+    """Runs a reducer (``hvdlite.reducers``) on the gradients' values as numpy arrays,
+    eagerly or inside a tf.function (through tf.numpy_function)."""
+    if op != mpi_ops.Average or (prescale, postscale) != (1.0, 1.0):
+        raise InvalidArgumentError(f"{reducer!r} averages gradients: it takes op=Average "
+                                   "and no gradient_predivide_factor")
+    if isinstance(reducer, type):
+        raise InvalidArgumentError(f"{reducer.__name__} is a reducer class: pass an "
+                                   "instance, e.g. Compression.topk(0.01)")
+
+    def run(*arrays):
+        token = reducer.start(names, [np.asarray(a, np.float32) for a in arrays])
+        (updates,) = reducer.finish_all([token])
+        return [u.astype(a.dtype) for u, a in zip(updates, arrays)]
+
+    reduced = tf.numpy_function(run, values, [v.dtype for v in values], stateful=True)
+    for out, value in zip(reduced, values):
+        out.set_shape(value.shape)
+    return reduced
 
 
 class DistributedGradientTape:

@@ -1,7 +1,9 @@
-"""``hvd.Compression`` for PyTorch: none, fp16 and bf16 (see ``hvdlite.compression``)."""
+"""``hvd.Compression`` for PyTorch: the cast compressors none, fp16 and bf16 (see
+``hvdlite.compression``) and the reducers top-k, quantize and PowerSGD (see
+``hvdlite.reducers``)."""
 import torch
 
-from hvdlite.compression import CastCompressor, Compressor, NoneCompressor
+from hvdlite.compression import CastCompressor, Compressor, NoneCompressor, ReducerChoices
 
 __all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor"]
 
@@ -24,8 +26,9 @@ class BF16Compressor(_TorchCast):
     wire_dtype = torch.bfloat16
 
 
-class Compression:
-    """The compressors, by the names Horovod scripts use."""
+class Compression(ReducerChoices):
+    """The compressors, by the names Horovod scripts use (``none``, ``fp16``, ``bf16``),
+    and the reducers ``topk(ratio)``, ``quantize(bits)``, ``powersgd(rank)``."""
 
     none = NoneCompressor
     fp16 = FP16Compressor

@@ -16,8 +16,76 @@ import warnings
 import torch
 
 from hvdlite import ops, runtime
+from hvdlite.reducers import Reducer
 from hvdlite.torch import mpi_ops
 from hvdlite.torch.compression import Compression
+
+
+class _CompressedAllreduce(Reducer):
+    """compress -> allreduce in place -> decompress: the reducer of the cast compressors
+    (Compression.none, fp16, bf16), on torch tensors with no copy beyond the casts."""
+
+    def __init__(self, compression, op, scale, process_set):
+        self.compression, self.op, self.scale = compression, op, scale
+        self.process_set = process_set
+
+    def start(self, names, grads):
+        sent = [self.compression.compress(grad) for grad in grads]
+        tensors = [tensor for tensor, _ in sent]
+        if len(tensors) == 1:
+            handle = mpi_ops._allreduce_async(tensors[0], tensors[0], names[0], self.op,
+                                              *self.scale, self.process_set)
+        else:
+            handle = mpi_ops._grouped_allreduce_async(tensors, tensors, names, self.op,
+                                                      *self.scale, self.process_set,
+                                                      names[0])
+        return handle, sent
+
+    def finish(self, token):
+        handle, sent = token
+        mpi_ops.synchronize(handle)
+        return [self.compression.decompress(tensor, ctx) for tensor, ctx in sent]
+
+
+class _OnCpuArrays(Reducer):
+    """Runs a framework-free reducer (``hvdlite.reducers``) on numpy views of the
+    gradients, and gives its updates back as tensors of the gradients' dtype and device."""
+
+    def __init__(self, reducer):
+        self.reducer = reducer
+
+    def start(self, names, grads):
+        arrays = [grad.detach().to("cpu", torch.float32).numpy() for grad in grads]
+        return self.reducer.start(names, arrays), [(g.dtype, g.device) for g in grads]
+
+    def finish_all(self, tokens):
+        updates = self.reducer.finish_all([token for token, _ in tokens])
+        return [[torch.from_numpy(u).to(device, dtype) for u, (dtype, device) in zip(us, kinds)]
+                for us, (_, kinds) in zip(updates, tokens)]
+
+
+def reduce_through(reducer, grads, names):
+    """Averages torch gradients through a framework-free reducer, in one go; returns the
+    updates (for callers outside the optimizer, e.g. Keras on the torch backend)."""
+    on_cpu = _reducer_for(reducer, mpi_ops.Average, [1.0, 1.0], mpi_ops.global_process_set)
+    (updates,) = on_cpu.finish_all([on_cpu.start(names, grads)])
+    return updates
+
+
+def _reducer_for(compression, op, scale, process_set):
+    """The optimizer's reducer: ``compression`` itself when it is one, else the
+    compressed allreduce of a cast compressor."""
+    if not getattr(compression, "is_reducer", False):
+        return _CompressedAllreduce(compression, op, scale, process_set)
+    if isinstance(compression, type):
+        raise ValueError(f"{compression.__name__} is a reducer class: pass an instance, "
+                         f"e.g. Compression.topk(0.01)")
+    if op != mpi_ops.Average or scale != [1.0, 1.0]:
+        raise ValueError(f"{compression!r} averages gradients: it takes op=Average and no "
+                         "gradient_predivide_factor")
+    if process_set is not mpi_ops.global_process_set:
+        raise ValueError(f"{compression!r} runs on the global process set only")
+    return _OnCpuArrays(compression)
 
 
 class _DistributedOptimizer:
@@ -28,9 +96,9 @@ class _DistributedOptimizer:
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got "
                              f"{backward_passes_per_step}")
-        _, *self._scale = ops.predivide_scaling(op, gradient_predivide_factor)
+        _, *scale = ops.predivide_scaling(op, gradient_predivide_factor)
         mpi_ops._process_set_id(process_set)
-        self._compression = compression
+        self._reducer = _reducer_for(compression, op, scale, process_set)
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
@@ -49,7 +117,7 @@ class _DistributedOptimizer:
                             for unit in self._units]
         self._delay = {p: backward_passes_per_step for p in self._requires_update}
         self._ready = {}      # unit index -> how many of its gradients are final this step
-        self._handles = {}    # unit index -> (Handle, [(param, sent tensor, ctx)])
+        self._handles = {}    # unit index -> (reducer token, the unit's parameters)
         self._accumulating = False
         self._synchronized = False
         self._should_synchronize = True
@@ -131,10 +199,10 @@ class _DistributedOptimizer:
         return hook
 
     def _allreduce_unit_async(self, index):
-        """Enqueues the in-place allreduce of the gradients of unit ``index``'s
-        parameters."""
-        unit, names = self._units[index], self._unit_names[index]
-        sent = []
+        """Starts reducing the gradients of unit ``index``'s parameters; returns the
+        reducer's token and the parameters."""
+        unit = self._units[index]
+        grads = []
         for p in unit:
             if p.grad is None:
                 # No gradient here (parameter unused on this rank this step), but another
@@ -145,17 +213,8 @@ class _DistributedOptimizer:
                 grad = grad.to_dense()
             elif not grad.is_contiguous():
                 grad = grad.contiguous()
-            tensor, ctx = self._compression.compress(grad)
-            sent.append((p, tensor, ctx))
-        tensors = [t for _, t, _ in sent]
-        if len(unit) == 1:
-            handle = mpi_ops._allreduce_async(tensors[0], tensors[0], names[0], self.op,
-                                              *self._scale, self.process_set)
-        else:
-            handle = mpi_ops._grouped_allreduce_async(tensors, tensors, names, self.op,
-                                                      *self._scale, self.process_set,
-                                                      names[0])
-        return handle, sent
+            grads.append(grad)
+        return self._reducer.start(self._unit_names[index], grads), unit
 
     def synchronize(self):
         """Waits for every gradient's allreduce and writes the averages into ``p.grad``.
@@ -177,10 +236,10 @@ class _DistributedOptimizer:
             if index not in self._handles:
                 self._handles[index] = self._allreduce_unit_async(index)
         try:
-            for handle, sent in self._handles.values():
-                mpi_ops.synchronize(handle)
-                for p, tensor, ctx in sent:
-                    result = self._compression.decompress(tensor, ctx)
+            pending = list(self._handles.values())
+            updates = self._reducer.finish_all([token for token, _ in pending])
+            for (_, unit), results in zip(pending, updates):
+                for p, result in zip(unit, results):
                     if p.grad.is_sparse:
                         p.grad = result if self.sparse_as_dense else result.to_sparse()
                     elif result is not p.grad:
@@ -264,7 +323,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         optimizer: any ``torch.optim.Optimizer``.
         named_parameters: ``model.named_parameters()``, to name gradients consistently
             across ranks; None names them by position in the parameter groups.
-        compression: Compression.none, fp16 or bf16 for the wire.
+        compression: Compression.none, fp16 or bf16 (a cast for the wire), or a reducer
+            that changes the collective: ``Compression.topk(ratio)``,
+            ``Compression.quantize(bits)``, ``Compression.powersgd(rank)`` (Average
+            only; one reducer object per optimizer: it keeps error-feedback state).
         backward_passes_per_step: backward passes accumulated locally per ``step()``; the
             allreduce runs on the last one (gradients are summed over the passes, scale
             the loss if you want their mean).

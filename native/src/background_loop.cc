@@ -52,6 +52,16 @@ Status SameOnEveryRank(const std::vector<int64_t>& values, int index, const char
   return InvalidArgument(std::string(setting) + " must be the same on every rank: " + diff);
 }
 
+// Bytes one rank sends to the others in a collective whose buffer (allreduce) or result
+// (allgather, broadcast, reducescatter's input) is `payload` bytes, counted as a
+// bandwidth-optimal algorithm sends them, whichever path ran: what a compressor saves is
+// then counted the same way for every op (hvdlite_stats_t.wire_bytes).
+int64_t WireBytes(int32_t op, int64_t payload, int size) {
+  if (size <= 1) return 0;
+  const int64_t share = payload / size * (size - 1);
+  return op == HVDLITE_OP_ALLREDUCE ? 2 * share : share;
+}
+
 Status NotInitialized() {
   return Status(HVDLITE_ERR_NOT_INITIALIZED,
                 "hvdlite is not initialized: call hvdlite.init() first");
@@ -802,6 +812,7 @@ void Core::ExecuteAllreduce(const std::vector<const Response*>& fused) {
   if (mpi_.shared_memory()) counters_.shm_collectives++;
   if (fused.size() > 1) counters_.fused_collectives++;
   counters_.bytes += total * elem;
+  counters_.wire_bytes += WireBytes(HVDLITE_OP_ALLREDUCE, total * elem, topo_.size);
   FinishAll(entries, s);
   if (!s.ok()) EndLoop(s);
 }
@@ -862,6 +873,7 @@ void Core::ExecuteAllgather(const std::vector<const Response*>& fused) {
   counters_.collectives++;
   counters_.fused_collectives++;
   counters_.bytes += total;
+  counters_.wire_bytes += WireBytes(HVDLITE_OP_ALLGATHER, total, size);
   for (size_t t = 0; t < fused.size(); ++t) Finish(entries[t], s, std::move(outs[t]));
   if (!s.ok()) EndLoop(s);
 }
@@ -878,6 +890,7 @@ void Core::ExecuteOne(const Response& r) {
   Status s;
   OpOutput out;
   int64_t moved = 0;
+  int64_t sent_away = -1;  // alltoall: the rows this rank sent to the others
   switch (r.op) {
     case HVDLITE_OP_ALLGATHER: {
       int64_t row = RowElements(r.shape) * elem;
@@ -918,6 +931,8 @@ void Core::ExecuteOne(const Response& r) {
       out.Allocate(total);
       s = mpi_.Alltoallv(e ? e->input : nullptr, send, out.data.get(), recv);
       moved = total;
+      sent_away = 0;
+      for (int k = 0; k < size; ++k) sent_away += k == me ? 0 : send[k];
       break;
     }
     case HVDLITE_OP_REDUCESCATTER: {
@@ -960,6 +975,7 @@ void Core::ExecuteOne(const Response& r) {
   if (r.op != HVDLITE_OP_JOIN) {
     counters_.collectives++;
     counters_.bytes += moved;
+    counters_.wire_bytes += sent_away >= 0 ? sent_away : WireBytes(r.op, moved, size);
   }
   Finish(e, s, std::move(out));
   if (!s.ok()) EndLoop(s);

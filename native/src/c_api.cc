@@ -163,6 +163,7 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_stats(hvdlite_stats_t* out) {
     out->bytes = c.bytes;
     out->errors = c.errors;
     out->shm_collectives = c.shm_collectives;
+    out->wire_bytes = c.wire_bytes;
     return hvdlite::Status::OK();
   });
 }

@@ -34,7 +34,7 @@ from typing import Dict, List
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULT_PREFIX = "HVDLITE_RESULT "
-_TAG = re.compile(r"^\[(\d+)\](?:<(stdout|stderr)>)?:(.*)$")
+_TAG = re.compile(r"^\[(\d+)(?:@[^\]]*)?\](?:<(stdout|stderr)>)?:(.*)$")
 
 # Variables an MPI process manager leaves in its children; a job started from a process
 # that is itself an MPI rank (or singleton) must not inherit them.

@@ -129,6 +129,11 @@ typedef struct {
   int64_t bytes;               /* payload bytes through collectives */
   int64_t errors;              /* ops that ended in an error */
   int64_t shm_collectives;     /* of the collectives, allreduces through shared memory */
+  int64_t wire_bytes;          /* bytes this rank sent to other ranks, counted as a
+                                * bandwidth-optimal algorithm sends them (allreduce of S
+                                * bytes on n ranks: 2(n-1)/n S; allgather, broadcast,
+                                * reducescatter of a result of S bytes: (n-1)/n S;
+                                * alltoall: the rows sent to other ranks) */
 } hvdlite_stats_t;
 
 /* Starts the core: MPI (unless already initialized, e.g. by mpi4py), the background

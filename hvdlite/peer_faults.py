@@ -1,0 +1,98 @@
+"""Lost peers, as the launcher tells them: a rank that died or a host that went silent.
+
+hvdliterun watches every rank's wrapper (exit statuses, heartbeats over its control
+connection). When ranks are lost, the launcher tells every surviving wrapper, and the
+wrapper writes one JSON line to a pipe its rank inherits (``HVDLITE_FAULT_FD``). Here a
+daemon thread, blocked in ``read`` (no polling), takes that line and records the
+failure; every wait on a collective (``Handle.wait`` checks between its one-second
+slices) then raises :class:`~hvdlite.errors.RankFailedError` naming the lost ranks and
+hosts, instead of waiting forever on a peer that will not answer (a cut link gives the
+transport no error to report). The launcher ends the job a few seconds later.
+
+Outside hvdliterun (no ``HVDLITE_FAULT_FD``) nothing is started.
+"""
+import json
+import os
+import threading
+from typing import Optional
+
+from hvdlite import errors
+
+ENV_FAULT_FD = "HVDLITE_FAULT_FD"
+
+_failure: Optional[errors.RankFailedError] = None
+_started = False
+_lock = threading.Lock()
+
+
+def failure() -> Optional[errors.RankFailedError]:
+    """The error every wait raises once the launcher reported lost peers, else None."""
+    return _failure
+
+
+def describe(notice: dict) -> str:
+    """The message for a notice ``{"ranks": [...], "hosts": [...], "reason": "..."}``."""
+    ranks = notice.get("ranks") or []
+    hosts = notice.get("hosts") or []
+    parts = []
+    if ranks:
+        parts.append(("rank " if len(ranks) == 1 else "ranks ")
+                     + ", ".join(str(r) for r in ranks))
+    if hosts:
+        parts.append(("on host " if len(hosts) == 1 else "on hosts ") + ", ".join(hosts))
+    who = " ".join(parts) or "a peer"
+    reason = notice.get("reason") or "lost"
+    return f"lost {who}: {reason}; the job is ending"
+
+
+def record(notice: dict) -> None:
+    """Records a lost-peer notice (the first one wins)."""
+    global _failure
+    with _lock:
+        if _failure is None:
+            _failure = errors.RankFailedError(describe(notice))
+
+
+def _reader(fd: int) -> None:
+    buffered = b""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            return
+        if not chunk:
+            return  # the wrapper is gone; it ends this process too
+        buffered += chunk
+        while b"\n" in buffered:
+            line, buffered = buffered.split(b"\n", 1)
+            try:
+                notice = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(notice, dict):
+                record(notice)
+
+
+def start_listening(env=None) -> bool:
+    """Starts the reader thread when the launcher gave a fault pipe (once per process).
+
+    Returns:
+        Whether a pipe is being read.
+    """
+    global _started
+    env = os.environ if env is None else env
+    value = env.get(ENV_FAULT_FD, "")
+    with _lock:
+        if _started:
+            return True
+        if not value.isdigit():
+            return False
+        fd = int(value)
+        try:
+            os.fstat(fd)
+        except OSError:
+            return False
+        _started = True
+    threading.Thread(target=_reader, args=(fd,), name="hvdlite-peer-faults",
+                     daemon=True).start()
+    return True

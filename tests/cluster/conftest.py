@@ -1,0 +1,62 @@
+"""Fixtures for tests on a namespace cluster (issue 16): N hosts, each a network
+namespace with its own host name and address, links shaped with tc.
+
+Clusters are shared per test module (building one takes about a second per host) and
+always torn down; the tests skip with the reason when the machine cannot build one
+(not root; ip, tc or unshare missing).
+"""
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "multirank"))
+sys.path.insert(0, HERE)
+try:
+    import hvdlite  # noqa: F401
+except ImportError:
+    sys.path.insert(0, REPO_ROOT)
+
+import harness  # noqa: E402
+from hvdlite.runner import netns_cluster  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def native():
+    """Skips the test unless the native library loads."""
+    harness.require_native()
+
+
+@pytest.fixture(scope="session")
+def cluster_support():
+    """Skips unless this process can build namespace clusters; removes stale ones once."""
+    reason = netns_cluster.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    netns_cluster.cleanup_stale()
+
+
+@pytest.fixture(scope="module")
+def make_cluster(cluster_support):
+    """``make_cluster(num_hosts, rate=None, loss_percent=0.0)``: a started cluster, the same
+    object for the same arguments within the module, torn down after the module."""
+    made = {}
+
+    def make(num_hosts, rate=None, loss_percent=0.0):
+        key = (num_hosts, rate, loss_percent)
+        if key not in made:
+            made[key] = netns_cluster.NetnsCluster(num_hosts, rate=rate,
+                                                   loss_percent=loss_percent).start()
+        return made[key]
+
+    yield make
+    for cluster in made.values():
+        cluster.close()
+
+
+@pytest.fixture(scope="module")
+def cluster2(make_cluster):
+    """Two hosts h1, h2 on unshaped links."""
+    return make_cluster(2)

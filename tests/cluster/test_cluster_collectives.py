@@ -1,0 +1,153 @@
+"""Jobs across the hosts of a namespace cluster, started with hvdliterun -H through the
+cluster's remote shell: topology (local/cross rank and size from the real host layout)
+and every collective against values numpy computes from the ranks' known inputs.
+
+Layouts: 2 hosts x 2 ranks, uneven 3 + 1, 1 rank per host (2 and 3 hosts), and ranks
+placed round-robin over the hosts (hydra's -ppn 1: a host's ranks are not contiguous).
+One job per layout checks everything and reports its failures in one result line.
+"""
+import pytest
+
+from cluster_harness import run_cluster_job
+from harness import describe
+
+pytestmark = [pytest.mark.timeout(400), pytest.mark.usefixtures("native")]
+
+JOB_TIMEOUT = 180
+
+SCRIPT = r'''
+import json, socket
+import numpy as np
+import hvdlite as hvd
+
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+failures = []
+
+
+def data(r, shape, dtype, salt=0):
+    n = int(np.prod(shape))
+    v = (np.arange(n, dtype=np.int64) * 3 + r * 5 + salt * 7) % 17 - 8
+    return v.astype(dtype).reshape(shape)
+
+
+def check(label, got, want):
+    got, want = np.asarray(got), np.asarray(want)
+    if got.shape != want.shape or got.dtype != want.dtype or not np.array_equal(got, want):
+        failures.append(f"{label}: got {got.dtype}{got.shape} {got.ravel()[:6]}, "
+                        f"want {want.dtype}{want.shape} {want.ravel()[:6]}")
+
+
+everyone = list(range(size))
+for dtype in (np.float32, np.float64, np.int32, np.int64):
+    for shape in ((5,), (3, 7), (1 << 20,)):  # the last one is 4-8 MiB: many packets
+        mine = data(rank, shape, dtype)
+        stack = np.stack([data(r, shape, dtype) for r in everyone])
+        name = f"{np.dtype(dtype).name}-{len(shape)}-{shape[0]}"
+        check(f"sum {name}", hvd.allreduce(mine, op=hvd.Sum, name="s" + name),
+              stack.sum(axis=0).astype(dtype))
+        check(f"min {name}", hvd.allreduce(mine, op=hvd.Min, name="mn" + name), stack.min(axis=0))
+        check(f"max {name}", hvd.allreduce(mine, op=hvd.Max, name="mx" + name), stack.max(axis=0))
+        if np.dtype(dtype).kind == "f":
+            got = hvd.allreduce(mine, op=hvd.Average, name="a" + name)
+            want = (stack.astype(np.float64).sum(axis=0) / size).astype(dtype)
+            if not np.allclose(got, want, rtol=1e-6):
+                failures.append(f"average {name} differs")
+
+grads = [data(rank, (n,), np.float32, salt=n) for n in (3, 1000, 70000)]
+got = hvd.grouped_allreduce(grads, op=hvd.Sum, name="group")
+for n, g in zip((3, 1000, 70000), got):
+    check(f"grouped {n}", g, np.sum([data(r, (n,), np.float32, salt=n) for r in everyone], axis=0))
+
+rows = lambda r: r + 1  # uneven first dimensions
+check("allgather", hvd.allgather(data(rank, (rows(rank), 4), np.int32), name="ag"),
+      np.concatenate([data(r, (rows(r), 4), np.int32) for r in everyone]))
+root = size - 1
+for r in (0, root):
+    check(f"broadcast from {r}", hvd.broadcast(data(rank, (9, 2), np.float64), r, name=f"b{r}"),
+          data(r, (9, 2), np.float64))
+splits = [(rank + d) % 3 + 1 for d in everyone]  # rank sends splits[d] rows to rank d
+sent = data(rank, (sum(splits), 2), np.int64)
+received, received_splits = hvd.alltoall(sent, splits=splits, name="a2a")
+want_parts = []
+for src in everyone:
+    src_splits = [(src + d) % 3 + 1 for d in everyone]
+    start = sum(src_splits[:rank])
+    want_parts.append(data(src, (sum(src_splits), 2), np.int64)[start:start + src_splits[rank]])
+check("alltoall", received, np.concatenate(want_parts))
+check("alltoall splits", received_splits, np.array([p.shape[0] for p in want_parts]))
+full = np.sum([data(r, (2 * size + 1, 3), np.float32) for r in everyone], axis=0)
+n_rows = 2 * size + 1  # the first n_rows % size ranks get one row more
+counts = [n_rows // size + (1 if r < n_rows % size else 0) for r in everyone]
+start = sum(counts[:rank])
+check("reducescatter", hvd.reducescatter(data(rank, (2 * size + 1, 3), np.float32), op=hvd.Sum,
+                                         name="rs"), full[start:start + counts[rank]])
+hvd.barrier()
+
+print("HVDLITE_RESULT", json.dumps({
+    "host": socket.gethostname(), "rank": rank, "size": size,
+    "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
+    "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(),
+    "shm_collectives": hvd.stats()["shm_collectives"], "failures": failures}))
+'''
+
+
+def expected_topology(hosts):
+    """rank -> (local_rank, local_size, cross_rank, cross_size) from each rank's host."""
+    out = {}
+    for rank, host in enumerate(hosts):
+        same_host = [r for r, h in enumerate(hosts) if h == host]
+        local_rank = same_host.index(rank)
+        same_local = [r for r in range(len(hosts))
+                      if [q for q, h in enumerate(hosts) if h == hosts[r]].index(r) == local_rank]
+        out[rank] = (local_rank, len(same_host), same_local.index(rank), len(same_local))
+    return out
+
+
+def _run_and_check(cluster, hosts, placement, launcher_args=()):
+    """Runs SCRIPT on ``hosts``; checks each rank's host, results and topology.
+
+    Returns:
+        The ranks' reports.
+    """
+    result = run_cluster_job(cluster, hosts, SCRIPT, timeout=JOB_TIMEOUT,
+                             launcher_args=launcher_args)
+    assert result.returncode == 0, describe(result)
+    size = len(placement)
+    reports = [result.result(r) for r in range(size)]
+    assert [rep["host"] for rep in reports] == placement, describe(result)
+    for rep in reports:
+        assert rep["size"] == size
+        assert rep["failures"] == [], f"rank {rep['rank']} on {rep['host']}: {rep['failures']}"
+    want = expected_topology(placement)
+    got = {rep["rank"]: (rep["local_rank"], rep["local_size"], rep["cross_rank"],
+                         rep["cross_size"]) for rep in reports}
+    assert got == want, f"placement {placement}"
+    return reports
+
+
+@pytest.mark.parametrize("hosts,placement", [
+    ("h1:2,h2:2", ["h1", "h1", "h2", "h2"]),
+    ("h1:3,h2:1", ["h1", "h1", "h1", "h2"]),
+    ("h1:1,h2:1", ["h1", "h2"]),
+], ids=["2x2", "3+1", "2x1"])
+def test_collectives_and_topology_across_hosts(cluster2, hosts, placement):
+    _run_and_check(cluster2, hosts, placement)
+
+
+def test_round_robin_placement(cluster2):
+    # hydra's -ppn 1 deals ranks one per host in turn: h1 gets ranks 0 and 2.
+    _run_and_check(cluster2, "h1:2,h2:2", ["h1", "h2", "h1", "h2"],
+                   launcher_args=["--mpi-args", "-ppn 1"])
+
+
+def test_one_rank_on_each_of_three_hosts(make_cluster):
+    _run_and_check(make_cluster(3), "h1:1,h2:1,h3:1", ["h1", "h2", "h3"])
+
+
+def test_ranks_in_one_host_of_the_cluster_share_memory(cluster2):
+    # Two ranks in one namespace are one host: local_size 2 and the shared-memory
+    # allreduce in use, as on a real machine (the core decides from MPI's node split,
+    # which follows the hosts given to mpiexec, so it never spans two hosts).
+    reports = _run_and_check(cluster2, "h1:2", ["h1", "h1"])
+    assert all(rep["shm_collectives"] > 0 for rep in reports), reports

@@ -1,0 +1,130 @@
+"""Network faults on a namespace cluster: a rank killed on another host, a host's link
+cut mid-job, 1% packet loss.
+
+Every surviving rank must raise RankFailedError naming the lost ranks and host within a
+bounded time (HVDLITE_PEER_TIMEOUT, shortened here to 6 s, plus slack for this loaded
+machine), hvdliterun must exit non-zero, and no process may be left on any host. Each
+rank also writes what it raised to a file in a shared directory: the ranks behind a cut
+link cannot send their output to the launcher. Loss: the collectives' results are
+still exact.
+"""
+import json
+import os
+import tempfile
+import threading
+import time
+
+import pytest
+
+from cluster_harness import run_cluster_job
+from harness import describe
+from test_cluster_collectives import _run_and_check
+
+pytestmark = [pytest.mark.timeout(400), pytest.mark.usefixtures("native")]
+
+PEER_TIMEOUT_S = 6
+# Generous: the bound checked is "seconds, not forever"; the machine is shared.
+RAISE_BOUND_S = PEER_TIMEOUT_S + 30
+
+SCRIPT = r'''
+import json, os, signal, socket, sys, time
+import numpy as np
+import hvdlite as hvd
+from hvdlite.errors import RankFailedError
+
+out_dir, victim = sys.argv[1], int(sys.argv[2])
+hvd.init()
+rank = hvd.rank()
+x = np.ones(64 * 1024, np.float32)
+try:
+    for step in range(1_000_000):
+        got = hvd.allreduce(x, op=hvd.Sum, name="g")
+        assert got[0] == hvd.size(), got[0]
+        if step == 20 and rank == 0:
+            open(os.path.join(out_dir, "running"), "w").close()
+        if step == 20 and rank == victim:
+            with open(os.path.join(out_dir, "killed"), "w") as f:
+                f.write(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.02)
+except RankFailedError as e:
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"host": socket.gethostname(), "message": str(e), "at": time.time()}, f)
+    raise
+'''
+
+
+def _raised(out_dir, ranks):
+    found = {}
+    for rank in ranks:
+        path = os.path.join(out_dir, f"rank{rank}.json")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                found[rank] = json.load(f)
+    return found
+
+
+def _job(cluster, out_dir, victim, timeout=150):
+    return run_cluster_job(cluster, "h1:2,h2:2", SCRIPT, timeout=timeout,
+                           args=[out_dir, victim],
+                           env={"HVDLITE_PEER_TIMEOUT": str(PEER_TIMEOUT_S)})
+
+
+def _shared_dir():
+    tmp = tempfile.TemporaryDirectory(prefix="hvdlite-faults-")
+    os.chmod(tmp.name, 0o777)
+    return tmp
+
+
+def test_a_rank_killed_on_another_host(cluster2):
+    with _shared_dir() as out_dir:
+        result = _job(cluster2, out_dir, victim=3)
+        with open(os.path.join(out_dir, "killed"), encoding="utf-8") as f:
+            killed_at = float(f.read())
+        raised = _raised(out_dir, [0, 1, 2])
+    assert result.returncode != 0, describe(result)
+    assert sorted(raised) == [0, 1, 2], describe(result)
+    for rank, info in raised.items():
+        assert "rank 3 on host h2" in info["message"], info
+        assert info["at"] - killed_at < RAISE_BOUND_S, (rank, info["at"] - killed_at)
+    assert "rank 3 (pid" in "\n".join(result.untagged), describe(result)
+    assert not result.leftovers, result.leftovers
+
+
+def test_a_host_whose_link_is_cut_mid_job(cluster2):
+    with _shared_dir() as out_dir:
+        cut = {}
+
+        def cut_when_running():
+            deadline = time.monotonic() + 120
+            while not os.path.exists(os.path.join(out_dir, "running")):
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.1)
+            cut["at"] = time.time()
+            cluster2.set_link("h2", up=False)
+
+        cutter = threading.Thread(target=cut_when_running, daemon=True)
+        cutter.start()
+        try:
+            result = _job(cluster2, out_dir, victim=-1)
+        finally:
+            cutter.join(timeout=5)
+            cluster2.set_link("h2", up=True)
+        raised = _raised(out_dir, range(4))
+    assert "at" in cut, "the job never got going:\n" + describe(result)
+    assert result.returncode != 0, describe(result)
+    assert sorted(raised) == [0, 1, 2, 3], describe(result)
+    for rank in (0, 1):  # on h1, with the launcher: told which ranks are gone
+        assert "ranks 2, 3 on host h2" in raised[rank]["message"], raised[rank]
+    for rank in (2, 3):  # on h2, cut off: the launcher is unreachable
+        assert "no word from the launcher" in raised[rank]["message"], raised[rank]
+    for rank, info in raised.items():
+        assert info["at"] - cut["at"] < RAISE_BOUND_S, (rank, info["at"] - cut["at"])
+    assert "lost ranks 2, 3 on host h2" in "\n".join(result.untagged), describe(result)
+    assert not result.leftovers, result.leftovers
+
+
+def test_results_stay_exact_with_one_percent_loss(make_cluster):
+    lossy = make_cluster(2, loss_percent=1.0)
+    _run_and_check(lossy, "h1:1,h2:1", ["h1", "h2"])
