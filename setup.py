@@ -4,14 +4,18 @@ The core is a plain shared library with a C API; Python loads it with cffi in AB
 mode, so nothing here compiles against Python or any deep-learning framework.
 
 MPI: HVDLITE_MPI_DIR=/path (with include/mpi.h and lib/libmpi.so) selects a system
-MPI; otherwise the `mpich` wheel in the build environment provides the headers and, at
-run time, the `mpich` wheel in the installing environment provides libmpi.
+MPI, and the package then does not depend on the `mpich` wheel; otherwise the `mpich`
+wheel in the build environment provides the headers and, at run time, the `mpich` wheel
+in the installing environment provides libmpi. _build_info.json records which MPI (its
+implementation from mpi.h, the libmpi soname the core needs, a system MPI's prefix) so
+that the loader opens exactly that library and refuses another implementation.
 HVDLITE_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer.
 HVDLITE_DEBUG=1 builds without optimization.
 """
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -58,6 +62,43 @@ def _mpi_prefix():
              "(pip install mpich) or set HVDLITE_MPI_DIR to an MPI installation")
 
 
+def mpi_identity(include):
+    """Returns (implementation, version) of the MPI whose mpi.h is in ``include``.
+
+    The names match what the library's MPI_Get_library_version says (see
+    hvdlite/_native.py), so the loader can compare the two.
+    """
+    with open(os.path.join(include, "mpi.h"), encoding="utf-8", errors="replace") as f:
+        header = f.read()
+
+    def define(name):
+        match = re.search(r"^#\s*define\s+" + name + r"\s+\"?([^\"\s]+)", header, re.M)
+        return match.group(1) if match else None
+
+    if define("OMPI_MAJOR_VERSION"):
+        return "Open MPI", ".".join(define(f"OMPI_{part}_VERSION") or "?"
+                                    for part in ("MAJOR", "MINOR", "RELEASE"))
+    if define("I_MPI_VERSION"):
+        return "Intel MPI", define("I_MPI_VERSION")
+    for name in ("MVAPICH_VERSION", "MVAPICH2_VERSION"):
+        if define(name):
+            return "MVAPICH", define(name)
+    if define("MPICH_VERSION"):
+        return "MPICH", define("MPICH_VERSION")
+    return "unknown", None
+
+
+def needed_mpi_soname(library):
+    """Returns the libmpi soname a linked library needs (DT_NEEDED), or None."""
+    try:
+        out = subprocess.run(["readelf", "-d", library], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, check=True).stdout.decode()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    match = re.search(r"\(NEEDED\).*\[(libmpi\.so[^\]]*)\]", out)
+    return match.group(1) if match else None
+
+
 _built = set()  # out_dirs compiled by this process: editable installs run two hooks
 
 
@@ -91,8 +132,11 @@ def build_native(out_dir):
     cmd = [cxx] + flags + sources + ["-o", target] + link
     print("hvdlite: " + " ".join(cmd), flush=True)
     subprocess.check_call(cmd)
+    implementation, version = mpi_identity(include)
     with open(os.path.join(out_dir, "_build_info.json"), "w") as f:
         json.dump({"mpi_source": source, "mpi_prefix": prefix if source == "system" else None,
+                   "mpi_implementation": implementation, "mpi_version": version,
+                   "mpi_soname": needed_mpi_soname(target),
                    "sanitize": os.environ.get("HVDLITE_SANITIZE") == "1"}, f)
     for header in ("c_api.h", "testing.h"):
         shutil.copy(os.path.join(HERE, "native", "include", "hvdlite", header),
@@ -116,9 +160,15 @@ class BuildNative(Command):
 
 
 class BuildPy(build_py):
+    # A wheel's core is compiled into the build directory, not the source tree: a
+    # checkout's own (editable) build stays as it is when `pip install .` builds
+    # another copy from it, e.g. against a system MPI into another venv.
     def run(self):
-        build_native(PKG)
         super().run()
+        if getattr(self, "editable_mode", False):
+            build_native(PKG)
+        else:
+            build_native(os.path.join(os.path.abspath(self.build_lib), "hvdlite"))
 
 
 class Develop(develop):
@@ -136,4 +186,11 @@ if editable_wheel is not None:
 
     cmdclass["editable_wheel"] = EditableWheel
 
-setup(cmdclass=cmdclass)
+# The mpich wheel is a dependency only of a build against it: installed beside a system
+# MPI in the same prefix (a pip-installed Open MPI) it would replace that MPI's mpiexec
+# and libmpi.so. build_support/hvdlite_backend.py makes the same choice for the build.
+install_requires = ["cffi>=1.15", "numpy>=1.22", "ml_dtypes>=0.3"]
+if not os.environ.get("HVDLITE_MPI_DIR"):
+    install_requires.append("mpich; sys_platform == 'linux'")
+
+setup(cmdclass=cmdclass, install_requires=install_requires)

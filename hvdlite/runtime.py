@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 
-from hvdlite import env_aliases, peer_faults
+from hvdlite import _native, env_aliases, peer_faults
 from hvdlite._native import check, ffi, lib
 
 _log = logging.getLogger("hvdlite")
@@ -221,6 +221,4 @@ def version():
 
 def mpi_library_version():
     """Returns the linked MPI library's version string."""
-    buf = ffi.new("char[]", 8192)
-    check(lib.hvdlite_mpi_library_version(buf, len(buf)))
-    return ffi.string(buf).decode("utf-8", "replace")
+    return _native.mpi_library_version()

@@ -6,6 +6,7 @@ process, so a broken install is reported rather than crashing the report.
 """
 import ctypes
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -115,60 +116,79 @@ def _format_version(symbol: str, code: int) -> str:
     return f"{major}.{rest // 10}"
 
 
-def native_library_status(path: str = NATIVE_LIBRARY, timeout: float = 30.0) -> str:
-    """Whether the native library exists and can be loaded (tried in a child process).
+# Run in a child: loads the core as a user's import would (libmpi included) and says
+# which libmpi it is bound to and what that library calls itself.
+_PROBE = """
+import json, os, sys
+sys.path.insert(0, sys.argv[2])
+os.environ["HVDLITE_LIBRARY"] = sys.argv[1]
+from hvdlite import _native
+print("HVDLITE_PROBE " + json.dumps({"mpi": _native.mpi_library_path,
+                                     "version": _native.mpi_library_version()}))
+"""
+
+
+def probe_native_library(path: str = NATIVE_LIBRARY,
+                         timeout: float = 30.0) -> Tuple[str, Optional[dict]]:
+    """Loads the native library in a child process, as ``import hvdlite`` would.
 
     Args:
         path: the library's path.
         timeout: seconds for the loading child.
 
     Returns:
-        A one-line status.
+        (a one-line status, the loaded MPI as ``{"mpi": path, "version": text}`` or None
+        when the library did not load).
     """
     if not os.path.exists(path):
         return (f"MISSING: {path} is not built (build it with 'pip install -e .' or "
-                f"'python setup.py build_native' in a source checkout)")
-    probe = "import ctypes, sys; ctypes.CDLL(sys.argv[1])"
+                f"'python setup.py build_native' in a source checkout)"), None
     try:
-        result = subprocess.run([sys.executable, "-I", "-c", probe, path],
+        result = subprocess.run([sys.executable, "-I", "-c", _PROBE, path,
+                                 os.path.dirname(_PACKAGE_DIR)],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-        return f"{path} (loading it took more than {timeout:g} s)"
+        return f"{path} (loading it took more than {timeout:g} s)", None
+    lines = result.stdout.decode("utf-8", "replace").strip().splitlines()
     if result.returncode != 0:
-        lines = result.stdout.decode("utf-8", "replace").strip().splitlines()
-        return f"{path} (CANNOT LOAD: {lines[-1] if lines else 'exit ' + str(result.returncode)})"
-    return f"{path} (loads)"
+        return (f"{path} (CANNOT LOAD: {lines[-1] if lines else 'exit ' + str(result.returncode)})",
+                None)
+    found = [l for l in lines if l.startswith("HVDLITE_PROBE ")]
+    return f"{path} (loads)", json.loads(found[-1].split(" ", 1)[1]) if found else None
 
 
-def _mpi_lines() -> List[str]:
+def _mpi_lines(loaded: Optional[dict]) -> List[str]:
     lines = []
     info = mpi_command.read_build_info()
     if info:
         source = info.get("mpi_source", "?")
         prefix = info.get("mpi_prefix") or "the mpich wheel"
-        lines.append(f"    built against:  {source} MPI ({prefix})")
+        built = " ".join(str(info[k]) for k in ("mpi_implementation", "mpi_version")
+                         if info.get(k))
+        soname = f", {info['mpi_soname']}" if info.get("mpi_soname") else ""
+        lines.append(f"    built against:  {built + ', ' if built else ''}{source} MPI "
+                     f"({prefix}{soname})")
     else:
         lines.append("    built against:  unknown (no _build_info.json next to the package)")
+    if loaded:
+        text = loaded.get("version", "").strip()
+        first = " ".join(text.splitlines()[0].split()) if text else "(no version text)"
+        lines.append(f"    [X] libmpi:     {loaded.get('mpi') or 'found by the dynamic loader'}")
+        lines.append(f"    implementation: {first}")
+    else:
+        lines.append("    [ ] libmpi:     not loaded (see the native library above)")
+        lines.append("    implementation: unknown (the library did not load)")
     try:
         path = mpi_command.find_mpiexec()
     except mpi_command.MpiNotFoundError as exc:
         lines.append(f"    [ ] launcher:   {exc}")
         return lines
     launcher = mpi_command.probe_launcher(path)
-    lines.append(f"    [X] launcher:   {path}")
-    lines.append(f"    implementation: {launcher.implementation}")
-    mpichversion = os.path.join(os.path.dirname(path), "mpichversion")
-    if os.access(mpichversion, os.X_OK):
-        try:
-            out = subprocess.run([mpichversion], stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 timeout=20, check=False).stdout.decode("utf-8", "replace")
-            first = next((l.strip() for l in out.splitlines() if l.strip()), "")
-            if first:
-                lines.append(f"    mpichversion:   {' '.join(first.split())}")
-        except (OSError, subprocess.TimeoutExpired):
-            pass
+    lines.append(f"    [X] launcher:   {path} ({launcher.implementation})")
+    mismatch = mpi_command.launcher_mismatch(info, launcher)
+    if mismatch:
+        lines.append(f"    MISMATCH:       {mismatch}")
     return lines
 
 
@@ -180,15 +200,16 @@ def report() -> str:
     """
     from hvdlite.runner.launch import package_version
 
+    status, loaded = probe_native_library()
     lines = [f"hvdlite {package_version()} (Python {sys.version.split()[0]}, "
              f"{sys.executable})", "",
-             "Native library:", "    " + native_library_status(), "",
+             "Native library:", "    " + status, "",
              "Frameworks:"]
     for module, dists in _FRAMEWORKS:
         version = framework_version(module, dists)
         mark = "X" if version else " "
         lines.append(f"    [{mark}] {module:<11} {version or 'not installed'}")
-    lines += ["", "MPI:"] + _mpi_lines() + ["", "GPU libraries:"]
+    lines += ["", "MPI:"] + _mpi_lines(loaded) + ["", "GPU libraries:"]
     gpu = (
         ("NCCL", "HVDLITE_NCCL_LIB", ("libnccl.so.2", "libnccl.so"), "nvidia/nccl/lib",
          "ncclGetVersion"),

@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Sequence
 
 from hvdlite.runner import hosts as hostlib
 from hvdlite.runner import mpi_command
+from hvdlite.runner import openmpi
 from hvdlite.runner import rank_wrapper
 
 logger = logging.getLogger("hvdlite")
@@ -108,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                                           f"(default {DEFAULT_START_TIMEOUT_S:g})")
     launch.add_argument("--mpi-args", default="", metavar="\"ARGS\"",
                         help="extra arguments for mpiexec, as one quoted string")
+    launch.add_argument("--allow-run-as-root", action="store_true",
+                        help="let Open MPI's mpirun start ranks as root (it refuses "
+                             "otherwise; OMPI_ALLOW_RUN_AS_ROOT=1 with "
+                             "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 says the same)")
     launch.add_argument("--verbose", action="store_true",
                         help="log the launcher's decisions and the mpiexec command; tag "
                              "output lines with the rank's host too ([1@host]<stdout>:)")
@@ -148,6 +153,7 @@ class LaunchConfig:
     mpi_args: List[str] = field(default_factory=list)
     verbose: bool = False
     check_build: bool = False
+    allow_run_as_root: bool = False
     remote_shell: Optional[str] = None
     network_interface: Optional[str] = None
 
@@ -267,6 +273,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                           output_dir=args.output_filename, start_timeout=args.start_timeout,
                           mpi_args=mpi_args, verbose=args.verbose,
                           check_build=args.check_build,
+                          allow_run_as_root=args.allow_run_as_root,
                           remote_shell=remote_shell_command(args),
                           network_interface=args.network_interface)
     if args.check_build:
@@ -366,7 +373,8 @@ def build_job_command(config: LaunchConfig, launcher: mpi_command.MpiLauncher,
         launcher: the mpiexec to use.
         env: the environment the ranks will get (names are forwarded for Open MPI).
         python: the interpreter that runs the rank wrapper.
-        run_as_root: add Open MPI's --allow-run-as-root; defaults to whether we are root.
+        run_as_root: add Open MPI's --allow-run-as-root; None: as root, when
+            --allow-run-as-root or Open MPI's variables in ``env`` say so.
         remote_start: the script mpiexec starts remote processes with (see
             :func:`write_remote_start_script`), or None for mpiexec's ssh.
 
@@ -374,12 +382,15 @@ def build_job_command(config: LaunchConfig, launcher: mpi_command.MpiLauncher,
         The argument vector.
     """
     if run_as_root is None:
-        run_as_root = hasattr(os, "geteuid") and os.geteuid() == 0
+        run_as_root = openmpi.run_as_root(config.allow_run_as_root, env)
     hosts = config.hosts
+    set_env = dict(config.tuning_env)
+    if launcher.flavor is mpi_command.MpiFlavor.OPENMPI:
+        set_env.update(openmpi.rank_env(env, config.mpi_args))
     options = mpi_command.MpiCommandOptions(
         launcher=launcher, num_ranks=config.num_ranks,
         rank_command=rank_command(config.command, python), hosts=hosts,
-        set_env=dict(config.tuning_env),
+        set_env=set_env,
         forward_env=mpi_command.forwardable_env_names(env),
         extra_args=config.mpi_args, run_as_root=run_as_root, remote_start=remote_start,
         network_interface=config.network_interface)
@@ -480,6 +491,14 @@ def run(config: LaunchConfig) -> int:
         return 1
     launcher = mpi_command.probe_launcher(mpiexec)
     logger.debug("MPI launcher: %s (%s)", launcher.path, launcher.implementation)
+    refusal = mpi_command.launcher_mismatch(mpi_command.read_build_info(), launcher)
+    if (refusal is None and launcher.flavor is mpi_command.MpiFlavor.OPENMPI
+            and openmpi.is_root()
+            and not openmpi.run_as_root(config.allow_run_as_root, os.environ)):
+        refusal = openmpi.ROOT_REFUSAL
+    if refusal:
+        sys.stderr.write(f"{PROG}: {refusal}\n")
+        return 1
 
     local = config.hosts is None or hostlib.all_local(config.hosts)
     if local:

@@ -69,7 +69,7 @@ class MpiCommandOptions:
         forward_env: names of variables to pass through explicitly (Open MPI, which
             forwards nothing by default to remote hosts); hydra forwards everything.
         extra_args: user's --mpi-args, already split.
-        run_as_root: add Open MPI's --allow-run-as-root.
+        run_as_root: add Open MPI's --allow-run-as-root (see openmpi.run_as_root).
         remote_start: an executable mpiexec calls like rsh (``[options] HOST COMMAND``)
             to start processes on other hosts, instead of its own ssh; None for ssh.
         network_interface: the interface MPI's own traffic should use, or None.
@@ -270,28 +270,8 @@ def build_mpi_command(options: MpiCommandOptions) -> List[str]:
     launcher = options.launcher
     argv = [launcher.path]
     if launcher.flavor is MpiFlavor.OPENMPI:
-        argv += ["-np", str(options.num_ranks)]
-        if options.hosts:
-            argv += ["-H", format_host_list(options.hosts)]
-        else:
-            # Every rank on this machine, however many cores it has: the user asked for
-            # -np ranks, and Open MPI would otherwise refuse more ranks than cores.
-            argv += ["--oversubscribe"]
-        # The core binds nothing itself; Open MPI's default core binding would squeeze
-        # a rank's framework threads onto one core.
-        argv += ["--bind-to", "none", "--map-by", "slot"]
-        if options.run_as_root:
-            argv += ["--allow-run-as-root"]
-        if options.remote_start:
-            argv += ["--mca", "plm_rsh_agent", options.remote_start]
-        if options.network_interface:
-            argv += ["--mca", "btl_tcp_if_include", options.network_interface,
-                     "--mca", "oob_tcp_if_include", options.network_interface]
-        for name in options.forward_env:
-            if name not in options.set_env:
-                argv += ["-x", name]
-        for name, value in options.set_env.items():
-            argv += ["-x", f"{name}={value}"]
+        from hvdlite.runner import openmpi
+        argv += openmpi.command_arguments(options, format_host_list(options.hosts or ()))
     else:
         argv += ["-n", str(options.num_ranks)]
         if options.hosts:
@@ -307,3 +287,34 @@ def build_mpi_command(options: MpiCommandOptions) -> List[str]:
     argv += list(options.extra_args)
     argv += list(options.rank_command)
     return argv
+
+
+# The launcher dialect of each implementation the build records (setup.py, from mpi.h).
+_BUILD_FLAVORS = {"Open MPI": MpiFlavor.OPENMPI, "MPICH": MpiFlavor.HYDRA,
+                  "Intel MPI": MpiFlavor.HYDRA, "MVAPICH": MpiFlavor.HYDRA}
+
+
+def launcher_mismatch(build_info: Mapping[str, object], launcher: MpiLauncher) -> Optional[str]:
+    """Says why a launcher cannot start ranks of this build, or None when it can.
+
+    Ranks started by another implementation's launcher do not find each other: each
+    would run alone as rank 0 of 1.
+
+    Args:
+        build_info: the parsed build info (see :func:`read_build_info`).
+        launcher: the probed launcher.
+
+    Returns:
+        A message naming both implementations, or None (also when either is unknown).
+    """
+    built = build_info.get("mpi_implementation")
+    expected = _BUILD_FLAVORS.get(str(built))
+    if expected is None or not launcher.version_text or launcher.flavor is expected:
+        return None
+    version = build_info.get("mpi_version") or ""
+    prefix = build_info.get("mpi_prefix")
+    hint = f" ({prefix}/bin/mpiexec)" if prefix else ""
+    return (f"hvdlite was built against {built} {version}, but the MPI launcher found, "
+            f"{launcher.path}, is {launcher.implementation}: ranks it starts would not find "
+            f"each other. Set HVDLITE_MPIEXEC to {built}'s launcher{hint}, or rebuild "
+            "hvdlite against this MPI")

@@ -29,8 +29,10 @@ from hvdlite.torch.mpi_ops import (Average, Max, Min, Product, ProcessSet, Sum, 
                                    global_process_set, grouped_allreduce,
                                    grouped_allreduce_, grouped_allreduce_async,
                                    grouped_allreduce_async_, join, poll, reducescatter,
-                                   reducescatter_async, synchronize)
+                                   reducescatter_async, sparse_allreduce_async,
+                                   synchronize)
 from hvdlite.torch.optimizer import DistributedOptimizer
+from hvdlite.torch.sync_batch_norm import SyncBatchNorm
 
 
 # What this build has, by the names Horovod scripts query (shared with TensorFlow).

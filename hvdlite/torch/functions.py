@@ -48,6 +48,17 @@ def _all_ok(ok, process_set):
     return bool(mpi_ops.allreduce_(flag, op=mpi_ops.Min, process_set=process_set)[0])
 
 
+def _zero_missing_gradients(optimizer):
+    """Gives every parameter that requires a gradient and has none a zero one (sparse
+    for SparseAdam), as Horovod leaves a fresh optimizer's parameters."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam):
+                    p.grad = p.grad.to_sparse()
+
+
 def broadcast_optimizer_state(optimizer, root_rank, process_set=mpi_ops.global_process_set):
     """Makes every rank's optimizer state and hyper-parameters equal to ``root_rank``'s.
 
@@ -55,11 +66,16 @@ def broadcast_optimizer_state(optimizer, root_rank, process_set=mpi_ops.global_p
     The root decides the structure: it broadcasts its hyper-parameters (every
     ``param_groups`` entry except ``params``: scalars, tuples, anything picklable) and a
     description of its per-parameter state; the others create any state tensor they lack
-    (zeros of the root's shape and dtype) and then receive the values in place; state
-    the root does not have is removed. So state not yet created is handled without a
-    step: if the root's optimizer is fresh, every optimizer ends fresh, exactly as a
-    single process would start (no zero-gradient step that would, e.g., advance Adam's
-    step count or apply weight decay).
+    (of the root's shape and dtype) and receive the values in place; state the root does
+    not have is removed. If the root's optimizer is fresh (e.g. Adam before its first
+    step), every optimizer ends fresh, as a single process starts.
+
+    On a rank whose optimizer has no state yet, every parameter that requires a gradient
+    and has none gets a zero one (sparse for SparseAdam; frozen parameters keep None),
+    as after Horovod's call. Horovod also steps such an optimizer on those zeros to
+    create its state; hvdlite does not, because that step is not harmless (Adam's step
+    count becomes 1, weight decay enters SGD's momentum buffer) and training would then
+    differ from one process.
 
     Args:
         optimizer: a ``torch.optim.Optimizer``.
@@ -73,6 +89,8 @@ def broadcast_optimizer_state(optimizer, root_rank, process_set=mpi_ops.global_p
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    if not optimizer.state:
+        _zero_missing_gradients(optimizer)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     is_root = runtime.rank() == root_rank
     spec = None

@@ -396,7 +396,8 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
 
 
 class _AllgatherFunction(torch.autograd.Function):
-    """allgather whose backward sums the gradient over ranks and keeps this rank's rows."""
+    """allgather whose backward is Horovod's: the gradient averaged over ranks, then
+    this rank's rows (so ranks that all pass the same gradient get exactly it back)."""
 
     @staticmethod
     def forward(ctx, tensor, name, process_set):
@@ -407,7 +408,7 @@ class _AllgatherFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = ops.synchronize(_allreduce_async(grad_output.contiguous(), None, None, Sum,
+        grad = ops.synchronize(_allreduce_async(grad_output.contiguous(), None, None, Average,
                                                 1.0, 1.0, ctx.process_set))
         rows = ops.synchronize(allgather_async(torch.tensor([ctx.rows], dtype=torch.int64),
                                                None, ctx.process_set))
@@ -418,9 +419,81 @@ class _AllgatherFunction(torch.autograd.Function):
 def allgather(tensor, name=None, process_set=global_process_set):
     """Concatenates every rank's ``tensor`` along the first dimension; differentiable.
 
-    See ``allgather_async``; raises HorovodInternalError subclasses if it fails.
+    The gradient is Horovod's: the incoming gradients averaged over ranks, this rank's
+    rows of it. See ``allgather_async``; raises HorovodInternalError subclasses if it fails.
     """
     return _AllgatherFunction.apply(tensor, name, process_set)
+
+
+# -- sparse allreduce --------------------------------------------------------------------
+
+
+class SparseHandle:
+    """The handle of ``sparse_allreduce_async``: call it (or pass it to ``synchronize``)
+    for the reduced sparse tensor; ``poll()`` says whether both gathers have ended."""
+
+    def __init__(self, indices_handle, values_handle, shape, divisor):
+        self._indices_handle = indices_handle
+        self._values_handle = values_handle
+        self._shape = shape
+        self._divisor = divisor
+        self._result = None
+
+    def poll(self):
+        return self._result is not None or (ops.poll(self._values_handle)
+                                            and ops.poll(self._indices_handle))
+
+    def wait(self, timeout=None):
+        if self._result is None:
+            values = ops.synchronize(self._values_handle, timeout)
+            indices = ops.synchronize(self._indices_handle, timeout)
+            if self._divisor != 1:
+                values = values / self._divisor
+            # coalesce() sums the entries that several ranks (or one) gave the same index.
+            self._result = torch.sparse_coo_tensor(indices.t(), values, self._shape,
+                                                   check_invariants=False).coalesce()
+        return self._result
+
+    __call__ = wait
+
+
+def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
+    """Starts reducing a sparse COO tensor: every rank's indices and values are gathered.
+
+    The result holds every rank's entries, those with the same index summed; for Average
+    the values are divided by size(). Ranks may have different numbers of entries.
+
+    Args:
+        tensor: a sparse COO CPU tensor, same shape on every rank.
+        name: a base name, equal across ranks (``<name>.indices`` and ``<name>.values``
+            are gathered); None names it automatically.
+        op: Sum or Average.
+        process_set: the global process set.
+
+    Returns:
+        A SparseHandle: ``handle()`` or ``synchronize(handle)`` returns the reduced sparse
+        tensor (coalesced).
+
+    Raises:
+        InvalidArgumentError: not a sparse COO tensor, an op other than Sum or Average,
+            or values of an unsupported dtype.
+        DuplicateNameError, NotInitializedError: refused.
+    """
+    name = ops._resolve_name("sparse_allreduce", name)
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+        raise InvalidArgumentError(
+            f"tensor '{name}' must be a sparse COO tensor, not "
+            f"{getattr(tensor, 'layout', type(tensor).__name__)}")
+    if op not in (Sum, Average):
+        raise InvalidArgumentError(
+            f"tensor '{name}': sparse allreduce supports op Sum or Average only, got {op!r}")
+    # allgather concatenates rows: one row of indices per entry.
+    indices = tensor._indices().t().contiguous()
+    values = tensor._values().contiguous()
+    values_handle = allgather_async(values, f"{name}.values", process_set)
+    indices_handle = allgather_async(indices, f"{name}.indices", process_set)
+    return SparseHandle(indices_handle, values_handle, tensor.shape,
+                        runtime.size() if op == Average else 1)
 
 
 # -- broadcast ---------------------------------------------------------------------------
@@ -468,7 +541,8 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 
 
 class _BroadcastFunction(torch.autograd.Function):
-    """broadcast whose backward sums the gradient on the root (zero elsewhere)."""
+    """broadcast whose backward is Horovod's: the gradient averaged over ranks on the
+    root, zero elsewhere."""
 
     @staticmethod
     def forward(ctx, tensor, root_rank, name, process_set):
@@ -478,7 +552,7 @@ class _BroadcastFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = ops.synchronize(_allreduce_async(grad_output.contiguous(), None, None, Sum,
+        grad = ops.synchronize(_allreduce_async(grad_output.contiguous(), None, None, Average,
                                                 1.0, 1.0, ctx.process_set))
         if runtime.rank() != ctx.root_rank:
             grad.zero_()
@@ -488,7 +562,8 @@ class _BroadcastFunction(torch.autograd.Function):
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     """Returns ``root_rank``'s ``tensor`` on every rank (a new tensor); differentiable.
 
-    See ``broadcast_async``; raises HorovodInternalError subclasses if it fails.
+    The gradient is Horovod's: the incoming gradients averaged over ranks on the root,
+    zero on the other ranks. See ``broadcast_async``; raises HorovodInternalError subclasses if it fails.
     """
     return _BroadcastFunction.apply(tensor, root_rank, name, process_set)
 
@@ -610,15 +685,15 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
 
 
 class _ReducescatterFunction(torch.autograd.Function):
-    """reducescatter whose backward gathers the gradient rows back (scaled alike)."""
+    """reducescatter whose backward is Horovod's: the allgather of the gradient rows,
+    times size() for Sum and times the scale factors."""
 
     @staticmethod
     def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
-        if op not in (Sum, Average):
-            ctx.scale = None
-        else:
-            scale = prescale_factor * postscale_factor
-            ctx.scale = scale / runtime.size() if op == Average else scale
+        ctx.scale = None
+        if op in (Sum, Average):
+            ctx.scale = prescale_factor * postscale_factor * (
+                runtime.size() if op == Sum else 1)
         ctx.process_set = process_set
         return ops.synchronize(_reducescatter_async(tensor, name, op, prescale_factor,
                                                     postscale_factor, process_set))
@@ -638,8 +713,9 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                   process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     """Reduces ``tensor`` across ranks and returns this rank's rows; differentiable.
 
-    The gradient (for Sum and Average) is the allgather of the incoming gradients, scaled
-    like the forward. See ``reducescatter_async`` for the arguments.
+    The gradient is Horovod's (for Sum and Average only): the allgather of the incoming
+    gradients, times size() for Sum and times the scale factors. See
+    ``reducescatter_async`` for the arguments.
     """
     compressed, ctx = compression.compress(tensor)
     out = _ReducescatterFunction.apply(compressed, name, op, prescale_factor,

@@ -88,6 +88,16 @@ def _reducer_for(compression, op, scale, process_set):
     return _OnCpuArrays(compression)
 
 
+def _sparse_op(op, name):
+    """The op of a sparse gradient's reduction: gathered entries are summed (and divided
+    for Average), so no other op has a meaning there."""
+    if op not in (mpi_ops.Sum, mpi_ops.Average):
+        raise ValueError(f"gradient '{name}' is sparse: DistributedOptimizer reduces sparse "
+                         "gradients with op Sum or Average only (or pass "
+                         "sparse_as_dense=True)")
+    return op
+
+
 class _DistributedOptimizer:
     """Methods mixed into a copy of the user's optimizer (see ``DistributedOptimizer``)."""
 
@@ -117,7 +127,9 @@ class _DistributedOptimizer:
                             for unit in self._units]
         self._delay = {p: backward_passes_per_step for p in self._requires_update}
         self._ready = {}      # unit index -> how many of its gradients are final this step
-        self._handles = {}    # unit index -> (reducer token, the unit's parameters)
+        # unit index -> (reducer token or None, its parameters, [(param, SparseHandle)])
+        self._handles = {}
+        self._sparse_dims = {}  # parameter -> sparse_dim of its last sparse gradient
         self._accumulating = False
         self._synchronized = False
         self._should_synchronize = True
@@ -199,22 +211,49 @@ class _DistributedOptimizer:
         return hook
 
     def _allreduce_unit_async(self, index):
-        """Starts reducing the gradients of unit ``index``'s parameters; returns the
-        reducer's token and the parameters."""
-        unit = self._units[index]
-        grads = []
-        for p in unit:
-            if p.grad is None:
-                # No gradient here (parameter unused on this rank this step), but another
-                # rank may have one: contribute zeros so that every rank submits it.
-                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            grad = p.grad
+        """Starts reducing the gradients of unit ``index``'s parameters: the dense ones
+        through the reducer, the sparse ones each by ``sparse_allreduce_async`` (unless
+        sparse_as_dense: then they are made dense and go through the reducer).
+
+        Returns:
+            (the reducer's token or None, the parameters it reduces,
+            [(param, SparseHandle)]).
+        """
+        dense, names, grads, sparse = [], [], [], []
+        for p, name in zip(self._units[index], self._unit_names[index]):
+            grad = self._gradient_of(p)
             if grad.is_sparse:
+                if not self.sparse_as_dense:
+                    sparse.append((p, mpi_ops.sparse_allreduce_async(
+                        grad, name, _sparse_op(self.op, name), self.process_set)))
+                    continue
                 grad = grad.to_dense()
             elif not grad.is_contiguous():
                 grad = grad.contiguous()
+            dense.append(p)
+            names.append(name)
             grads.append(grad)
-        return self._reducer.start(self._unit_names[index], grads), unit
+        token = self._reducer.start(names, grads) if dense else None
+        return token, dense, sparse
+
+    def _gradient_of(self, p):
+        """``p.grad``, made zeros where this rank computed none (parameter unused here this
+        step): another rank may have one, so every rank must submit it. A parameter
+        whose gradient was sparse before gets an empty sparse one, so that it is
+        gathered like the others' (a parameter never seen with a gradient gets dense
+        zeros: its first sparse gradient must come on every rank)."""
+        if p.grad is None:
+            sparse_dim = self._sparse_dims.get(p)
+            if sparse_dim is None:
+                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            else:
+                p.grad = torch.sparse_coo_tensor(
+                    torch.empty((sparse_dim, 0), dtype=torch.int64),
+                    torch.empty((0,) + tuple(p.shape[sparse_dim:]), dtype=p.dtype), p.shape,
+                    check_invariants=False)
+        elif p.grad.is_sparse:
+            self._sparse_dims[p] = p.grad.sparse_dim()
+        return p.grad
 
     def synchronize(self):
         """Waits for every gradient's allreduce and writes the averages into ``p.grad``.
@@ -237,13 +276,19 @@ class _DistributedOptimizer:
                 self._handles[index] = self._allreduce_unit_async(index)
         try:
             pending = list(self._handles.values())
-            updates = self._reducer.finish_all([token for token, _ in pending])
-            for (_, unit), results in zip(pending, updates):
-                for p, result in zip(unit, results):
+            started = [(token, params) for token, params, _ in pending if params]
+            updates = self._reducer.finish_all([token for token, _ in started])
+            for (_, params), results in zip(started, updates):
+                for p, result in zip(params, results):
                     if p.grad.is_sparse:
-                        p.grad = result if self.sparse_as_dense else result.to_sparse()
+                        # sparse_as_dense: back to sparse rows for optimizers such as
+                        # SparseAdam that take sparse gradients only.
+                        p.grad = result.to_sparse(p.grad.sparse_dim())
                     elif result is not p.grad:
                         p.grad.copy_(result)
+            for _, _, sparse in pending:
+                for p, handle in sparse:
+                    p.grad = mpi_ops.synchronize(handle)
         finally:
             for p in self._requires_update:
                 self._delay[p] = self.backward_passes_per_step
@@ -337,8 +382,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             (split the parameters into that many groups in order) or lists of parameters;
             a group's gradients are enqueued together once all of them are ready, and
             negotiated and run together.
-        sparse_as_dense: sparse gradients are reduced as dense tensors either way (they
-            are written back sparse unless this is True).
+        sparse_as_dense: False (default): a sparse gradient (e.g. of
+            ``Embedding(sparse=True)``) is reduced by gathering every rank's indices and
+            values (``sparse_allreduce_async``: entries with the same index summed,
+            divided by size() for Average; compression and gradient_predivide_factor do
+            not apply); the op must be Sum or Average. True: it is made dense and
+            reduced like the others. Either way it is written back sparse, with its
+            sparse_dim, so optimizers such as SparseAdam take it.
         process_set: the global process set.
 
     Returns:

@@ -40,6 +40,8 @@ _TAG = re.compile(r"^\[(\d+)(?:@[^\]]*)?\](?:<(stdout|stderr)>)?:(.*)$")
 # that is itself an MPI rank (or singleton) must not inherit them.
 _MPI_ENV_PREFIXES = ("PMI_", "PMIX_", "MPIR_", "HYDRA_", "HYDI_", "MPICH_INTERFACE",
                      "OMPI_", "HVDLITE_RANK", "HVDLITE_SIZE")
+# ... except the user's own say-so that Open MPI may run as root (CI runs as root).
+_KEPT_MPI_ENV = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
 
 
 @dataclass
@@ -101,7 +103,8 @@ def job_command(np, script, args=(), launcher_args=()):
 
 def job_env(env=None):
     """Returns the environment for a job: this one, minus MPI leftovers, plus ``env``."""
-    merged = {k: v for k, v in os.environ.items() if not k.startswith(_MPI_ENV_PREFIXES)}
+    merged = {k: v for k, v in os.environ.items()
+              if k in _KEPT_MPI_ENV or not k.startswith(_MPI_ENV_PREFIXES)}
     import hvdlite  # the copy under test: ranks must import the same one
 
     parent = os.path.dirname(os.path.dirname(os.path.abspath(hvdlite.__file__)))
@@ -219,6 +222,19 @@ def assert_ok(result):
     if result.returncode != 0:
         raise AssertionError("job failed\n" + describe(result))
     return result
+
+
+def assert_checks_pass(np, script, *, min_checks, timeout=240):
+    """Runs a rank script that ends with ``HVDLITE_RESULT {"failures": [...], "checks":
+    n, ...}`` (``torch_scripts/checks.py``) and fails unless every rank ran at least
+    ``min_checks`` checks and none failed. Returns the ranks' result objects."""
+    result = assert_ok(run_job(np, script, timeout=timeout))
+    bodies = [result.result(rank) for rank in range(np)]
+    for rank, body in enumerate(bodies):
+        assert body["checks"] >= min_checks, f"rank {rank}: {body['checks']} checks\n" + \
+            describe(result)
+        assert body["failures"] == [], f"rank {rank}: {body['failures']}\n" + describe(result)
+    return bodies
 
 
 def require_native():

@@ -304,12 +304,17 @@ def test_missing_program_fails_clearly():
 
 def test_start_timeout_ends_a_job_that_never_starts(tmp_path):
     # An "mpiexec" that never starts any rank: the launcher gives up after
-    # --start-timeout and ends it (checked by pid).
+    # --start-timeout and ends it (checked by pid). It names itself as the build's MPI.
+    from hvdlite.runner import mpi_command
+
     fake = tmp_path / "fake-mpiexec"
     pid_file = tmp_path / "fake.pid"
+    version = ("mpirun (Open MPI) fake"
+               if mpi_command.read_build_info().get("mpi_implementation") == "Open MPI"
+               else "HYDRA build details: Version: fake")
     fake.write_text(textwrap.dedent(f"""\
         #!/bin/sh
-        if [ "$1" = "--version" ]; then echo "HYDRA build details: Version: fake"; exit 0; fi
+        if [ "$1" = "--version" ]; then echo "{version}"; exit 0; fi
         echo $$ > {pid_file}
         exec sleep 300
     """))
@@ -328,3 +333,25 @@ def test_mpiexec_refusing_its_arguments_is_reported():
                         "pass"], timeout=120)
     assert job.returncode != 0, job.describe()
     assert "mpiexec exited with code" in job.stderr, job.describe()
+
+
+def test_open_mpi_runs_as_root_only_when_told(tmp_path, monkeypatch):
+    from hvdlite.runner import mpi_command, openmpi
+
+    launcher = mpi_command.probe_launcher(mpi_command.find_mpiexec())
+    if launcher.flavor is not mpi_command.MpiFlavor.OPENMPI or not openmpi.is_root():
+        pytest.skip("Open MPI's refusal to run as root needs Open MPI and root "
+                    f"(launcher: {launcher.implementation})")
+    for name in openmpi.ROOT_ENV:
+        monkeypatch.delenv(name, raising=False)
+    script = write_script(tmp_path, "import os; print('rank', os.environ['HVDLITE_RANK'])")
+    job = run_launcher(["-np", str(NP), PY, script], timeout=120)
+    assert job.returncode == 1, job.stderr
+    assert "--allow-run-as-root" in job.stderr and "OMPI_ALLOW_RUN_AS_ROOT=1" in job.stderr
+    assert not job.lines(0) and not job.lines(1)
+    for args, env in ((["--allow-run-as-root"], None),
+                      ([], {name: "1" for name in openmpi.ROOT_ENV})):
+        job = run_launcher([*args, "-np", str(NP), "--verbose", PY, script], timeout=120,
+                           env=env).check()
+        assert "--allow-run-as-root" in job.stderr  # the mpirun command --verbose logs
+        assert [job.lines(r) for r in range(NP)] == [[f"rank {r}"] for r in range(NP)]

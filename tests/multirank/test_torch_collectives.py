@@ -2,9 +2,8 @@
 
 One job per rank count runs ``torch_scripts/collectives.py``: every op and dtype, in
 place / out of place / async, grouped allreduce, allgather with uneven and empty rows,
-alltoall with splits, reducescatter, objects, join, barrier, the analytic gradients of
-the differentiable ops (allreduce, grouped allreduce, allgather, broadcast,
-reducescatter, alltoall) and compressed allreduce.
+alltoall with splits, reducescatter, objects, join, barrier and compressed allreduce
+(the gradients are in test_torch_gradients.py).
 """
 import os
 

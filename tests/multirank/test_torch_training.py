@@ -9,7 +9,9 @@ Sections (one job runs several, to keep the process start-ups few):
   Compression.fp16 / bf16 stay close.
 * optimizer_state: broadcast_optimizer_state leaves identical state and hyper-parameters
   on every rank (Adam, SGD; roots 0 and N-1; a rank without state yet), a fresh root
-  leaves every optimizer fresh, and a DistributedOptimizer works too.
+  leaves every optimizer fresh with zero gradients (SparseAdam's sparse) where a
+  parameter requires one and None where it is frozen, and a DistributedOptimizer
+  works too.
 * unused: a parameter used on rank 0 only, and one used nowhere, do not hang step().
 * overlap: gradient hooks enqueue during backward and collectives run before the last
   gradient is ready.

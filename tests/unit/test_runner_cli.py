@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from hvdlite.runner import hosts, launch, mpi_command, rank_wrapper, supervisor
+from hvdlite.runner import hosts, launch, mpi_command, openmpi, rank_wrapper, supervisor
 from hvdlite.runner.hosts import HostSlots, HostSpecError
 from hvdlite.runner.mpi_command import MpiFlavor, MpiLauncher
 from hvdlite.runner.testing import launcher_command, launcher_env, parse_tagged_output
@@ -158,7 +158,17 @@ def test_openmpi_multi_host_command_line():
     assert argv == ["/opt/ompi/bin/mpirun", "-np", "3", "-H", "node1:2,node2:1",
                     "--bind-to", "none", "--map-by", "slot",
                     "-x", "PATH", "-x", "PYTHONPATH", "-x", "HVDLITE_CACHE_CAPACITY=64",
-                    *_wrapper("python", "train.py")]
+                    "-x", "OMPI_MCA_op=^avx", *_wrapper("python", "train.py")]
+
+
+def test_openmpi_ranks_leave_out_the_saturating_avx_op_unless_the_user_chose():
+    argv = _job_argv(OPENMPI, "-np", "2", "prog")
+    assert argv[argv.index("OMPI_MCA_op=^avx") - 1] == "-x"
+    for args, env in ((["--mpi-args", "--mca op avx"], None),
+                      ([], {"PATH": "/usr/bin", "OMPI_MCA_op": "avx"})):
+        argv = _job_argv(OPENMPI, *args, "-np", "2", "prog", env=env)
+        assert not any(a.startswith("OMPI_MCA_op=") for a in argv), argv
+    assert not any("OMPI_MCA_op" in a for a in _job_argv(HYDRA, "-np", "2", "prog"))
 
 
 def test_openmpi_single_host_oversubscribes_and_allows_root():
@@ -167,6 +177,43 @@ def test_openmpi_single_host_oversubscribes_and_allows_root():
     argv = mpi_command.build_mpi_command(options)
     assert argv[:4] == ["/opt/ompi/bin/mpirun", "-np", "2", "--oversubscribe"]
     assert "--allow-run-as-root" in argv and "-H" not in argv
+
+
+@pytest.mark.parametrize("root,flag,env,allowed", [
+    (False, True, {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}, False),
+    (True, False, {}, False),
+    (True, False, {"OMPI_ALLOW_RUN_AS_ROOT": "1"}, False),
+    (True, False, {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "0"}, False),
+    (True, True, {}, True),
+    (True, False, {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}, True),
+])
+def test_openmpi_runs_as_root_only_as_root_and_when_told(monkeypatch, root, flag, env, allowed):
+    assert openmpi.run_as_root(flag, env, root=root) is allowed
+    monkeypatch.setattr(openmpi, "is_root", lambda: root)
+    args = ["--allow-run-as-root"] if flag else []
+    argv = launch.build_job_command(config(*args, "-np", "2", "prog"), OPENMPI,
+                                    {"PATH": "/usr/bin", **env}, python="/venv/bin/python")
+    assert ("--allow-run-as-root" in argv) is allowed
+    # Hydra has no such flag: the request changes nothing in its command line.
+    hydra = launch.build_job_command(config(*args, "-np", "2", "prog"), HYDRA,
+                                     {"PATH": "/usr/bin", **env}, python="/venv/bin/python")
+    assert "--allow-run-as-root" not in hydra
+
+
+def test_a_launcher_of_another_implementation_than_the_build_is_named():
+    ompi_build = {"mpi_implementation": "Open MPI", "mpi_version": "5.0.11",
+                  "mpi_prefix": "/opt/ompi"}
+    mpich_build = {"mpi_implementation": "MPICH", "mpi_version": "5.0.2"}
+    message = mpi_command.launcher_mismatch(ompi_build, HYDRA)
+    assert "built against Open MPI 5.0.11" in message and "MPICH (hydra) 5.0.2" in message
+    assert HYDRA.path in message and "/opt/ompi/bin/mpiexec" in message
+    message = mpi_command.launcher_mismatch(mpich_build, OPENMPI)
+    assert "built against MPICH 5.0.2" in message and "Open MPI 4.1.5" in message
+    assert mpi_command.launcher_mismatch(ompi_build, OPENMPI) is None
+    assert mpi_command.launcher_mismatch(mpich_build, HYDRA) is None
+    # Nothing recorded (an older build) or a launcher that said nothing: no verdict.
+    assert mpi_command.launcher_mismatch({}, HYDRA) is None
+    assert mpi_command.launcher_mismatch(ompi_build, MpiLauncher("/x", MpiFlavor.HYDRA)) is None
 
 
 def test_hydra_single_host_has_no_host_list():
@@ -297,6 +344,15 @@ def test_check_build_reports_everything():
     assert native in out
     if not os.path.exists(native):
         assert "MISSING" in out
+        return
+    # The implementation is the one the loaded library names, and it is the build's.
+    info = mpi_command.read_build_info()
+    mpi = out.split("\nMPI:\n", 1)[1]
+    loaded = mpi.split("[X] libmpi:", 1)[1].splitlines()[0].strip()
+    assert os.path.basename(loaded) == info["mpi_soname"], out
+    named = mpi.split("implementation:", 1)[1].splitlines()[0]
+    assert info["mpi_implementation"] in named and info["mpi_version"] in named, out
+    assert "MISMATCH" not in out
 
 
 def test_runner_imports_without_native_library():

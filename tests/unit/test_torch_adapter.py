@@ -300,8 +300,11 @@ def test_broadcast_helpers_in_one_process(thvd):
         assert torch.equal(v, before[k])
     with pytest.raises(ValueError, match="invalid params"):
         thvd.broadcast_parameters(3, root_rank=0)
+    # A fresh optimizer stays fresh; parameters get zero gradients (None where frozen).
+    model[1].bias.requires_grad_(False)
     opt = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.9))
-    thvd.broadcast_optimizer_state(opt, root_rank=0)  # fresh: stays fresh
+    thvd.broadcast_optimizer_state(opt, root_rank=0)
     assert len(opt.state) == 0 and opt.param_groups[0]["betas"] == (0.8, 0.9)
+    assert model[1].bias.grad is None and not model[0].weight.grad.any()
     with pytest.raises(ValueError, match="LBFGS"):
         thvd.broadcast_optimizer_state(torch.optim.LBFGS(model.parameters()), root_rank=0)

@@ -58,7 +58,7 @@ def keras_fit(compression):
 
 def main():
     hvd.init()
-    out = {"eager_topk": tape_updates(hvd.Compression.topk(0.25), False),
+    out = {"eager_topk": tape_updates(hvd.Compression.topk(0.25, dense_below=0), False),
            "function_powersgd": tape_updates(hvd.Compression.powersgd(2), True),
            "eager_quantize": tape_updates(hvd.Compression.quantize(8), False),
            "keras_topk": keras_fit(hvd.Compression.topk(0.3)),

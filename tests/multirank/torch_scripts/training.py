@@ -164,6 +164,26 @@ if wanted("optimizer_state"):
     if len(opt.state) != 0:
         failures.append(f"broadcast_optimizer_state from a fresh root left {len(opt.state)} "
                         "state entries")
+    # Horovod's case of a parameter that never gets a gradient (requires_grad False) in
+    # a fresh DistributedOptimizer: it keeps None; the other gets a zero gradient.
+    index = torch.nn.Parameter(torch.tensor([1, 3], dtype=torch.int32), requires_grad=False)
+    table = torch.nn.Parameter(torch.rand(4) + R)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD([index, table], lr=0.001, weight_decay=1e-6, momentum=0.9,
+                        nesterov=True),
+        named_parameters=[("index", index), ("table", table)])
+    hvd.broadcast_parameters({"index": index, "table": table}, root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    grads = hvd.allgather_object(None if table.grad is None else table.grad.tolist())
+    if index.grad is not None or opt.state or grads != [[0.0] * 4] * N:
+        failures.append(f"broadcast_optimizer_state without gradients: {index.grad}, {grads}")
+    # SparseAdam's zero gradients are sparse.
+    emb = torch.nn.Embedding(5, 2, sparse=True)
+    opt = torch.optim.SparseAdam(list(emb.parameters()), lr=0.1 * (R + 1))
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    if (opt.param_groups[0]["lr"] != 0.1 or not emb.weight.grad.is_sparse
+            or emb.weight.grad._nnz() != 0):
+        failures.append(f"broadcast_optimizer_state SparseAdam: {emb.weight.grad}")
     # Works on a DistributedOptimizer too (no step is taken, so no collective hangs).
     model = make_model(0)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1 * (R + 1)),

@@ -1,0 +1,25 @@
+"""hvd.SyncBatchNorm on 2 and 3 real ranks (``torch_scripts/sync_batch_norm.py``), each
+rank with a different batch size (one with none in a step), against torch's BatchNorm on
+the concatenated batch in one process: outputs, input gradients, the ranks' weight and
+bias gradients added up, running_mean / running_var / num_batches_tracked over three
+steps (momentum 0.1, 0.3 and None), 2D to 5D inputs, float64 and float32, without
+affine or running statistics; eval mode with running statistics communicates nothing;
+training through DistributedOptimizer equals one process; too few values are refused on
+every rank.
+"""
+import os
+
+import pytest
+
+from harness import assert_checks_pass
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.timeout(300)
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_scripts",
+                      "sync_batch_norm.py")
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_sync_batch_norm_equals_one_batch_norm_on_the_whole_batch(native, np):
+    assert_checks_pass(np, SCRIPT, min_checks=219)

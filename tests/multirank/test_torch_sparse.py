@@ -1,0 +1,24 @@
+"""Sparse gradients on 2 and 3 real ranks (``torch_scripts/sparse.py``):
+``sparse_allreduce_async`` (Sum, Average; repeated and shared indices, empty ranks)
+against the dense sum of every rank's tensor, and ``Embedding(sparse=True)`` trained
+through DistributedOptimizer (SparseAdam; sparse_as_dense; Adagrad with a dense layer in
+the same group; uneven batches with op=Sum, a rank without rows in one step) against
+one process trained on the concatenated batch.
+"""
+import os
+
+import pytest
+
+from harness import assert_checks_pass
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.timeout(300)
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_scripts",
+                      "sparse.py")
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_sparse_gradients_train_like_one_process(native, np):
+    bodies = assert_checks_pass(np, SCRIPT, min_checks=38)
+    assert all(len(body["info"]) == 5 for body in bodies)
