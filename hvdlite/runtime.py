@@ -3,14 +3,15 @@
 Configuration is read by the core itself from the ``HVDLITE_*`` environment variables
 at ``init()`` (fusion threshold, cycle time, cache capacity, stall times, timeline, log
 level); a bad value makes ``init()`` raise InvalidArgumentError with the core's message.
+Horovod's names of these (``HOROVOD_CYCLE_TIME``...) are copied to ours first, where
+ours are unset (``env_aliases``).
 """
 import atexit
 import logging
 import os
 import threading
 
-from hvdlite import _native
-from hvdlite import peer_faults
+from hvdlite import _native, env_aliases, peer_faults
 from hvdlite._native import check, ffi, lib
 
 _log = logging.getLogger("hvdlite")
@@ -52,7 +53,8 @@ def init(comm=None, process_sets=None):
 
     Raises:
         TypeError: ``comm`` is not an mpi4py communicator.
-        InvalidArgumentError: a ``HVDLITE_*`` variable has a bad value.
+        InvalidArgumentError: a ``HVDLITE_*`` variable (or its ``HOROVOD_*`` alias)
+            has a bad value.
         HvdliteError: the core could not start (the message says why).
     """
     global _atexit_registered
@@ -60,6 +62,7 @@ def init(comm=None, process_sets=None):
         if is_initialized():
             _log.warning("hvdlite.init() called while already initialized; ignoring it")
             return
+        env_aliases.apply()
         options = ffi.new("hvdlite_init_options_t *")
         options.comm_f2c = _comm_f2c(comm)
         check(lib.hvdlite_init(options))

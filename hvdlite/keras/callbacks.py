@@ -223,3 +223,21 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         if epoch == self.end_epoch - 1 and self.verbose > 0:
             _log.warning("hvdlite: epoch %d: finished the learning rate warmup to %g",
                          epoch + 1, _get_value(self.model.optimizer.learning_rate))
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """A ModelCheckpoint that keeps only the best model (``save_best_only=True``).
+
+    Horovod's takes no file path (its estimators set ``filepath`` later); Keras 3
+    requires one at construction, so ``filepath`` defaults to ``best.keras``
+    (``best.weights.h5`` with ``save_weights_only``) and may be set afterwards. Give it
+    to rank 0 only, as any checkpoint callback.
+    """
+
+    def __init__(self, monitor="val_loss", verbose=0, save_weights_only=False, mode="auto",
+                 save_freq="epoch", filepath=None):
+        if filepath is None:
+            filepath = "best.weights.h5" if save_weights_only else "best.keras"
+        super().__init__(filepath, monitor=monitor, verbose=verbose, save_best_only=True,
+                         save_weights_only=save_weights_only, mode=mode,
+                         save_freq=save_freq)

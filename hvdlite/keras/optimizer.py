@@ -125,7 +125,9 @@ def distributed_class(base, settings=None):
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
                          compression=Compression.none, sparse_as_dense=False,
                          gradient_predivide_factor=1.0, op=Average,
-                         backward_passes_per_step=1, average_aggregated_gradients=False):
+                         backward_passes_per_step=1, average_aggregated_gradients=False,
+                         num_groups=0, groups=None, process_set=None,
+                         scale_local_gradients=True):
     """Wraps a Keras 3 optimizer so that it applies gradients averaged across ranks.
 
     Args:
@@ -143,6 +145,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
             and communicate once per update.
         average_aggregated_gradients: with backward_passes_per_step > 1, average the
             accumulated gradients instead of summing them (Horovod's default sums).
+        num_groups, groups, scale_local_gradients: accepted for Horovod compatibility
+            (every gradient already goes in one group; no layer is local here).
+        process_set: None or the global process set (the only one this build has).
 
     Returns:
         An optimizer of a subclass of ``type(optimizer)``.
@@ -150,7 +155,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     Raises:
         ValueError: bad op, backward_passes_per_step < 1, or an optimizer that already
             accumulates gradients while backward_passes_per_step > 1.
+        NotImplementedError: a process set other than the global one.
     """
+    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
+        raise NotImplementedError("DistributedOptimizer runs on the global process set only")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, not "
                         f"{type(optimizer).__name__}")

@@ -5,32 +5,50 @@
     tape = hvd.DistributedGradientTape(tape)
     hvd.broadcast_variables(model.variables, root_rank=0)
 
-Every op works eagerly and inside ``tf.function`` (see ``mpi_ops``); which path copies
-memory, per case, is in ``tensors``. Nothing here is compiled against TensorFlow.
+Every op works eagerly, inside ``tf.function`` and in TF1-style graphs (see
+``mpi_ops``), raises the ``tf.errors`` classes Horovod's ops raise (``errors``), and
+has Horovod's gradient; which path copies memory, per case, is in ``tensors``. Nothing
+here is compiled against TensorFlow. The names are Horovod's (README, "TensorFlow and
+Keras"); what is absent is listed there.
 """
+from hvdlite.build_info import (ccl_built, check_num_rank_power_of_2, cuda_built,
+                                ddl_built, gloo_built, gloo_enabled, is_homogeneous,
+                                mpi_built, mpi_enabled, nccl_built, rocm_built)
 from hvdlite.errors import (HorovodInternalError, HvdliteError, InvalidArgumentError,
                             MismatchError)
+from hvdlite.ops import resolve_op as handle_average_backwards_compatibility
 from hvdlite.runtime import (cross_rank, cross_size, init, is_initialized, local_rank,
                              local_size, mpi_threads_supported, rank, shutdown, size,
                              start_timeline, stop_timeline)
 from hvdlite.tensorflow.compression import Compression
-from hvdlite.tensorflow.functions import (allgather_object, broadcast_object,
+from hvdlite.tensorflow.functions import (BroadcastGlobalVariablesHook, allgather_object,
+                                          broadcast_global_variables,
+                                          broadcast_object, broadcast_object_fn,
                                           broadcast_variables)
-from hvdlite.tensorflow.gradient_tape import DistributedGradientTape, allreduce_gradients
+from hvdlite.tensorflow.gradient_tape import (DistributedGradientTape, DistributedOptimizer,
+                                              PartialDistributedGradientTape,
+                                              allreduce_gradients)
 from hvdlite.tensorflow.mpi_ops import (Average, Max, Min, Product, ProcessSet, Sum,
                                         add_process_set, allgather, allreduce, alltoall,
-                                        barrier, broadcast, broadcast_group,
-                                        global_process_set, grouped_allreduce, join,
-                                        reducescatter, remove_process_set)
+                                        barrier, broadcast, broadcast_, broadcast_group,
+                                        global_process_set, grouped_allgather,
+                                        grouped_allreduce, grouped_reducescatter, join,
+                                        local_rank_op, local_size_op,
+                                        process_set_included_op, rank_op, reducescatter,
+                                        remove_process_set, size_op)
+from hvdlite.tensorflow.sync_batch_norm import SyncBatchNormalization
+from hvdlite.tensorflow import util
+from hvdlite.tensorflow.util import _executing_eagerly  # noqa: F401 (Horovod's suites use it)
 
-__all__ = [
-    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
-    "cross_size", "cross_rank", "mpi_threads_supported", "start_timeline", "stop_timeline",
-    "Average", "Sum", "Min", "Max", "Product", "Compression",
-    "allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_group",
-    "alltoall", "reducescatter", "join", "barrier",
-    "broadcast_variables", "broadcast_object", "allgather_object",
-    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "DistributedGradientTape", "allreduce_gradients",
-    "HvdliteError", "HorovodInternalError", "InvalidArgumentError", "MismatchError",
-]
+
+def vars_to_refs(variables):
+    """Returns hashable references of ``variables`` (``v.ref()``), as Horovod's helper."""
+    return [v.ref() for v in variables]
+
+
+def refs_to_vars(refs):
+    """Returns the variables behind ``refs`` (the inverse of ``vars_to_refs``)."""
+    return [ref.deref() for ref in refs]
+
+
+__all__ = [name for name in dir() if not name.startswith("_")]

@@ -1,4 +1,5 @@
-"""Tensor collectives for TensorFlow 2: eagerly, inside ``tf.function``, with gradients.
+"""Tensor collectives for TensorFlow 2: eagerly, inside ``tf.function``, in TF1-style
+graphs, with gradients.
 
 Built on ``hvdlite.ops``: a tensor is looked at through a zero-copy numpy view of its
 host memory, so naming, validation (dtype, op, scaling, root, splits) and handles are
@@ -6,24 +7,30 @@ those of the framework-free layer (``tensors.py`` says which path copies, per ca
 Nothing here is compiled against TensorFlow.
 
 * Eagerly, an op enqueues with the core and waits (the GIL is released while waiting).
-* Inside a ``tf.function`` the same eager code runs as a ``tf.py_function`` node; its
-  output shapes are set where they are known. ``py_function`` is stateful, so
-  tf.function's automatic control dependencies run these nodes in program order on
-  every rank: the order of collectives is the program's, and one blocked node never
-  waits on a node that another rank has not reached. (Not XLA-compilable: use
-  ``jit_compile=False``.)
+* In a graph the same eager code runs as a ``tf.py_function`` node; its output shapes
+  are set where they are known. Such a node blocks one of TF's threads until the
+  collective ends, so the nodes of one graph must run in the same order on every rank,
+  or two ranks each wait, with every thread taken, for a node the other has not
+  started (a fused step of many allreduces in a TF1 ``Session.run``, or the two
+  allgathers of a tf.IndexedSlices, hung so). Each collective node therefore has a
+  control dependency on the previous one of its graph, unless that one has run
+  already (the previous step): program order, as tf.function's automatic control
+  dependencies give, without making a TF1 session rerun earlier steps. (A session run
+  that mixes nodes of an earlier step with new ones gets no such order; not
+  XLA-compilable: use ``jit_compile=False``.)
 * Names: an explicit ``name`` is used as is. Unnamed eager calls take the counter-based
   names of ``hvdlite.ops`` (``"allreduce.noname.<n>"``). Unnamed calls in a graph are
   named at trace time after the input tensor's graph name, Horovod-style
   (``"allreduce.<tensor name>"``), so names agree across ranks even when one rank
   retraces (e.g. for a smaller last batch) and the others do not.
-* ``allreduce``, ``grouped_allreduce``, ``allgather`` and ``broadcast`` have gradients
-  (``tf.custom_gradient``): allreduce -> allreduce of the gradient with the same op and
-  scaling; allgather -> this rank's rows of the summed gradient; broadcast -> the summed
-  gradient on the root, zeros elsewhere.
-* A collective that fails inside a graph surfaces as a ``tf.errors`` exception whose
-  message carries the hvdlite error (e.g. the mismatch across ranks); eagerly the
-  hvdlite exception itself is raised.
+* Gradients (``tf.custom_gradient``) are Horovod's: allreduce -> allreduce of the
+  gradient with the same op and scaling; allgather -> this rank's rows of the
+  averaged gradient; broadcast -> the averaged gradient on the root, zeros elsewhere;
+  alltoall -> alltoall of the gradient back along the received splits; reducescatter
+  -> allgather of the gradient (times size() for Sum, times the scale factors).
+* Errors are the ``tf.errors`` classes Horovod raises (``errors.py``): a mismatch
+  across ranks is ``FailedPreconditionError``, bad splits ``InvalidArgumentError``,
+  eagerly and in graphs; each is also the hvdlite class (e.g. ``MismatchError``).
 """
 import threading
 import weakref
@@ -32,10 +39,10 @@ import numpy as np
 import tensorflow as tf
 
 from hvdlite import ops, process_sets, runtime
-from hvdlite.errors import InvalidArgumentError
+from hvdlite.errors import HvdliteError, InvalidArgumentError
 from hvdlite.process_sets import (ProcessSet, add_process_set,  # noqa: F401 (API)
                                   global_process_set, remove_process_set)
-from hvdlite.tensorflow import tensors
+from hvdlite.tensorflow import errors, tensors
 from hvdlite.tensorflow.compression import Compression
 
 Average = ops.Average
@@ -44,8 +51,6 @@ Min = ops.Min
 Max = ops.Max
 Product = ops.Product
 _basics = process_sets.basics
-
-
 
 
 # -- names -------------------------------------------------------------------------------
@@ -72,6 +77,7 @@ def _op_name(kind, name, tensor, process_set=global_process_set):
     return base if count == 0 else f"{base}.{count}"
 
 
+@errors.tf_errors
 def _check_static(tensor, name, op=None, scales=None, min_ndim=0):
     """Refuses what can be refused before running (also while tracing a graph).
 
@@ -91,18 +97,72 @@ def _check_static(tensor, name, op=None, scales=None, min_ndim=0):
             f"got shape {tensor.shape}")
 
 
+_check_rank = errors.tf_errors(ops._check_rank)
+
+# graph -> (op, ran) of its last collective node (see the module doc): ``ran`` is set
+# once the node has run. Weak keys.
+_last_collective = weakref.WeakKeyDictionary()
+
+
 def _run(fn, inputs, out_dtypes, out_shapes):
     """Runs ``fn(*eager_inputs) -> list of tensors`` now, or as a graph node.
 
     Returns:
         The list of output tensors.
+
+    Raises:
+        tf.errors.OpError: eagerly, the collective failed (see ``errors.py``).
     """
     if tf.executing_eagerly():
-        return fn(*inputs)
-    outputs = tf.py_function(fn, inputs, Tout=out_dtypes)
+        return errors.tf_errors(fn)(*inputs)
+    return _graph_node(fn, inputs, out_dtypes, out_shapes)
+
+
+def _graph_node(fn, inputs, out_dtypes, out_shapes):
+    """Adds ``fn`` to the default graph, after its previous collective node.
+
+    The py_function returns the error's code and message with its outputs (TF would
+    turn a raised error into UnknownError); the outputs pass through identities that
+    wait on ``errors.raise_in_graph``, which fails the step with the right class.
+    """
+    ran = threading.Event()
+
+    def node(*args):
+        ran.set()
+        try:
+            outputs = list(fn(*args))
+            code, message = errors.OK, ""
+        except HvdliteError as e:
+            coded = errors.graph_code(e)
+            if coded is None:
+                raise
+            code, message = coded
+            outputs = [tf.zeros([0], dtype) for dtype in out_dtypes]
+        return outputs + [tf.constant(code, tf.int32), tf.constant(message)]
+
+    graph = tf.compat.v1.get_default_graph()
+    with tf.control_dependencies(_follow(graph)):
+        results = tf.py_function(node, inputs, Tout=list(out_dtypes) + [tf.int32,
+                                                                        tf.string])
+    _last_collective[graph] = (results[0].op, ran)
+    with tf.control_dependencies([errors.raise_in_graph(results[-2], results[-1])]):
+        outputs = [tf.identity(result) for result in results[:-2]]
     for output, shape in zip(outputs, out_shapes):
         output.set_shape(shape)
     return outputs
+
+
+def _follow(graph):
+    """Returns the control inputs of a new collective node of ``graph``.
+
+    The previous collective node, unless it has already run: then the program is at a
+    new step (build a node, run it, build the next...), every rank has run it, and a
+    dependency would only make each later run of a TF1 session run it again.
+    """
+    previous = _last_collective.get(graph)
+    if previous is None or previous[1].is_set():
+        return []
+    return [previous[0]]
 
 
 def _trailing(shape, first=None):
@@ -134,21 +194,54 @@ def _broadcast_now(tensor_list, names, root_rank, process_set):
     """Broadcasts several tensors: all enqueued before any wait, so they can fuse."""
     arrays = [tensors.host_array(tensor) for tensor in tensor_list]
     outs = [tensors.empty_aligned(arr.shape, arr.dtype) for arr in arrays]
-    handles = [ops.broadcast_async(arr, root_rank, name, out=out, process_set=process_set)
-               for arr, name, out in zip(arrays, names, outs)]
+    return _wait_all([ops.broadcast_async(arr, root_rank, name, out=out,
+                                          process_set=process_set)
+                      for arr, name, out in zip(arrays, names, outs)], outs)
+
+
+def _allgather_now(tensor_list, names, process_set):
+    """Allgathers several tensors: all enqueued before any wait, so they can fuse."""
+    return _wait_all([ops.allgather_async(tensors.host_array(tensor), name, process_set)
+                      for tensor, name in zip(tensor_list, names)])
+
+
+def _reducescatter_now(tensor_list, names, op, prescale, postscale, process_set):
+    """Reduce-scatters several tensors: all enqueued before any wait."""
+    arrays = [tensors.host_array(tensor) for tensor in tensor_list]
+    size, rank = process_sets.members(process_set)
+    outs = []
+    for arr in arrays:
+        rows = None
+        if arr.ndim >= 1:  # else ops refuses it, naming the tensor
+            rows = ops.reducescatter_rows(arr.shape[0], size, rank)
+        outs.append(None if rows is None
+                    else tensors.empty_aligned((rows,) + arr.shape[1:], arr.dtype))
+    return _wait_all([ops.reducescatter_async(arr, name, op, prescale, postscale, out=out,
+                                              process_set=process_set)
+                      for arr, name, out in zip(arrays, names, outs)])
+
+
+def _wait_all(handles, outs=None):
+    """Waits every handle (even after one failed), then raises the first error.
+
+    Returns:
+        The results as tensors: ``outs`` if given, else each handle's result.
+    """
+    results, failure = [], None
     for handle in handles:
-        ops.synchronize(handle)
-    return [tensors.to_tensor(out) for out in outs]
+        try:
+            results.append(ops.synchronize(handle))
+        except HvdliteError as e:
+            failure = failure or e
+    if failure is not None:
+        raise failure
+    return [tensors.to_tensor(r) for r in (results if outs is None else outs)]
 
 
-def _reducescatter_now(tensor, name, op, prescale, postscale, process_set):
-    arr = tensors.host_array(tensor)
-    out = None
-    if arr.ndim >= 1:  # else ops refuses it, naming the tensor
-        rows = ops.reducescatter_rows(arr.shape[0], *process_sets.members(process_set))
-        out = tensors.empty_aligned((rows,) + arr.shape[1:], arr.dtype)
-    return tensors.to_tensor(ops.reducescatter(arr, name, op, prescale, postscale, out=out,
-                                               process_set=process_set))
+def _names(kind, name, tensor_list, process_set):
+    """Returns the names of a group's tensors: ``"<group>.<i>"``."""
+    group = _op_name(kind, name, tensor_list[0], process_set)
+    return [f"{group}.{i}" for i in range(len(tensor_list))]
 
 
 # -- allreduce ---------------------------------------------------------------------------
@@ -161,7 +254,8 @@ def _allreduce(tensor, name, op, prescale, postscale, process_set=global_process
     @tf.custom_gradient
     def allreduce_fn(x):
         op_name = _op_name("allreduce", name, x, process_set)
-        y = _run(lambda t: [_allreduce_now(t, op_name, op, prescale, postscale, process_set)],
+        y = _run(lambda t: [_allreduce_now(t, op_name, op, prescale, postscale,
+                                           process_set)],
                  [x], [x.dtype], [x.shape])[0]
 
         def grad(dy):
@@ -174,32 +268,39 @@ def _allreduce(tensor, name, op, prescale, postscale, process_set=global_process
     return allreduce_fn(tensor)
 
 
-def _sparse_allreduce(slices, name, op, compression, prescale, postscale,
-                      process_set=global_process_set):
-    """IndexedSlices: allgather values and indices, as Horovod does."""
+def _check_sparse(op, prescale, postscale):
+    # Horovod's limits for tf.IndexedSlices, with its exception type.
     if op not in (Average, Sum):
-        raise InvalidArgumentError(
-            "tf.IndexedSlices are reduced by allgather: only Average and Sum are "
-            "supported (or pass sparse_as_dense=True)")
+        raise NotImplementedError("Only Sum and Average ops are supported with "
+                                  "tf.IndexedSlices (or pass sparse_as_dense=True)")
+    if prescale != 1.0 or postscale != 1.0:
+        raise NotImplementedError("Pre/postscale_factor are not supported with "
+                                  "tf.IndexedSlices")
+
+
+def _average_values(values, op, process_set):
+    # Horovod's Average of tf.IndexedSlices: values / the set's size (a true division,
+    # so integer values come back as floats, as TF's ``/`` makes them).
+    if op != Average:
+        return values
+    return values / tf.cast(process_sets.members(process_set)[0], values.dtype)
+
+
+def _sparse_allreduce(slices, name, op, compression, prescale, postscale, process_set):
+    """IndexedSlices: allgather values and indices, as Horovod does."""
+    _check_sparse(op, prescale, postscale)
     values, ctx = compression.compress(slices.values)
-    if op == Average and not values.dtype.is_floating:
-        raise InvalidArgumentError(
-            "Average of integer tf.IndexedSlices is not supported; use op=Sum")
-    values = _allgather(values, None if name is None else f"{name}.values", process_set)
-    indices = _allgather(slices.indices, None if name is None else f"{name}.indices",
-                         process_set)
-    values = compression.decompress(values, ctx)
-    size = process_sets.members(process_set)[0]
-    scale = prescale * postscale / (size if op == Average else 1)
-    if scale != 1.0:
-        values = values * tf.cast(scale, values.dtype)
+    values, indices = _grouped_allgather(
+        [values, slices.indices], None if name is None else f"{name}.sparse", process_set)
+    values = _average_values(compression.decompress(values, ctx), op, process_set)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
 def allreduce(tensor, average=None, device_dense="", device_sparse="",
               compression=Compression.none, op=None, prescale_factor=1.0,
-              postscale_factor=1.0, name=None, process_set=global_process_set):
-    """Reduces a tensor across ranks; eagerly or inside a tf.function; differentiable.
+              postscale_factor=1.0, name=None, process_set=global_process_set,
+              ignore_name_scope=False):
+    """Reduces a tensor across ranks; eagerly or in a graph; differentiable.
 
     Args:
         tensor: a tf.Tensor (or variable, or value convertible to one), or a
@@ -212,16 +313,23 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
             Average on integers sums, then divides (C integer division) by the ranks.
         prescale_factor, postscale_factor: multiply the input / the result.
         name: equal across ranks; None names it automatically (see the module doc).
-        process_set: the ProcessSet whose members reduce (this rank must be one).
+        process_set: the ProcessSet whose members reduce (this rank must be one);
+            None or ``global_process_set`` for every rank.
+        ignore_name_scope: accepted for Horovod compatibility (names never carry
+            the scope here).
 
     Returns:
         A tensor of the same shape and dtype (tf.IndexedSlices for IndexedSlices).
 
     Raises:
-        InvalidArgumentError: bad dtype, op or scaling (at the call, also when tracing).
-        HorovodInternalError: eagerly, the collective failed (e.g. MismatchError);
-            inside a graph, a tf.errors exception carrying that message.
+        tf.errors.InvalidArgumentError: bad dtype, op or scaling (at the call, also
+            when tracing).
+        tf.errors.FailedPreconditionError: ranks disagree (shape, dtype, op...).
+        tf.errors.UnknownError: the collective failed otherwise (shutdown, lost rank).
+        NotImplementedError: an IndexedSlices with an op other than Average and Sum,
+            or with scale factors (as Horovod).
     """
+    _check_process_set(process_set)
     op = ops.resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
         return _sparse_allreduce(tensor, name, op, compression, prescale_factor,
@@ -259,42 +367,51 @@ def _grouped_allreduce(tensor_list, name, op, prescale, postscale,
 
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                       compression=Compression.none, op=None, prescale_factor=1.0,
-                      postscale_factor=1.0, name=None, process_set=global_process_set):
+                      postscale_factor=1.0, process_set=global_process_set,
+                      ignore_name_scope=False,
+                      name=None):
     """Reduces several tensors in one negotiation, so that they fuse; differentiable.
 
-    Dense tensors go as one group (tensor i named ``"<name>.<i>"``); tf.IndexedSlices
-    are allgathered one by one as in ``allreduce``.
+    Dense tensors go as one group (tensor i named ``"<name>.<i>"``); the values and
+    indices of every tf.IndexedSlices go in one grouped allgather, as Horovod does.
 
     Args:
         tensors: a list of tensors and/or tf.IndexedSlices.
         average, device_dense, device_sparse, compression, op, prescale_factor,
-        postscale_factor, process_set: as for ``allreduce``, applied to every tensor.
+        postscale_factor, process_set, ignore_name_scope: as for ``allreduce``,
+            applied to every tensor.
         name: the group's name, equal across ranks; None names it automatically.
 
     Returns:
         A list of reduced tensors, in order.
 
     Raises:
-        As ``allreduce``; nothing is enqueued if any tensor is refused.
+        As ``allreduce``; nothing is enqueued if any tensor is refused at the call.
     """
+    _check_process_set(process_set)
     op = ops.resolve_op(op, average)
     tensors_in = list(tensors)
     results = [None] * len(tensors_in)
-    dense_index, dense, contexts = [], [], []
-    for i, tensor in enumerate(tensors_in):
-        if isinstance(tensor, tf.IndexedSlices):
-            results[i] = _sparse_allreduce(
-                tensor, None if name is None else f"{name}.sparse.{i}", op, compression,
-                prescale_factor, postscale_factor, process_set)
-            continue
-        compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
-        dense_index.append(i)
-        dense.append(compressed)
-        contexts.append(ctx)
-    if dense:
-        reduced = _grouped_allreduce(dense, name, op, prescale_factor, postscale_factor,
-                                     process_set)
-        for i, value, ctx in zip(dense_index, reduced, contexts):
+    sparse_index = [i for i, t in enumerate(tensors_in) if isinstance(t, tf.IndexedSlices)]
+    dense_index = [i for i, t in enumerate(tensors_in) if not isinstance(t, tf.IndexedSlices)]
+    if sparse_index:
+        _check_sparse(op, prescale_factor, postscale_factor)
+        slices = [tensors_in[i] for i in sparse_index]
+        compressed = [compression.compress(s.values) for s in slices]
+        gathered = _grouped_allgather(
+            [values for values, _ in compressed] + [s.indices for s in slices],
+            None if name is None else f"{name}.sparse", process_set)
+        count = len(slices)
+        for i, s, (_, ctx), values, indices in zip(
+                sparse_index, slices, compressed, gathered[:count], gathered[count:]):
+            values = _average_values(compression.decompress(values, ctx), op, process_set)
+            results[i] = tf.IndexedSlices(values, indices, dense_shape=s.dense_shape)
+    if dense_index:
+        compressed = [compression.compress(tf.convert_to_tensor(tensors_in[i]))
+                      for i in dense_index]
+        reduced = _grouped_allreduce([c for c, _ in compressed], name, op,
+                                     prescale_factor, postscale_factor, process_set)
+        for i, value, (_, ctx) in zip(dense_index, reduced, compressed):
             results[i] = compression.decompress(value, ctx)
     return results
 
@@ -302,30 +419,47 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
 # -- allgather, broadcast ------------------------------------------------------------
 
 
-def _allgather(tensor, name, process_set=global_process_set):
-    tensor = tf.convert_to_tensor(tensor)
-    _check_static(tensor, name, min_ndim=1)
+def _my_rows(gradient, x, process_set):
+    """Returns this rank's rows of an allgather's ``gradient`` (input ``x``).
+
+    The rows of every member come from an allgather of the first dimensions, so the
+    graph is the same on every rank (only constants differ).
+    """
+    rows = _allgather(tf.shape(x, out_type=tf.int64)[:1], None, process_set)
+    me = process_sets.members(process_set)[1]
+    offset = tf.reduce_sum(rows[:me])
+    return gradient[offset:offset + rows[me]]
+
+
+def _grouped_allgather(tensor_list, name, process_set=global_process_set):
+    tensor_list = [tf.convert_to_tensor(t) for t in tensor_list]
+    for i, tensor in enumerate(tensor_list):
+        _check_static(tensor, None if name is None else f"{name}.{i}", min_ndim=1)
 
     @tf.custom_gradient
-    def allgather_fn(x):
-        op_name = _op_name("allgather", name, x, process_set)
-        y = _run(lambda t: [tensors.to_tensor(ops.allgather(tensors.host_array(t), op_name,
-                                                            process_set))],
-                 [x], [x.dtype], [_trailing(x.shape)])[0]
+    def allgather_fn(*xs):
+        names = _names("allgather", name, xs, process_set)
+        ys = _run(lambda *ts: _allgather_now(ts, names, process_set), list(xs),
+                  [x.dtype for x in xs], [_trailing(x.shape) for x in xs])
 
-        def grad(dy):
-            summed = _allreduce(dy, None, Sum, 1.0, 1.0, process_set)
-            rows = _allgather(tf.shape(x, out_type=tf.int64)[:1], None, process_set)
-            me = process_sets.members(process_set)[1]
-            offset = tf.reduce_sum(rows[:me])
-            return summed[offset:offset + rows[me]]
+        def grad(*dys):
+            # Horovod's: the average over ranks, then this rank's rows (one allreduce
+            # per tensor: TF may hand float32 zeros for a float64 output).
+            dys = [tf.zeros_like(y) if dy is None else dy for dy, y in zip(dys, ys)]
+            return [_my_rows(_allreduce(dy, None, Average, 1.0, 1.0, process_set), x,
+                             process_set)
+                    for dy, x in zip(dys, xs)]
 
-        return y, grad
+        return list(ys), grad
 
-    return allgather_fn(tensor)
+    return list(allgather_fn(*tensor_list))
 
 
-def allgather(tensor, name=None, process_set=global_process_set):
+def _allgather(tensor, name, process_set=global_process_set):
+    return _grouped_allgather([tensor], name, process_set)[0]
+
+
+def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Concatenates every rank's tensor along the first dimension; differentiable.
 
     Ranks may differ in the first dimension; the others must agree.
@@ -333,7 +467,7 @@ def allgather(tensor, name=None, process_set=global_process_set):
     Args:
         tensor: a tensor with at least one dimension.
         name: equal across ranks; None names it automatically.
-        process_set: the ProcessSet whose members' tensors are concatenated.
+        ignore_name_scope, process_set: as for ``allreduce``.
 
     Returns:
         A tensor of shape ``(sum of first dims, *tensor.shape[1:])``.
@@ -341,13 +475,35 @@ def allgather(tensor, name=None, process_set=global_process_set):
     Raises:
         As ``allreduce``.
     """
+    _check_process_set(process_set)
     return _allgather(tensor, name, process_set)
+
+
+def grouped_allgather(tensors, name=None, ignore_name_scope=False,
+                      process_set=global_process_set):
+    """Allgathers several tensors in one step (one graph node), so that they fuse.
+
+    Differentiable; tensor i is named ``"<name>.<i>"``.
+
+    Args:
+        tensors: a list of tensors with at least one dimension each.
+        name, ignore_name_scope, process_set: as for ``allgather``.
+
+    Returns:
+        A list of gathered tensors, in order.
+
+    Raises:
+        As ``allreduce``.
+    """
+    _check_process_set(process_set)
+    tensors = list(tensors)
+    return _grouped_allgather(tensors, name, process_set) if tensors else []
 
 
 def _broadcast(tensor, root_rank, name, process_set=global_process_set):
     tensor = tf.convert_to_tensor(tensor)
     _check_static(tensor, name)
-    ops._check_rank(root_rank, "root_rank", name or "unnamed")
+    _check_rank(root_rank, "root_rank", name or "unnamed")
 
     @tf.custom_gradient
     def broadcast_fn(x):
@@ -356,15 +512,18 @@ def _broadcast(tensor, root_rank, name, process_set=global_process_set):
                  [x], [x.dtype], [x.shape])[0]
 
         def grad(dy):
-            summed = _allreduce(dy, None, Sum, 1.0, 1.0, process_set)
-            return summed if runtime.rank() == root_rank else tf.zeros_like(summed)
+            # Horovod's: the average over ranks on the root, zeros elsewhere (a
+            # multiplication on every rank, so the graph is the same everywhere).
+            averaged = _allreduce(dy, None, Average, 1.0, 1.0, process_set)
+            return averaged * tf.cast(runtime.rank() == root_rank, averaged.dtype)
 
         return y, grad
 
     return broadcast_fn(tensor)
 
 
-def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
+def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
+              process_set=global_process_set):
     """Returns ``root_rank``'s tensor on every rank; differentiable.
 
     Args:
@@ -372,14 +531,15 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
         root_rank: the rank whose values everyone receives (a global rank, a member of
             ``process_set``).
         name: equal across ranks; None names it automatically.
-        process_set: the ProcessSet whose members receive.
+        ignore_name_scope, process_set: as for ``allreduce``.
 
     Returns:
         A tensor holding the root's values.
 
     Raises:
-        As ``allreduce``; InvalidArgumentError for a root out of range.
+        As ``allreduce``; tf.errors.InvalidArgumentError for a root out of range.
     """
+    _check_process_set(process_set)
     return _broadcast(tensor, root_rank, name, process_set)
 
 
@@ -396,64 +556,155 @@ def broadcast_group(tensor_list, root_rank, name=None, process_set=global_proces
         return []
     for tensor in tensor_list:
         _check_static(tensor, name)
-    ops._check_rank(root_rank, "root_rank", name or "unnamed")
-    group = _op_name("broadcast_group", name, tensor_list[0], process_set)
-    names = [f"{group}.{i}" for i in range(len(tensor_list))]
-    return list(_run(lambda *ts: _broadcast_now(ts, names, root_rank, process_set), tensor_list,
+    _check_rank(root_rank, "root_rank", name or "unnamed")
+    names = _names("broadcast_group", name, tensor_list, process_set)
+    return list(_run(lambda *ts: _broadcast_now(ts, names, root_rank, process_set),
+                     tensor_list,
                      [t.dtype for t in tensor_list], [t.shape for t in tensor_list]))
+
+
+def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
+    """Assigns ``root_rank``'s values to ``variables`` in place, in one fused step.
+
+    Args:
+        variables: tf.Variables, the same shapes and dtypes on every rank.
+        root_rank: the rank whose values everyone receives.
+        name, process_set: as for ``broadcast``.
+
+    Returns:
+        The variables' new values (a list of tensors).
+
+    Raises:
+        As ``broadcast``.
+    """
+    _check_process_set(process_set)
+    variables = list(variables)
+    values = broadcast_group(variables, root_rank, name, process_set)
+    assigned = [variable.assign(value) for variable, value in zip(variables, values)]
+    with tf.control_dependencies(assigned):  # a graph's reads wait for the writes
+        return [tf.identity(value) for value in values]
 
 
 # -- alltoall, reducescatter, join, barrier ----------------------------------------------
 
 
-def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
-    """All-to-all: rows ``splits[r]`` of ``tensor`` go to rank r.
+def _even_splits(rows, label, size):
+    if rows % size:
+        raise InvalidArgumentError(
+            f"tensor '{label}': the first dimension {rows} is not a multiple of the "
+            f"number of ranks ({size}); pass splits")
+    return np.full(size, rows // size, dtype=np.int64)
+
+
+def _alltoall_now(tensor, splits, name, process_set):
+    arr = tensors.host_array(tensor)
+    if splits is None:
+        splits = _even_splits(arr.shape[0] if arr.ndim else 0, name,
+                              process_sets.members(process_set)[0])
+    else:
+        splits = tensors.host_array(splits)
+    received, received_splits = ops.alltoall(arr, splits, name, process_set)
+    return [tensors.to_tensor(received), tf.constant(received_splits.astype(np.int32))]
+
+
+def _alltoall(tensor, splits, name, process_set=global_process_set):
+    @tf.custom_gradient
+    def alltoall_fn(x):
+        op_name = _op_name("alltoall", name, x, process_set)
+        inputs = [x] if splits is None else [x, splits]
+        received, received_splits = _run(
+            lambda t, s=None: _alltoall_now(t, s, op_name, process_set), inputs,
+            [x.dtype, tf.int32],
+            [_trailing(x.shape), tf.TensorShape([process_sets.members(process_set)[0]])])
+
+        def grad(d_received, d_splits=None):
+            # Horovod's: the gradient goes back along the splits it came by.
+            return _alltoall(d_received, received_splits, None, process_set)[0]
+
+        return (received, received_splits), grad
+
+    return alltoall_fn(tensor)
+
+
+def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
+             process_set=global_process_set):
+    """All-to-all: rows ``splits[r]`` of ``tensor`` go to rank r; differentiable.
 
     Args:
         tensor: a tensor with at least one dimension.
         splits: rows for each rank (a list or an int tensor of size() entries summing
-            to the first dimension); None splits the first dimension evenly.
+            to the first dimension); None splits this rank's first dimension evenly
+            (ranks may differ in it; it must be a multiple of size()).
         name: equal across ranks; None names it automatically.
-        process_set: the ProcessSet whose members exchange (splits: one per member).
+        ignore_name_scope, process_set: as for ``allreduce``.
 
     Returns:
-        ``(received, received_splits)``: the rows from every rank in rank order, and
-        how many came from each (int32, one per rank).
+        As Horovod: with ``splits``, ``(received, received_splits)``: the rows from
+        every rank in rank order, and how many came from each (int32, one per rank);
+        without, ``received`` alone.
 
     Raises:
-        As ``allreduce``; InvalidArgumentError for bad splits.
+        As ``allreduce``; tf.errors.InvalidArgumentError for bad splits.
     """
+    _check_process_set(process_set)
     tensor = tf.convert_to_tensor(tensor)
     _check_static(tensor, name, min_ndim=1)
-    op_name = _op_name("alltoall", name, tensor, process_set)
-    size = process_sets.members(process_set)[0]
+    if splits is None and tensor.shape.rank and tensor.shape[0] is not None:
+        errors.tf_errors(_even_splits)(tensor.shape[0], name or "unnamed",
+                                       process_sets.members(process_set)[0])
+    if splits is not None:
+        splits = tf.convert_to_tensor(splits)
+    received, received_splits = _alltoall(tensor, splits, name, process_set)
+    return received if splits is None else (received, received_splits)
 
-    def now(t, s=None):
-        received, received_splits = ops.alltoall(
-            tensors.host_array(t), None if s is None else tensors.host_array(s), op_name,
-            process_set)
-        return [tensors.to_tensor(received),
-                tf.constant(received_splits.astype(np.int32))]
 
-    inputs = [tensor] if splits is None else [tensor, tf.convert_to_tensor(splits)]
-    received, received_splits = _run(now, inputs, [tensor.dtype, tf.int32],
-                                     [_trailing(tensor.shape), tf.TensorShape([size])])
-    return received, received_splits
+def _grouped_reducescatter(tensor_list, name, op, prescale, postscale,
+                           process_set=global_process_set):
+    for i, tensor in enumerate(tensor_list):
+        _check_static(tensor, None if name is None else f"{name}.{i}", op,
+                      (prescale, postscale), min_ndim=1)
+
+    @tf.custom_gradient
+    def reducescatter_fn(*xs):
+        names = _names("reducescatter", name, xs, process_set)
+        size, rank = process_sets.members(process_set)
+        shapes = []
+        for x in xs:
+            rows = None
+            if x.shape.rank and x.shape[0] is not None:
+                rows = ops.reducescatter_rows(x.shape[0], size, rank)
+            shapes.append(_trailing(x.shape, rows))
+        ys = _run(lambda *ts: _reducescatter_now(ts, names, op, prescale, postscale,
+                                                 process_set),
+                  list(xs), [x.dtype for x in xs], shapes)
+
+        def grad(*dys):
+            # Horovod's: the allgathered gradient, times the set's size for Sum and
+            # times the scale factors.
+            factor = (size if op == Sum else 1) * prescale * postscale
+            dys = [tf.zeros_like(y) if dy is None else dy for dy, y in zip(dys, ys)]
+            if factor != 1:
+                dys = [dy * tf.cast(factor, dy.dtype) for dy in dys]
+            return _grouped_allgather(dys, None, process_set)
+
+        return list(ys), grad
+
+    return list(reducescatter_fn(*tensor_list))
 
 
 def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average,
-                  name=None, prescale_factor=1.0, postscale_factor=1.0,
-                  process_set=global_process_set):
+                  name=None, process_set=global_process_set, ignore_name_scope=False,
+                  prescale_factor=1.0, postscale_factor=1.0):
     """Reduces a tensor across ranks and returns this rank's rows of the result.
 
     The first dimension d0 is split so that the first ``d0 % size()`` ranks get one
-    row more than the others.
+    row more than the others. Differentiable (Horovod's gradient, module doc).
 
     Args:
         tensor: a tensor with at least one dimension, the same shape on every rank.
         device_dense: accepted for Horovod compatibility.
-        compression, op, prescale_factor, postscale_factor, name, process_set: as for
-            ``allreduce`` (rows are split among the set's members).
+        compression, op, prescale_factor, postscale_factor, name, process_set,
+        ignore_name_scope: as for ``allreduce``.
 
     Returns:
         This rank's rows of the reduction.
@@ -461,17 +712,31 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
     Raises:
         As ``allreduce``.
     """
-    tensor = tf.convert_to_tensor(tensor)
-    compressed, ctx = compression.compress(tensor)
-    _check_static(compressed, name, op, (prescale_factor, postscale_factor), min_ndim=1)
-    op_name = _op_name("reducescatter", name, compressed, process_set)
-    rows = None
-    if compressed.shape.rank and compressed.shape[0] is not None:
-        rows = ops.reducescatter_rows(compressed.shape[0], *process_sets.members(process_set))
-    out = _run(lambda t: [_reducescatter_now(t, op_name, op, prescale_factor,
-                                             postscale_factor, process_set)],
-               [compressed], [compressed.dtype], [_trailing(compressed.shape, rows)])[0]
-    return compression.decompress(out, ctx)
+    return grouped_reducescatter([tensor], device_dense, compression, op, name,
+                                 process_set, ignore_name_scope, prescale_factor,
+                                 postscale_factor)[0]
+
+
+def grouped_reducescatter(tensors, device_dense="", compression=Compression.none,
+                          op=Average, name=None, process_set=global_process_set,
+                          ignore_name_scope=False, prescale_factor=1.0,
+                          postscale_factor=1.0):
+    """Reduce-scatters several tensors in one step (one graph node), so that they fuse.
+
+    Args and Raises: as ``reducescatter``, for every tensor (tensor i is named
+    ``"<name>.<i>"``).
+
+    Returns:
+        A list of this rank's rows of each reduction, in order.
+    """
+    _check_process_set(process_set)
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+    compressed = [compression.compress(t) for t in tensors]
+    reduced = _grouped_reducescatter([c for c, _ in compressed], name, op,
+                                     prescale_factor, postscale_factor, process_set)
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, compressed)]
 
 
 def join():
@@ -487,10 +752,63 @@ def join():
 def barrier(process_set=global_process_set):
     """Blocks until every rank (of ``process_set``) has reached the barrier (in a graph:
     when it runs)."""
+    _check_process_set(process_set)
+
     def now():
         ops.barrier(process_set)
         return [tf.constant(0, tf.int32)]
 
-    # In a tf.function the node runs in program order without being returned
-    # (automatic control dependencies run every stateful op).
-    _run(now, [], [tf.int32], [tf.TensorShape([])])
+    # In a graph the node runs in program order with the other collectives (module
+    # doc); returned, so that a TF1 session can run it.
+    return _run(now, [], [tf.int32], [tf.TensorShape([])])[0]
+
+
+# -- the process, as tensors ----------------------------------------------------------
+
+
+@errors.tf_errors
+def _check_process_set(process_set):
+    """Refuses, at the call, a process set that is not a registered ProcessSet.
+
+    Returns:
+        Its id (0 for None and the global set).
+    """
+    return process_sets.process_set_id(process_set)
+
+
+def size_op(process_set_id=0, name=None):
+    """Returns the size of set ``process_set_id`` (size() for 0) as an int32 scalar
+    tensor."""
+    ranks = _process_set_ranks(process_set_id)
+    return tf.constant(runtime.size() if ranks is None else len(ranks), tf.int32,
+                       name=name)
+
+
+def local_size_op(name=None):
+    """Returns local_size() as an int32 scalar tensor."""
+    return tf.constant(runtime.local_size(), tf.int32, name=name)
+
+
+def rank_op(name=None):
+    """Returns rank() as an int32 scalar tensor."""
+    return tf.constant(runtime.rank(), tf.int32, name=name)
+
+
+def local_rank_op(name=None):
+    """Returns local_rank() as an int32 scalar tensor."""
+    return tf.constant(runtime.local_rank(), tf.int32, name=name)
+
+
+def process_set_included_op(process_set_id=0, name=None):
+    """Returns 1 if this rank is in set ``process_set_id``, else 0 (int32 tensor)."""
+    ranks = _process_set_ranks(process_set_id)
+    included = ranks is None or runtime.rank() in ranks
+    return tf.constant(int(included), tf.int32, name=name)
+
+
+@errors.tf_errors
+def _process_set_ranks(process_set_id):
+    # The set's global ranks (None for set 0); raises before init(), as Horovod's ops
+    # do, and for an unknown id.
+    runtime.size()
+    return None if process_set_id == 0 else process_sets.process_set_ranks(process_set_id)

@@ -39,46 +39,9 @@ from hvdlite.torch.sync_batch_norm import SyncBatchNorm
 from hvdlite.torch import elastic  # noqa: E402 - hvd.elastic.run, TorchState, ElasticSampler
 
 
-def is_homogeneous():
-    """True when every host runs the same number of ranks."""
-    return size() == local_size() * cross_size()
-
-
-# What this build has, by the names Horovod scripts query.
-def mpi_built():
-    return True
-
-
-def mpi_enabled():
-    return True
-
-
-def gloo_built():
-    return False
-
-
-def gloo_enabled():
-    return False
-
-
-def nccl_built():
-    return False
-
-
-def cuda_built():
-    return False
-
-
-def rocm_built():
-    return False
-
-
-def ddl_built():
-    return False
-
-
-def ccl_built():
-    return False
-
+# What this build has, by the names Horovod scripts query (shared with TensorFlow).
+from hvdlite.build_info import (ccl_built, cuda_built, ddl_built, gloo_built,
+                                gloo_enabled, is_homogeneous, mpi_built, mpi_enabled,
+                                nccl_built, rocm_built)
 
 __all__ = [name for name in dir() if not name.startswith("_")]

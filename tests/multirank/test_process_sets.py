@@ -424,10 +424,48 @@ if ps.included():
           np.concatenate([data(r, (r, 2)) for r in members]))
     close("broadcast", hvd.broadcast(x, members[-1], process_set=ps).numpy(),
           data(members[-1], (2, 3)))
-    got, recv = hvd.alltoall(tf.constant(data(rank, (n, 2))), process_set=ps)
+    me = members.index(rank)
+    got = hvd.alltoall(tf.constant(data(rank, (n, 2))), process_set=ps)
     close("alltoall", got.numpy(),
-          np.concatenate([data(r, (n, 2))[members.index(rank):members.index(rank) + 1]
-                          for r in members]))
+          np.concatenate([data(r, (n, 2))[me:me + 1] for r in members]))
+    # Uneven splits, one per member: member 0 gets 2 rows from everyone.
+    splits = [2] + [1] * (n - 1)
+    got, recv = hvd.alltoall(tf.constant(data(rank, (n + 1, 2))), splits=splits,
+                             process_set=ps)
+    start = sum(splits[:me])
+    close("alltoall splits", got.numpy(),
+          np.concatenate([data(r, (n + 1, 2))[start:start + splits[me]] for r in members]))
+    close("alltoall received splits", recv.numpy(), [splits[me]] * n)
+    ga, gb = hvd.grouped_allgather([tf.constant(data(rank, (1, 2))),
+                                    tf.constant(data(rank, (2,)))], process_set=ps)
+    close("grouped_allgather", ga.numpy(), np.concatenate([data(r, (1, 2)) for r in members]))
+    close("grouped_allgather 1", gb.numpy(), np.concatenate([data(r, (2,)) for r in members]))
+    (rs,) = hvd.grouped_reducescatter([tf.constant(data(rank, (n, 2)))], op=hvd.Sum,
+                                      process_set=ps)
+    close("grouped_reducescatter", rs.numpy(), sum(data(r, (n, 2)) for r in members)[me:me + 1])
+    # IndexedSlices: values and indices gathered from the members, Average over n.
+    sl = hvd.allreduce(tf.IndexedSlices(tf.constant(data(rank, (1, 2))), tf.constant([rank]),
+                                        tf.constant([size, 2])), process_set=ps)
+    close("sparse values", sl.values.numpy(),
+          np.concatenate([data(r, (1, 2)) for r in members]) / n)
+    close("sparse indices", sl.indices.numpy(), members)
+    # Gradients in the set: allgather's is the members' average, then this rank's rows;
+    # reducescatter(Sum)'s the gathered gradient times the set's size.
+    x = tf.constant(data(rank, (rank, 2)))
+    with tf.GradientTape() as t:
+        t.watch(x)
+        loss = tf.reduce_sum(hvd.allgather(x, process_set=ps) * float(rank + 1))
+    close("allgather grad", t.gradient(loss, x).numpy(),
+          np.full((rank, 2), sum(r + 1 for r in members) / n))
+    x = tf.constant(data(rank, (n, 2)))
+    with tf.GradientTape() as t:
+        t.watch(x)
+        loss = tf.reduce_sum(hvd.reducescatter(x, op=hvd.Sum, process_set=ps)
+                             * float(rank + 1))
+    close("reducescatter grad", t.gradient(loss, x).numpy(),
+          np.repeat(np.array([[(r + 1.0) * n] for r in members]), 2, axis=1))
+    close("size_op", hvd.size_op(ps.process_set_id).numpy(), n)
+    close("process_set_included_op", hvd.process_set_included_op(ps.process_set_id).numpy(), 1)
     close("reducescatter", hvd.reducescatter(tf.constant(data(rank, (n, 2))), op=hvd.Sum,
                                              process_set=ps).numpy(),
           sum(data(r, (n, 2)) for r in members)[members.index(rank):members.index(rank) + 1])
@@ -444,6 +482,7 @@ if ps.included():
 else:
     expect_error("outside", ValueError, ["not a member of process set"],
                  lambda: hvd.allreduce(tf.ones(2), process_set=ps))
+    close("not included", hvd.process_set_included_op(ps.process_set_id).numpy(), 0)
 close("global", hvd.allreduce(tf.constant([1.0]), op=hvd.Sum).numpy(), [float(size)])
 report()
 '''

@@ -149,10 +149,10 @@ def check_gradients(mode):
     # allreduce(Sum): d/dx_r = scale_r * sum over ranks of the upstream gradient.
     C.close(f"{mode}.grad.allreduce_sum", ga, ones * 2.0 * N * scale)
     C.close(f"{mode}.grad.allreduce_average", gb, ones * scale)
-    # allgather: this rank's rows of the summed gradient.
-    C.close(f"{mode}.grad.allgather", gc, ones * 3.0 * N * scale)
-    # broadcast: the summed gradient on the root, zeros elsewhere.
-    C.close(f"{mode}.grad.broadcast", gd, ones * 5.0 * N * scale * (R == 0))
+    # allgather (Horovod's): this rank's rows of the gradient averaged over ranks.
+    C.close(f"{mode}.grad.allgather", gc, ones * 3.0 * scale)
+    # broadcast (Horovod's): the averaged gradient on the root, zeros elsewhere.
+    C.close(f"{mode}.grad.broadcast", gd, ones * 5.0 * scale * (R == 0))
     C.close(f"{mode}.grad.grouped_allreduce", ge, ones * N * scale)
     del total_scale
 

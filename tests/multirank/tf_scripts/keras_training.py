@@ -1,4 +1,6 @@
-"""hvdlite.keras on N ranks, on the backend named by KERAS_BACKEND (tensorflow, torch).
+"""hvdlite.keras on N ranks, on the backend named by KERAS_BACKEND (tensorflow, torch);
+imported as the module named by HVDLITE_KERAS_MODULE (default ``hvdlite.keras``; also
+``hvdlite.tensorflow.keras``, Horovod's ``horovod.tensorflow.keras``).
 
 * model.fit with DistributedOptimizer(SGD) + BroadcastGlobalVariablesCallback: every rank
   starts from different weights, ends with the same ones, equal to one process doing
@@ -26,7 +28,9 @@ else:
 
 import keras  # noqa: E402
 
-import hvdlite.keras as hvd  # noqa: E402
+import importlib  # noqa: E402
+
+hvd = importlib.import_module(os.environ.get("HVDLITE_KERAS_MODULE", "hvdlite.keras"))
 
 hvd.init()
 R, N = hvd.rank(), hvd.size()
