@@ -28,7 +28,7 @@ from hvdlite.tensorflow.functions import (BroadcastGlobalVariablesHook, allgathe
 from hvdlite.tensorflow.gradient_tape import (DistributedGradientTape, DistributedOptimizer,
                                               PartialDistributedGradientTape,
                                               allreduce_gradients)
-from hvdlite.tensorflow.mpi_ops import (Average, Max, Min, Product, ProcessSet, Sum,
+from hvdlite.tensorflow.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
                                         add_process_set, allgather, allreduce, alltoall,
                                         barrier, broadcast, broadcast_, broadcast_group,
                                         global_process_set, grouped_allgather,

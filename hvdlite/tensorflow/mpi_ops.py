@@ -50,6 +50,7 @@ Sum = ops.Sum
 Min = ops.Min
 Max = ops.Max
 Product = ops.Product
+Adasum = ops.Adasum  # allreduce only, global set (hvdlite.adasum)
 _basics = process_sets.basics
 
 
@@ -249,7 +250,8 @@ def _names(kind, name, tensor_list, process_set):
 
 def _allreduce(tensor, name, op, prescale, postscale, process_set=global_process_set):
     """Dense allreduce with its gradient; ``name`` None means automatic."""
-    _check_static(tensor, name, op, (prescale, postscale))
+    # Adasum is checked where it runs (hvdlite.adasum: float types, the global set).
+    _check_static(tensor, name, None if op == Adasum else op, (prescale, postscale))
 
     @tf.custom_gradient
     def allreduce_fn(x):

@@ -163,6 +163,22 @@ print("HVDLITE_RESULT " + json.dumps({"failures": failures}), flush=True)
 '''
 
 
+TF_BODY = r'''
+import tensorflow as tf
+import hvdlite.tensorflow as hvd_tf
+
+for i, shape in enumerate([(5,), (3, 4)]):
+    vs = [data(r, i, shape) for r in range(size)]
+    expected = reference(vs)
+    mine = tf.constant(vs[rank])
+    check(f"tf eager {shape}", hvd_tf.allreduce(mine, name=f"tf.e{i}", op=hvd_tf.Adasum).numpy(),
+          expected, 1e-10)
+    graph = tf.function(lambda t, i=i: hvd_tf.allreduce(t, name=f"tf.g{i}", op=hvd_tf.Adasum))
+    check(f"tf function {shape}", graph(mine).numpy(), expected, 1e-10)
+print("HVDLITE_RESULT " + json.dumps({"failures": failures}), flush=True)
+'''
+
+
 def _run(np_, body):
     result = assert_ok(run_job(np_, PRELUDE + body, timeout=200))
     problems = [f"rank {r}: {f}" for r in range(np_) for f in result.result(r)["failures"]]
@@ -172,6 +188,12 @@ def _run(np_, body):
 @pytest.mark.parametrize("np_", [2, 3, 4])
 def test_numpy_adasum_matches_the_reference(np_):
     _run(np_, NUMPY_BODY)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_tensorflow_adasum_allreduce(np_):
+    pytest.importorskip("tensorflow")
+    _run(np_, TF_BODY)
 
 
 @pytest.mark.parametrize("np_", [2, 3])

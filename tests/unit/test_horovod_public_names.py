@@ -46,11 +46,9 @@ HOROVOD_TENSORFLOW_KERAS_CALLBACKS = [
     "LearningRateScheduleCallback", "LearningRateWarmupCallback", "MetricAverageCallback",
 ]
 
-_ADASUM = "Adasum: another part of issue 15 (hvdlite core)"
 _ELASTIC = "elastic: another part of the project"
 ABSENT = {
     "hvdlite.tensorflow": {
-        "Adasum": _ADASUM,
         "elastic": _ELASTIC,
         "LocalGradientAggregationHelper": "TF1 graph-mode gradient accumulation, "
                                           "not built",
