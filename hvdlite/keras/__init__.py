@@ -20,6 +20,8 @@ from hvdlite.keras import callbacks
 from hvdlite.keras.compression import Compression
 from hvdlite.keras.optimizer import DistributedOptimizer, load_model
 from hvdlite.objects import allgather_object, broadcast_object
+from hvdlite.process_sets import (ProcessSet, add_process_set, global_process_set,
+                                  remove_process_set)
 from hvdlite.ops import Average, Max, Min, Product, Sum, barrier, join
 from hvdlite.runtime import (cross_rank, cross_size, init, is_initialized, local_rank,
                              local_size, rank, shutdown, size, start_timeline,

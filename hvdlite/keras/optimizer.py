@@ -19,7 +19,7 @@ train step is a pure function traced by XLA, with no place for a host collective
 """
 import keras
 
-from hvdlite import ops
+from hvdlite import ops, process_sets
 from hvdlite.keras.compression import Compression
 
 Average = ops.Average
@@ -33,7 +33,8 @@ def _allreduce_tensorflow(grads, settings, postscale):
         grads = [g if g is None else g * postscale for g in grads]
     return allreduce_gradients(grads, settings["compression"], settings["op"],
                                settings["sparse_as_dense"],
-                               settings["gradient_predivide_factor"])
+                               settings["gradient_predivide_factor"],
+                               process_set=settings["process_set"])
 
 
 def _allreduce_torch(grads, settings, postscale):
@@ -43,6 +44,9 @@ def _allreduce_torch(grads, settings, postscale):
     present = [i for i, g in enumerate(grads) if g is not None]
     if getattr(compression, "is_reducer", False):
         from hvdlite.torch.optimizer import reduce_through
+
+        if settings["process_set"] is not process_sets.global_process_set:
+            raise ValueError(f"{compression!r} runs on the global process set only")
 
         out = list(grads)
         scaled = [grads[i] * postscale if postscale != 1.0 else grads[i] for i in present]
@@ -57,7 +61,8 @@ def _allreduce_torch(grads, settings, postscale):
         contexts.append(ctx)
     op, prescale, post = ops.predivide_scaling(settings["op"], settings["gradient_predivide_factor"])
     hvd_torch.grouped_allreduce_(wire, op=op, prescale_factor=prescale,
-                                 postscale_factor=postscale * post)
+                                 postscale_factor=postscale * post,
+                                 process_set=settings["process_set"])
     out = list(grads)
     for i, tensor, ctx in zip(present, wire, contexts):
         out[i] = compression.decompress(tensor, ctx)
@@ -78,13 +83,17 @@ def _allreduce_grads(grads, settings, postscale=1.0):
 
 
 def _settings(compression=Compression.none, sparse_as_dense=False,
-              gradient_predivide_factor=1.0, op=Average, average_aggregated_gradients=False):
+              gradient_predivide_factor=1.0, op=Average, average_aggregated_gradients=False,
+              process_set=None):
     if op not in (Average, Sum):
         raise ValueError("DistributedOptimizer reduces gradients with op=Average or Sum")
     ops.predivide_scaling(op, gradient_predivide_factor)  # refused here, not at a step
+    process_set = process_sets.global_process_set if process_set is None else process_set
+    process_sets.process_set_id(process_set)  # a set that is not registered: refused here
     return {"compression": compression, "sparse_as_dense": sparse_as_dense,
             "gradient_predivide_factor": gradient_predivide_factor, "op": op,
-            "average_aggregated_gradients": average_aggregated_gradients}
+            "average_aggregated_gradients": average_aggregated_gradients,
+            "process_set": process_set}
 
 
 def distributed_class(base, settings=None):
@@ -147,7 +156,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
             accumulated gradients instead of summing them (Horovod's default sums).
         num_groups, groups, scale_local_gradients: accepted for Horovod compatibility
             (every gradient already goes in one group; no layer is local here).
-        process_set: None or the global process set (the only one this build has).
+        process_set: the ProcessSet whose members average the gradients (None: the
+            global set); every member wraps its optimizer alike.
 
     Returns:
         An optimizer of a subclass of ``type(optimizer)``.
@@ -155,10 +165,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     Raises:
         ValueError: bad op, backward_passes_per_step < 1, or an optimizer that already
             accumulates gradients while backward_passes_per_step > 1.
-        NotImplementedError: a process set other than the global one.
     """
-    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
-        raise NotImplementedError("DistributedOptimizer runs on the global process set only")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, not "
                         f"{type(optimizer).__name__}")
@@ -166,7 +173,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         raise ValueError("backward_passes_per_step must be >= 1")
     cls = distributed_class(type(optimizer), _settings(
         compression, sparse_as_dense, gradient_predivide_factor, op,
-        average_aggregated_gradients))
+        average_aggregated_gradients, process_set))
     config = optimizer.get_config()
     if backward_passes_per_step > 1:
         if config.get("gradient_accumulation_steps"):
