@@ -87,7 +87,7 @@ def test_mpi_traffic_between_hosts_is_bound_by_the_shaped_link(make_cluster):
             comm.Recv(buf, 0)
         comm.Barrier()
         # One write: mpiexec's output tagging may cut a line written in pieces.
-        os.write(1, b'HVDLITE_RESULT {"seconds": %f}\n' % (time.perf_counter() - start))
+        os.write(1, b'HVDLITE_RESULT {"seconds": %f}\\n' % (time.perf_counter() - start))
     """)
     with tempfile.TemporaryDirectory(prefix="hvdlite-cluster-") as tmpdir:
         os.chmod(tmpdir, 0o755)
