@@ -63,7 +63,37 @@ def _check_float(name, array):
             "floating-point gradients")
 
 
-class TopK(Reducer):
+class _TwoGathers(Reducer):
+    """A reducer that sends two arrays per gradient by allgather (``gathers`` names
+    them) and adds up, on every rank, what every rank sent: subclasses say what to send
+    (``send``) and how the gathered arrays decode into the sum over ranks (``total``)."""
+
+    gathers = ("first", "second")
+
+    def send(self, name, flat):
+        raise NotImplementedError
+
+    def total(self, count, first, second):
+        """The sum over ranks, ``count`` float32 entries, from the gathered arrays."""
+        raise NotImplementedError
+
+    def start(self, names, arrays):
+        pending = []
+        for name, array in zip(names, arrays):
+            _check_float(name, array)
+            first, second = self.send(name, _as_float32(array))
+            pending.append((array, ops.allgather_async(first, name=f"{self.gathers[0]}.{name}"),
+                            ops.allgather_async(second, name=f"{self.gathers[1]}.{name}")))
+        return pending
+
+    def finish(self, token):
+        size = runtime.size()
+        return [(self.total(array.size, ops.synchronize(first), ops.synchronize(second))
+                 / size).reshape(array.shape).astype(array.dtype, copy=False)
+                for array, first, second in token]
+
+
+class TopK(_TwoGathers):
     """Sends the ``ratio`` largest-magnitude entries of each gradient, with error feedback.
 
     Each rank adds its residual to the gradient, keeps the k = ceil(ratio * n) entries
@@ -84,41 +114,31 @@ class TopK(Reducer):
     def __repr__(self):
         return f"Compression.topk({self.ratio})"
 
-    def start(self, names, arrays):
-        pending = []
-        for name, array in zip(names, arrays):
-            _check_float(name, array)
-            acc = _as_float32(array) + self._residuals.get(name, 0.0)
-            k = acc.size if acc.size < self.dense_below else max(
-                1, math.ceil(self.ratio * acc.size))
-            if k < acc.size:
-                index = np.argpartition(np.abs(acc), acc.size - k)[acc.size - k:]
-            else:
-                index = np.arange(acc.size)
-            index = np.sort(index).astype(np.int32 if acc.size < 2**31 else np.int64)
-            values = acc[index]
-            acc[index] = 0.0
-            self._residuals[name] = acc
-            pending.append((array, ops.allgather_async(values, name=f"topk.values.{name}"),
-                            ops.allgather_async(index, name=f"topk.index.{name}")))
-        return pending
+    gathers = ("topk.values", "topk.index")
 
-    def finish(self, token):
-        results = []
-        for array, values_handle, index_handle in token:
-            values = ops.synchronize(values_handle)
-            index = ops.synchronize(index_handle)
-            total = np.zeros(array.size, np.float32)
-            np.add.at(total, index, values)  # duplicates (same index from two ranks) add
-            total /= runtime.size()
-            results.append(total.reshape(array.shape).astype(array.dtype, copy=False))
-        return results
+    def send(self, name, flat):
+        acc = flat + self._residuals.get(name, 0.0)
+        k = acc.size if acc.size < self.dense_below else max(1, math.ceil(self.ratio * acc.size))
+        if k < acc.size:
+            index = np.argpartition(np.abs(acc), acc.size - k)[acc.size - k:]
+        else:
+            index = np.arange(acc.size)
+        index = np.sort(index).astype(np.int32 if acc.size < 2**31 else np.int64)
+        values = acc[index]
+        acc[index] = 0.0
+        self._residuals[name] = acc
+        return values, index
+
+    def total(self, count, values, index):
+        total = np.zeros(count, np.float32)
+        np.add.at(total, index, values)  # duplicates (same index from two ranks) add
+        return total
 
     def residual(self, name):
         return self._residuals.get(name)
 
 
-class Quantize(Reducer):
+class Quantize(_TwoGathers):
     """Sends each gradient as ``bits``-bit codes with one float32 scale per chunk.
 
     A chunk of ``chunk`` entries is scaled by its largest magnitude onto the integers
@@ -175,27 +195,17 @@ class Quantize(Reducer):
         codes = packed.astype(np.float32) - self.levels
         return (codes.reshape(-1, self.chunk) * (scales[:, None] / self.levels)).reshape(-1)
 
-    def start(self, names, arrays):
-        pending = []
-        for name, array in zip(names, arrays):
-            _check_float(name, array)
-            packed, scales = self.encode(_as_float32(array))
-            pending.append((array, ops.allgather_async(packed, name=f"quant.codes.{name}"),
-                            ops.allgather_async(scales, name=f"quant.scales.{name}")))
-        return pending
+    gathers = ("quant.codes", "quant.scales")
 
-    def finish(self, token):
-        results = []
-        for array, codes_handle, scales_handle in token:
-            codes = ops.synchronize(codes_handle)
-            scales = ops.synchronize(scales_handle)
-            size = runtime.size()
-            total = np.zeros(scales.size // size * self.chunk, np.float32)
-            for part_codes, part_scales in zip(np.split(codes, size), np.split(scales, size)):
-                total += self.decode(part_codes, part_scales)
-            total = total[:array.size] / size
-            results.append(total.reshape(array.shape).astype(array.dtype, copy=False))
-        return results
+    def send(self, name, flat):
+        return self.encode(flat)
+
+    def total(self, count, codes, scales):
+        ranks = runtime.size()
+        total = np.zeros(scales.size // ranks * self.chunk, np.float32)
+        for part_codes, part_scales in zip(np.split(codes, ranks), np.split(scales, ranks)):
+            total += self.decode(part_codes, part_scales)
+        return total[:count]
 
 
 class PowerSGD(Reducer):
