@@ -17,6 +17,7 @@ import torch
 
 from hvdlite import ops, runtime
 from hvdlite.torch import mpi_ops
+from hvdlite.torch.compression import Compression
 from hvdlite.torch.optimizer import _DistributedOptimizer
 
 
@@ -34,7 +35,10 @@ class _DistributedAdasumOptimizer:
         self.op = op
         self.process_set = process_set
         self.backward_passes_per_step = backward_passes_per_step
-        self._compression = compression
+        if compression is not Compression.none:
+            # The updates are combined here, not by the core's allreduce: a compressor
+            # would be ignored, so it is refused rather than silently dropped.
+            raise ValueError(f"op=Adasum takes no compression (got {compression!r})")
         params = [p for group in self.param_groups for p in group["params"]]
         # The same checks of named_parameters as the gradient-averaging optimizer's.
         _DistributedOptimizer._name_parameters(named_parameters, params)

@@ -312,3 +312,14 @@ def test_broadcast_helpers_in_one_process(thvd):
     assert model[1].bias.grad is None and not model[0].weight.grad.any()
     with pytest.raises(ValueError, match="LBFGS"):
         thvd.broadcast_optimizer_state(torch.optim.LBFGS(model.parameters()), root_rank=0)
+
+
+def test_adasum_optimizer_refuses_a_compression_it_would_ignore(hvd):
+    import hvdlite.torch as hvd_torch
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="Adasum takes no compression"):
+        hvd_torch.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       op=hvd_torch.Adasum,
+                                       compression=hvd_torch.Compression.fp16)
