@@ -689,14 +689,25 @@ def grouped_allreduce_async(arrays, name=None, op=Average, prescale_factor=1.0,
         from hvdlite import adasum
         return adasum.grouped_allreduce_async(arrays, group, prescale_factor,
                                               postscale_factor, outs)
+    return _enqueue_grouped_reduction(ALLREDUCE, group, arrays, outs, op, prescale_factor,
+                                      postscale_factor, psid, lambda shape: shape, min_ndim=0)
+
+
+def _enqueue_grouped_reduction(kind, group, arrays, outs, op, prescale_factor,
+                               postscale_factor, psid, result_shape, min_ndim):
+    """Enqueues a group of reductions of ``kind``; array i is ``"<group>.<i>"``.
+
+    ``result_shape`` maps an input's shape to its result's (allreduce: the same;
+    reducescatter: this rank's rows).
+    """
     specs, keep, results = [], [], []
     for i, array in enumerate(arrays):
         tensor_name = f"{group}.{i}"
-        arr, code = _input_array(array, tensor_name)
+        arr, code = _input_array(array, tensor_name, min_ndim=min_ndim)
         _check_reduction(op, prescale_factor, postscale_factor, code, tensor_name)
-        out = _output_array(None if outs is None else outs[i], arr.shape, arr.dtype,
-                            tensor_name)
-        specs.append(TensorSpec(ALLREDUCE, tensor_name, code, arr.shape, _from_buffer(arr),
+        out = _output_array(None if outs is None else outs[i], result_shape(arr.shape),
+                            arr.dtype, tensor_name)
+        specs.append(TensorSpec(kind, tensor_name, code, arr.shape, _from_buffer(arr),
                                 _from_buffer(out), op, prescale_factor, postscale_factor,
                                 process_set_id=psid))
         keep += [arr, out]
@@ -984,21 +995,14 @@ def grouped_reducescatter_async(arrays, name=None, op=Average, prescale_factor=1
             ``reducescatter_async``; nothing is enqueued if any array is refused.
     """
     psid = process_sets.process_set_id(process_set)
-    group, arrays, names = _group_members("grouped_reducescatter", arrays, name, outs, psid)
+    group, arrays, _ = _group_members("grouped_reducescatter", arrays, name, outs, psid)
     size, rank = process_sets.members(process_set)
-    specs, keep, results = [], [], []
-    for i, (array, tensor_name) in enumerate(zip(arrays, names)):
-        arr, code = _input_array(array, tensor_name, min_ndim=1)
-        _check_reduction(op, prescale_factor, postscale_factor, code, tensor_name)
-        rows = reducescatter_rows(arr.shape[0], size, rank)
-        out = _output_array(None if outs is None else outs[i], (rows,) + arr.shape[1:],
-                            arr.dtype, tensor_name)
-        specs.append(TensorSpec(REDUCESCATTER, tensor_name, code, arr.shape,
-                                _from_buffer(arr), _from_buffer(out), op, prescale_factor,
-                                postscale_factor, process_set_id=psid))
-        keep += [arr, out]
-        results.append(out)
-    return enqueue_group(specs, name=group, keepalive=keep, result=results)
+
+    def my_rows(shape):
+        return (reducescatter_rows(shape[0], size, rank),) + tuple(shape[1:])
+
+    return _enqueue_grouped_reduction(REDUCESCATTER, group, arrays, outs, op, prescale_factor,
+                                      postscale_factor, psid, my_rows, min_ndim=1)
 
 
 def grouped_reducescatter(arrays, name=None, op=Average, prescale_factor=1.0,
