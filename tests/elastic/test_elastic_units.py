@@ -1,8 +1,9 @@
 """The elastic pieces that need no job: flags, the slot book, the commit store, the
-sampler's re-split and a state's round trip."""
+sampler's re-split, the states' round trips and the Keras callbacks."""
 import os
 import time
 
+import numpy as np
 import pytest
 
 from hvdlite.elastic.store import CommitStore
