@@ -48,12 +48,28 @@ def _assert_finished(result, log_dir, sizes):
 
 @pytest.mark.parametrize("where", ["backward", "allreduce", "commit"])
 def test_a_rank_killed_mid_step_costs_one_rollback_3_to_2(tmp_path, where):
+    # In one of the three the job also uses a process set (checked below).
+    extra = ["--process-set", "evens"] if where == "backward" else []
     result, log_dir = _train(tmp_path, 3, ["--min-np", "2", "--max-np", "3"],
-                             kills=[f"0:2:5:{where}"])
+                             kills=[f"0:2:5:{where}"], extra=extra)
     summary = _assert_finished(result, log_dir, [3, 2])
     # The reset callbacks ran once, in the new world, with its size.
     assert summary["starts"][1]["resets"] == [2]
     assert "world 1: 2 rank(s)" in result.stderr and "rank 2 on localhost" in result.stderr
+    if extra:
+        _assert_process_sets_made_for_each_world(log_dir)
+
+
+def _assert_process_sets_made_for_each_world(log_dir):
+    """Elastic with process sets: the script's set of the world's even ranks is made again
+    in the new world ([0, 2] at 3 ranks, [0] at 2), and its sums are right in both."""
+    worlds = history.load(log_dir)
+    for gen, want in ((0, [0, 2]), (1, [0])):
+        for rank, records in worlds[gen].items():
+            start = [r for r in records if r["ev"] == "start"][0]
+            assert start["pset"] == want, (gen, rank, start)
+            sums = {r["pset_sum"] for r in records if r["ev"] == "trained"}
+            assert sums == ({sum(want)} if rank in want else {None}), (gen, rank, sums)
 
 
 def test_a_rank_killed_during_the_handover_3_to_2_to_1(tmp_path):
@@ -122,6 +138,8 @@ def test_past_the_reset_limit_the_job_ends(tmp_path):
 
 
 def test_below_min_np_then_a_host_joins_the_job_goes_on_from_the_last_commit(tmp_path):
+    # Horovod's old and new workers could disagree here on whether to sync the state and
+    # deadlock; every rank of a new world takes the same handover.
     # After the death the discovery script lists one slot too few for 3 s, then one more.
     note = tmp_path / "died"
     script = tmp_path / "discover.sh"
@@ -180,20 +198,6 @@ def test_keras_a_host_added_joins_without_hanging_in_the_state_broadcast_2_to_3(
 
 
 # -- process sets ------------------------------------------------------------------------
-
-def test_process_sets_made_from_the_world_size_are_made_again_after_a_reset(tmp_path):
-    # The evens of each world: [0, 2] at 3 ranks, [0] after rank 1 dies.
-    result, log_dir = _train(tmp_path, 3, ["--min-np", "2", "--max-np", "3"],
-                             kills=["0:1:3:backward"], extra=["--process-set", "evens"])
-    _assert_finished(result, log_dir, [3, 2])
-    worlds = history.load(log_dir)
-    for gen, want in ((0, [0, 2]), (1, [0])):
-        for rank, records in worlds[gen].items():
-            start = [r for r in records if r["ev"] == "start"][0]
-            assert start["pset"] == want, (gen, rank, start)
-            sums = {r["pset_sum"] for r in records if r["ev"] == "trained"}
-            assert sums == ({sum(want)} if rank in want else {None}), (gen, rank, sums)
-
 
 def test_process_sets_of_fixed_ranks_that_a_smaller_world_lacks_end_the_job_with_advice(tmp_path):
     result, _ = _train(tmp_path, 3, ["--min-np", "2", "--max-np", "3"],
