@@ -29,9 +29,7 @@ class VariablesState(State):
 
     def __init__(self, **kwargs):
         super().__init__()
-        self._value_names = list(kwargs)
-        for name, value in kwargs.items():
-            setattr(self, name, value)
+        self._keep_values(kwargs)
 
     def _variable_groups(self):
         raise NotImplementedError
@@ -82,13 +80,14 @@ class ModelState(VariablesState):
     Args:
         model: a built Keras model.
         optimizer: its optimizer; None takes ``model.optimizer`` (compile first).
+        backend: accepted for Horovod compatibility (its TF1 sessions); unused.
         **kwargs: the other values (``epoch=0, batch=0`` for the Keras callbacks).
 
     Raises:
         ValueError: the model is not built, or there is no optimizer.
     """
 
-    def __init__(self, model, optimizer=None, **kwargs):
+    def __init__(self, model, optimizer=None, backend=None, **kwargs):
         super().__init__(**kwargs)
         if not getattr(model, "built", True):
             raise ValueError("hvdlite elastic: the model must be built before its state is "
@@ -119,11 +118,13 @@ class ListState(VariablesState):
     """A list of variables and other values (``TensorFlowState``).
 
     Args:
-        variables: the variables, in the same order on every rank.
+        variables: the variables, in the same order on every rank (eager: there is no
+            TF1 global collection to default to).
+        session: accepted for Horovod compatibility (TF1); unused.
         **kwargs: the other values.
     """
 
-    def __init__(self, variables, **kwargs):
+    def __init__(self, variables, session=None, **kwargs):
         super().__init__(**kwargs)
         self.variables = list(variables)
         self.save()
