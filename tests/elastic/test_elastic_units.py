@@ -235,3 +235,36 @@ def test_keras_callbacks_resume_mid_epoch_and_commit_each_batch_once():
     # Each batch committed once: an epoch's last batch by the epoch's end.
     assert state.commits == [(1, 3), (2, 0), (2, 1), (2, 2), (2, 3), (3, 0)]
     assert (state.epoch, state.batch) == (3, 0)
+
+
+@pytest.mark.timeout(150)  # a process of its own: Keras picks its backend at import
+def test_keras_state_on_the_torch_backend_restores_bit_for_bit(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("keras")
+    import subprocess
+    import sys
+
+    script = tmp_path / "torch_backend.py"
+    script.write_text(
+        "import keras, numpy as np\n"
+        "import hvdlite.keras as hvd\n"
+        "hvd.init()\n"
+        "model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])\n"
+        "model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.1)), "
+        "loss='mse')\n"
+        "state = hvd.elastic.KerasState(model, batch=0)\n"
+        "x, y = np.ones((8, 3), np.float32), np.zeros((8, 2), np.float32)\n"
+        "values = lambda: [v.numpy().tobytes() for v in model.variables + "
+        "model.optimizer.variables]\n"
+        "model.fit(x, y, epochs=2, verbose=0)\n"
+        "state.commit()\n"
+        "committed = values()\n"
+        "model.fit(x, y, epochs=2, verbose=0)\n"
+        "assert values() != committed\n"
+        "state.restore()\n"
+        "assert values() == committed and len(committed) > 4\n"
+        "print('restored', keras.backend.backend())\n")
+    env = {**os.environ, "KERAS_BACKEND": "torch"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0 and "restored torch" in proc.stdout, proc.stderr[-3000:]
