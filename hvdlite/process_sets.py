@@ -205,9 +205,31 @@ def add_process_set(process_set):
         raise InvalidArgumentError(f"{process_set} is already registered")
     ranks = ffi.new("int32_t[]", process_set.ranks or [0])
     out = ffi.new("int32_t *")
-    check(lib.hvdlite_add_process_set(ranks, len(process_set.ranks), out))
+    try:
+        check(lib.hvdlite_add_process_set(ranks, len(process_set.ranks), out))
+    except InvalidArgumentError as exc:
+        _explain_for_elastic(exc, process_set.ranks)
+        raise
     _register(process_set, int(out[0]))
     return process_set
+
+
+def _explain_for_elastic(exc, ranks):
+    """Adds to ``exc`` what to do when a set names ranks the current elastic world lacks.
+
+    A reset starts the script again in a world of another size, and the script makes its
+    sets again (``init(process_sets=...)``, ``add_process_set``): sets written for one
+    size (``[0, 2]``) do not fit a world of 2.
+    """
+    from hvdlite.elastic import protocol
+
+    if protocol.in_elastic_job() and any(r >= runtime.size() for r in ranks):
+        exc.message += (
+            f" (world {protocol.generation()} of an elastic job has {runtime.size()} "
+            "ranks: a reset starts the script again with the new world's size, so make "
+            "process sets from hvdlite.size(), e.g. range(0, hvd.size(), 2), not from "
+            "fixed ranks)")
+        exc.args = (exc.message,)
 
 
 def _register(process_set, psid):

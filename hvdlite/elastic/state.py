@@ -120,6 +120,12 @@ class State:
 
     # -- serialization -----------------------------------------------------------------
 
+    def _keep_values(self, values):
+        """Makes each of ``values`` (a dict) an attribute that commits keep."""
+        self._value_names = list(values)
+        for name, value in values.items():
+            setattr(self, name, value)
+
     def _serialize(self, f):
         raise NotImplementedError
 
@@ -192,9 +198,7 @@ class ObjectState(State):
 
     def __init__(self, **kwargs):
         super().__init__()
-        self._value_names = list(kwargs)
-        for name, value in kwargs.items():
-            setattr(self, name, value)
+        self._keep_values(kwargs)
         self.save()
 
     def _serialize(self, f):

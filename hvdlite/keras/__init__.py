@@ -16,7 +16,7 @@ import numpy as np
 
 from hvdlite import ops
 from hvdlite.errors import HorovodInternalError, HvdliteError, MismatchError
-from hvdlite.keras import callbacks
+from hvdlite.keras import callbacks, elastic
 from hvdlite.keras.compression import Compression
 from hvdlite.keras.optimizer import DistributedOptimizer, load_model
 from hvdlite.objects import allgather_object, broadcast_object
@@ -61,7 +61,7 @@ __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
     "cross_size", "cross_rank", "start_timeline", "stop_timeline",
     "Average", "Sum", "Min", "Max", "Product",
-    "DistributedOptimizer", "Compression", "callbacks", "load_model",
+    "DistributedOptimizer", "Compression", "callbacks", "elastic", "load_model",
     "allreduce", "allgather", "broadcast", "barrier", "join",
     "broadcast_object", "allgather_object",
     "HvdliteError", "HorovodInternalError", "MismatchError",

@@ -37,6 +37,7 @@ from hvdlite.tensorflow.mpi_ops import (Adasum, Average, Max, Min, Product, Proc
                                         process_set_included_op, rank_op, reducescatter,
                                         remove_process_set, size_op)
 from hvdlite.tensorflow.sync_batch_norm import SyncBatchNormalization
+from hvdlite.tensorflow import elastic  # hvd.elastic.run, TensorFlowKerasState, TensorFlowState
 from hvdlite.tensorflow import util
 from hvdlite.tensorflow.util import _executing_eagerly  # noqa: F401 (Horovod's suites use it)
 

@@ -39,9 +39,7 @@ class TorchState(State):
         super().__init__()
         self.model = model
         self.optimizer = optimizer
-        self._value_names = list(kwargs)
-        for name, value in kwargs.items():
-            setattr(self, name, value)
+        self._keep_values(kwargs)
         self.save()
 
     def _samplers(self):

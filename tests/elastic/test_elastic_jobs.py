@@ -1,8 +1,11 @@
 """Elastic jobs through hvdliterun: ranks die at chosen points, hosts are added, the job
-falls below --min-np. What a reset must keep is checked by history.check (see there):
-the new world starts from the last commit bit for bit, no committed step is repeated or
-skipped, and the ElasticSampler covers each epoch once.
+falls below --min-np; PyTorch (scripts/train_elastic.py) and Keras/TensorFlow
+(scripts/train_keras_elastic.py). What a reset must keep is checked by history.check (see
+there): the new world starts from the last commit bit for bit (weights and optimizer
+state), no committed step is repeated or skipped, and each epoch's samples are trained
+once.
 """
+import importlib.util
 import os
 import re
 import stat
@@ -16,18 +19,21 @@ from hvdlite.runner.testing import pid_alive
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("native")]
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts",
-                      "train_elastic.py")
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
+SCRIPT = os.path.join(SCRIPTS, "train_elastic.py")
+KERAS_SCRIPT = os.path.join(SCRIPTS, "train_keras_elastic.py")
 SAMPLES, EPOCHS = 36, 2
 
 
-def _train(tmp_path, np, launcher_args, kills=(), extra=(), timeout=150):
+def _train(tmp_path, np, launcher_args, kills=(), extra=(), timeout=150, script=SCRIPT):
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
     args = [str(log_dir), "--samples", SAMPLES, "--epochs", EPOCHS, *extra]
     for kill in kills:
         args += ["--kill", kill]
-    result = run_job(np, SCRIPT, timeout=timeout, args=args, launcher_args=launcher_args)
+    env = {"TF_CPP_MIN_LOG_LEVEL": "2"} if script == KERAS_SCRIPT else None
+    result = run_job(np, script, timeout=timeout, args=args, launcher_args=launcher_args,
+                     env=env)
     return result, log_dir
 
 
@@ -42,12 +48,28 @@ def _assert_finished(result, log_dir, sizes):
 
 @pytest.mark.parametrize("where", ["backward", "allreduce", "commit"])
 def test_a_rank_killed_mid_step_costs_one_rollback_3_to_2(tmp_path, where):
+    # In one of the three the job also uses a process set (checked below).
+    extra = ["--process-set", "evens"] if where == "backward" else []
     result, log_dir = _train(tmp_path, 3, ["--min-np", "2", "--max-np", "3"],
-                             kills=[f"0:2:5:{where}"])
+                             kills=[f"0:2:5:{where}"], extra=extra)
     summary = _assert_finished(result, log_dir, [3, 2])
     # The reset callbacks ran once, in the new world, with its size.
     assert summary["starts"][1]["resets"] == [2]
     assert "world 1: 2 rank(s)" in result.stderr and "rank 2 on localhost" in result.stderr
+    if extra:
+        _assert_process_sets_made_for_each_world(log_dir)
+
+
+def _assert_process_sets_made_for_each_world(log_dir):
+    """Elastic with process sets: the script's set of the world's even ranks is made again
+    in the new world ([0, 2] at 3 ranks, [0] at 2), and its sums are right in both."""
+    worlds = history.load(log_dir)
+    for gen, want in ((0, [0, 2]), (1, [0])):
+        for rank, records in worlds[gen].items():
+            start = [r for r in records if r["ev"] == "start"][0]
+            assert start["pset"] == want, (gen, rank, start)
+            sums = {r["pset_sum"] for r in records if r["ev"] == "trained"}
+            assert sums == ({sum(want)} if rank in want else {None}), (gen, rank, sums)
 
 
 def test_a_rank_killed_during_the_handover_3_to_2_to_1(tmp_path):
@@ -116,6 +138,8 @@ def test_past_the_reset_limit_the_job_ends(tmp_path):
 
 
 def test_below_min_np_then_a_host_joins_the_job_goes_on_from_the_last_commit(tmp_path):
+    # Horovod's old and new workers could disagree here on whether to sync the state and
+    # deadlock; every rank of a new world takes the same handover.
     # After the death the discovery script lists one slot too few for 3 s, then one more.
     note = tmp_path / "died"
     script = tmp_path / "discover.sh"
@@ -131,3 +155,54 @@ def test_below_min_np_then_a_host_joins_the_job_goes_on_from_the_last_commit(tmp
     waited = summary["starts"][1]["time"] - os.stat(note).st_mtime
     assert waited >= 2.0, f"world 1 started {waited:.1f} s after the death, below --min-np"
     assert time.monotonic() - started < 150
+
+
+# -- Keras and TensorFlow --------------------------------------------------------------
+
+needs_keras = pytest.mark.skipif(
+    importlib.util.find_spec("tensorflow") is None or importlib.util.find_spec("keras") is None,
+    reason="tensorflow/keras not installed")
+
+
+@needs_keras
+@pytest.mark.parametrize("mode, kill", [
+    ("fit", "0:2:4:allreduce"),   # model.fit with the callbacks, in epoch 0 (6 steps each)
+    ("tape", "0:1:7:commit"),     # a GradientTape loop, halfway through writing a commit
+])
+def test_keras_a_rank_killed_mid_epoch_costs_one_rollback_3_to_2(tmp_path, mode, kill):
+    result, log_dir = _train(tmp_path, 3, ["--min-np", "2", "--max-np", "3"], kills=[kill],
+                             extra=["--mode", mode], script=KERAS_SCRIPT, timeout=200)
+    summary = _assert_finished(result, log_dir, [3, 2])
+    step = int(kill.split(":")[2])
+    # fit: the commit before the step the victim never began; tape: the commit after
+    # the step, which the victim died writing and the survivors wrote whole.
+    assert summary["starts"][1]["step"] == (step if mode == "fit" else step + 1), \
+        summary["starts"][1]
+    assert summary["starts"][1]["resets"] == [2]
+    if mode == "fit":  # world 1 resumed in the middle of epoch 0 and trained it to its end
+        assert summary["starts"][1]["epoch"] == 0
+
+
+@needs_keras
+def test_keras_a_host_added_joins_without_hanging_in_the_state_broadcast_2_to_3(tmp_path):
+    # Horovod's new workers could hang in the broadcast of the state while the old ones
+    # skipped it; here every rank of a new world takes the handover alike.
+    script, hosts_file = _discovery_script(tmp_path, "localhost:2")
+    result, log_dir = _train(tmp_path, 2, ["--min-np", "2", "--max-np", "3",
+                                           "--host-discovery-script", script],
+                             extra=["--grow-file", hosts_file, "--grow-at", "3"],
+                             script=KERAS_SCRIPT, timeout=200)
+    summary = _assert_finished(result, log_dir, [2, 3])
+    assert summary["starts"][1]["step"] == 3, summary["starts"][1]
+    assert "after hosts were added" in result.stderr, describe(result)
+
+
+# -- process sets ------------------------------------------------------------------------
+
+def test_process_sets_of_fixed_ranks_that_a_smaller_world_lacks_end_the_job_with_advice(tmp_path):
+    result, _ = _train(tmp_path, 3, ["--min-np", "2", "--max-np", "3"],
+                       kills=["0:1:3:backward"], extra=["--process-set", "fixed"])
+    assert result.returncode not in (0, None), describe(result)
+    assert "rank 2 is out of range for 2 ranks" in result.stderr, describe(result)
+    assert "world 1 of an elastic job has 2 ranks" in result.stderr, describe(result)
+    assert "make process sets from hvdlite.size()" in result.stderr, describe(result)

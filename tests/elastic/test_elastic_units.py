@@ -1,8 +1,9 @@
 """The elastic pieces that need no job: flags, the slot book, the commit store, the
-sampler's re-split and a state's round trip."""
+sampler's re-split, the states' round trips and the Keras callbacks."""
 import os
 import time
 
+import numpy as np
 import pytest
 
 from hvdlite.elastic.store import CommitStore
@@ -135,3 +136,135 @@ def test_object_state_commits_and_restores_outside_a_job():
     state.epoch, state.seen = 9, []
     state.restore()
     assert (state.epoch, state.seen) == (2, [1, 2])
+
+
+# -- Keras and TensorFlow states and callbacks, outside a job ------------------------------
+
+def _keras():
+    pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    from hvdlite import runtime
+
+    if not runtime.is_initialized():
+        runtime.init()
+    return keras
+
+
+def _values(variables):
+    return [v.numpy().tobytes() for v in variables]
+
+
+def test_keras_state_restores_weights_and_optimizer_slots_bit_for_bit():
+    keras = _keras()
+    from hvdlite.keras.elastic import KerasState
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse", jit_compile=False)
+    state = KerasState(model, epoch=0)
+    assert model.optimizer.built  # built by the state: its slots are in every commit
+    x = np.random.default_rng(0).normal(size=(8, 3)).astype(np.float32)
+    y = np.zeros((8, 2), np.float32)
+    model.fit(x, y, epochs=2, verbose=0)
+    state.epoch = 2
+    state.commit()
+    committed = _values(model.variables) + _values(model.optimizer.variables)
+    model.fit(x, y, epochs=2, verbose=0)
+    state.epoch = 9
+    assert _values(model.variables) != committed[:len(model.variables)]
+    state.restore()
+    assert _values(model.variables) + _values(model.optimizer.variables) == committed
+    assert state.epoch == 2
+
+
+def test_tensorflow_state_restores_variables_and_values():
+    _keras()
+    import tensorflow as tf
+    from hvdlite.tensorflow.elastic import TensorFlowState
+
+    variables = [tf.Variable([1.5, 2.5]), tf.Variable(np.arange(6, dtype=np.int64))]
+    state = TensorFlowState(variables, step=3)
+    variables[0].assign([7.0, 8.0])
+    variables[1].assign_add(np.ones(6, np.int64))
+    state.step = 4
+    state.restore()
+    assert variables[0].numpy().tolist() == [1.5, 2.5]
+    assert variables[1].numpy().tolist() == list(range(6)) and state.step == 3
+
+
+def test_a_failed_collective_inside_a_graph_is_recognized_by_its_status():
+    _keras()
+    import tensorflow as tf
+    from hvdlite import errors
+    from hvdlite.tensorflow.elastic import internal_error
+
+    lost = tf.errors.UnknownError(None, None, "rank 2 ended [HVDLITE_ERR_RANK_FAILED]\n[[node]]")
+    assert isinstance(internal_error(lost), errors.RankFailedError)
+    mismatch = tf.errors.UnknownError(None, None, "shapes differ [HVDLITE_ERR_MISMATCH]")
+    assert internal_error(mismatch) is None  # the script's own error: no reset
+    assert internal_error(tf.errors.UnknownError(None, None, "disk full")) is None
+
+
+class _CountingState:
+    """Stands for an elastic state: records (epoch, batch) at each commit."""
+
+    def __init__(self, epoch, batch):
+        self.epoch, self.batch, self.commits = epoch, batch, []
+
+    def commit(self):
+        self.commits.append((self.epoch, self.batch))
+
+
+def test_keras_callbacks_resume_mid_epoch_and_commit_each_batch_once():
+    keras = _keras()
+    from hvdlite.keras import elastic
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", jit_compile=False)
+    state = _CountingState(epoch=1, batch=2)  # 2 of epoch 1's 4 batches were done
+    seen = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_begin=lambda batch, logs: seen.append((state.epoch, state.batch)))
+    x, y = np.ones((40, 3), np.float32), np.ones((40, 1), np.float32)
+    # Horovod's form: the epochs left, Keras numbering them from 0.
+    model.fit(x, y, batch_size=2, steps_per_epoch=4, epochs=3 - state.epoch, verbose=0,
+              callbacks=[record, elastic.UpdateEpochStateCallback(state),
+                         elastic.UpdateBatchStateCallback(state),
+                         elastic.CommitStateCallback(state, batches_per_commit=1)])
+    # Epoch 1 resumed at batch 2 and ran its 2 remaining batches; epoch 2 ran whole.
+    assert seen == [(1, 2), (1, 3), (2, 0), (2, 1), (2, 2), (2, 3)]
+    # Each batch committed once: an epoch's last batch by the epoch's end.
+    assert state.commits == [(1, 3), (2, 0), (2, 1), (2, 2), (2, 3), (3, 0)]
+    assert (state.epoch, state.batch) == (3, 0)
+
+
+@pytest.mark.timeout(150)  # a process of its own: Keras picks its backend at import
+def test_keras_state_on_the_torch_backend_restores_bit_for_bit(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("keras")
+    import subprocess
+    import sys
+
+    script = tmp_path / "torch_backend.py"
+    script.write_text(
+        "import keras, numpy as np\n"
+        "import hvdlite.keras as hvd\n"
+        "hvd.init()\n"
+        "model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])\n"
+        "model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.1)), "
+        "loss='mse')\n"
+        "state = hvd.elastic.KerasState(model, batch=0)\n"
+        "x, y = np.ones((8, 3), np.float32), np.zeros((8, 2), np.float32)\n"
+        "values = lambda: [v.numpy().tobytes() for v in model.variables + "
+        "model.optimizer.variables]\n"
+        "model.fit(x, y, epochs=2, verbose=0)\n"
+        "state.commit()\n"
+        "committed = values()\n"
+        "model.fit(x, y, epochs=2, verbose=0)\n"
+        "assert values() != committed\n"
+        "state.restore()\n"
+        "assert values() == committed and len(committed) > 4\n"
+        "print('restored', keras.backend.backend())\n")
+    env = {**os.environ, "KERAS_BACKEND": "torch"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0 and "restored torch" in proc.stdout, proc.stderr[-3000:]

@@ -1,5 +1,5 @@
 """Horovod 0.28.1's public names of ``horovod.tensorflow`` and
-``horovod.tensorflow.keras`` (written here from its modules: the names they define or
+``horovod.tensorflow.keras`` and their ``elastic`` modules (written here from its modules: the names they define or
 import for their users, without modules imported for their own use, such as ``os``,
 ``tf``, ``warnings``), and which ``hvdlite.tensorflow`` / ``hvdlite.tensorflow.keras``
 have. ``ABSENT`` lists, with the reason, the names this build does not have; a name
@@ -46,17 +46,24 @@ HOROVOD_TENSORFLOW_KERAS_CALLBACKS = [
     "LearningRateScheduleCallback", "LearningRateWarmupCallback", "MetricAverageCallback",
 ]
 
-_ELASTIC = "elastic: another part of the project"
+HOROVOD_TENSORFLOW_ELASTIC = [
+    "ObjectState", "TensorFlowKerasState", "TensorFlowState", "run",
+]
+
+HOROVOD_TENSORFLOW_KERAS_ELASTIC = [
+    "CommitStateCallback", "KerasState", "UpdateBatchStateCallback",
+    "UpdateEpochStateCallback", "run",
+]
+
 ABSENT = {
     "hvdlite.tensorflow": {
-        "elastic": _ELASTIC,
         "LocalGradientAggregationHelper": "TF1 graph-mode gradient accumulation, "
                                           "not built",
     },
-    "hvdlite.tensorflow.keras": {
-        "elastic": _ELASTIC,
-    },
+    "hvdlite.tensorflow.keras": {},
     "hvdlite.tensorflow.keras.callbacks": {},
+    "hvdlite.tensorflow.elastic": {},
+    "hvdlite.tensorflow.keras.elastic": {},
 }
 
 
@@ -64,6 +71,8 @@ ABSENT = {
     ("hvdlite.tensorflow", HOROVOD_TENSORFLOW),
     ("hvdlite.tensorflow.keras", HOROVOD_TENSORFLOW_KERAS),
     ("hvdlite.tensorflow.keras.callbacks", HOROVOD_TENSORFLOW_KERAS_CALLBACKS),
+    ("hvdlite.tensorflow.elastic", HOROVOD_TENSORFLOW_ELASTIC),
+    ("hvdlite.tensorflow.keras.elastic", HOROVOD_TENSORFLOW_KERAS_ELASTIC),
 ])
 def test_horovods_public_names_are_there(module, names):
     mod = importlib.import_module(module)

@@ -27,7 +27,7 @@ from hvdlite.runtime import (cross_rank, cross_size, init, is_initialized, local
                              local_size, mpi_threads_supported, rank, shutdown, size,
                              start_timeline, stop_timeline)
 from hvdlite.tensorflow.functions import broadcast_global_variables
-from hvdlite.tensorflow.keras import callbacks
+from hvdlite.tensorflow.keras import callbacks, elastic
 from hvdlite.tensorflow.mpi_ops import Average, Sum
 
 
