@@ -8,7 +8,12 @@ with DGC's local momentum correction and momentum factor masking ("dgc"), option
 with the ratio warmed up over the first epochs. Prints the final test accuracy per
 variant and seed, to find why top-k loses accuracy without the launcher's noise.
 
-    python scripts/topk_digits_simulation.py --variants none,ef:0.01,dgc:0.01 --seeds 1,2,3
+    python scripts/topk_digits_simulation.py --variants none,ef:0.01,dgc:0.01 --seeds 1-24
+
+A variant is KIND:RATIO[:WARMUP_STEPS[:FLAGS]], KIND none, ef or dgc, FLAGS containing
+"mask" (momentum factor masking) and/or "opt" (the optimizer keeps its momentum and gets
+S_t - m S_(t-1), as hvdlite does; the same trajectory as DGC's momentum-free optimizer).
+--clip C clips each rank's gradient to C / sqrt(size) (DGC's local clipping).
 """
 import argparse
 import math
@@ -133,7 +138,7 @@ def run(seed, variant, size, epochs, lr, batch, dense_below, clip):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--variants", default="none,ef:0.01")
-    parser.add_argument("--seeds", default="42")
+    parser.add_argument("--seeds", default="42", help="a seed or a range, e.g. 1-24")
     parser.add_argument("--size", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--lr", type=float, default=0.05)
@@ -142,12 +147,16 @@ def main():
     parser.add_argument("--clip", type=float, default=0.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    seeds = [int(s) for s in args.seeds.split(",")]
+    first, _, last = args.seeds.partition("-")
+    seeds = range(int(first), int(last or first) + 1)
+    reference = None
     for variant in args.variants.split(","):
         accs = [run(s, variant, args.size, args.epochs, args.lr, args.batch,
                     args.dense_below, args.clip) * 100 for s in seeds]
+        reference = reference or accs  # the first variant: per-seed differences to it
+        diff = statistics.median(a - b for a, b in zip(accs, reference))
         print(f"{variant:24s} median {statistics.median(accs):6.2f}  range "
-              f"{min(accs):6.2f}-{max(accs):6.2f}  " + " ".join(f"{a:.2f}" for a in accs),
+              f"{min(accs):6.2f}-{max(accs):6.2f}  {diff:+6.2f} points against the first",
               flush=True)
 
 

@@ -128,6 +128,10 @@ def test_compression_names_for_command_lines():
     assert Compression.parse("topk:0.01").ratio == 0.01
     assert Compression.parse("quantize:4").bits == 4
     assert Compression.parse("powersgd:4").rank == 4
-    for bad in ("gzip", "topk", "fp16:2", "quantize:x"):
+    topk = Compression.parse("topk:0.01:momentum=0:warmup_steps=36:momentum_masking=true")
+    assert (topk.ratio, topk.momentum, topk.warmup_steps, topk.momentum_masking) == (
+        0.01, 0, 36, True)
+    assert Compression.parse("topk:0.01").momentum is None  # the optimizer's
+    for bad in ("gzip", "topk", "fp16:2", "quantize:x", "topk:0.1:speed=2", "topk:0.1:x"):
         with pytest.raises(ValueError):
             Compression.parse(bad)
