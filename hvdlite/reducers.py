@@ -117,8 +117,9 @@ class TopK(_TwoGathers):
     many steps is sent with the momentum it would have gathered. The optimizer then must
     not add momentum to the exchanged sum S_t a second time: the update handed to it is
     S_t - m S_(t-1), whose momentum buffer (m buf + update) is S_t itself. With m = 0
-    this is plain error feedback. ``momentum=None`` (the default) lets torch's
-    ``DistributedOptimizer`` take m from the optimizer it wraps (0 elsewhere).
+    this is plain error feedback. ``momentum=None`` (the default) lets torch's and Keras'
+    ``DistributedOptimizer`` take m from the SGD they wrap (0 for other optimizers and
+    for TensorFlow's ``DistributedGradientTape``, which sees no optimizer).
 
     ``momentum_masking`` (DGC's momentum factor masking): the velocity of the entries a
     rank sent is zeroed with their residual. Off by default: at the ratios measured on
