@@ -17,24 +17,19 @@ S_t - m S_(t-1), as hvdlite does; the same trajectory as DGC's momentum-free opt
 """
 import argparse
 import math
+import os
 import statistics
+import sys
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-
-def datasets(seed):
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.int64)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2,
-                                                        random_state=seed, stratify=y)
-    return TensorDataset(x_train, y_train), TensorDataset(x_test, y_test)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "examples"))
+from pytorch_digits import datasets  # noqa: E402 - the example's data, split by seed
 
 
 def topk_mask(acc, ratio, dense_below):
