@@ -149,6 +149,28 @@ class TopK(_TwoGathers):
 
     gathers = ("topk.values", "topk.index")
 
+    def use_optimizer_momentum(self, momentum, plain=True):
+        """Takes the momentum correction from the optimizer's momentum (the
+        DistributedOptimizers call this): ``momentum`` its factor (0 for an optimizer
+        without SGD's momentum), ``plain`` False for Nesterov or dampening. Nothing
+        changes when this reducer was given ``momentum=0`` (plain error feedback).
+
+        Raises:
+            ValueError: Nesterov or dampening (the correction assumes buf = m buf +
+                update), or a momentum given that is not the optimizer's.
+        """
+        if self.momentum == 0.0:
+            return
+        if momentum and not plain:
+            raise ValueError(f"{self!r}: momentum correction assumes SGD's momentum without "
+                             "dampening or Nesterov; pass Compression.topk(ratio, momentum=0)")
+        if self.momentum is None:
+            self.momentum = float(momentum)
+        elif self.momentum != momentum:
+            raise ValueError(f"{self!r} was given momentum={self.momentum}, but the "
+                             f"optimizer's momentum is {momentum}: they must be equal (or "
+                             "leave it None to take the optimizer's)")
+
     def ratio_at(self, step):
         """The ratio of a gradient's ``step``-th exchange (counting from 0): ``ratio``,
         or during the warm-up 25% falling geometrically to it."""

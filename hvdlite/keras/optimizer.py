@@ -147,7 +147,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         compression: Compression.none or Compression.fp16 (this module's, or
             hvdlite.tensorflow's on the TensorFlow backend), or a reducer
             (Compression.topk/quantize/powersgd); a top-k left with momentum=None takes
-            its momentum correction from a keras SGD's momentum (0 otherwise).
+            its momentum correction from a keras SGD's momentum (0 otherwise), one given
+            a momentum must match it.
         sparse_as_dense: densify tf.IndexedSlices gradients (TensorFlow backend).
         gradient_predivide_factor: divide by this before the sum and by
             size()/factor after it.
@@ -173,9 +174,11 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                         f"{type(optimizer).__name__}")
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be >= 1")
-    if getattr(compression, "is_reducer", False) and \
-            getattr(compression, "momentum", False) is None:
-        compression.momentum = _sgd_momentum(optimizer, compression)
+    if hasattr(compression, "use_optimizer_momentum"):  # top-k's momentum correction
+        if isinstance(optimizer, keras.optimizers.SGD):
+            compression.use_optimizer_momentum(optimizer.momentum, not optimizer.nesterov)
+        else:
+            compression.use_optimizer_momentum(0.0)
     cls = distributed_class(type(optimizer), _settings(
         compression, sparse_as_dense, gradient_predivide_factor, op,
         average_aggregated_gradients, process_set))
@@ -188,21 +191,6 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     if name is not None:
         config["name"] = name
     return cls.from_config(config)
-
-
-def _sgd_momentum(optimizer, reducer):
-    """The momentum a reducer with momentum correction (Compression.topk(momentum=None))
-    corrects for: keras SGD's (0 for other optimizers).
-
-    Raises:
-        ValueError: SGD with Nesterov (the correction assumes plain momentum).
-    """
-    if not isinstance(optimizer, keras.optimizers.SGD):
-        return 0.0
-    if optimizer.momentum and optimizer.nesterov:
-        raise ValueError(f"{reducer!r}: momentum correction assumes SGD's momentum without "
-                         "Nesterov; pass Compression.topk(ratio, momentum=0)")
-    return float(optimizer.momentum)
 
 
 def _builtin_optimizer_classes():

@@ -109,8 +109,8 @@ class _DistributedOptimizer:
         _, *scale = ops.predivide_scaling(op, gradient_predivide_factor)
         mpi_ops._process_set_id(process_set)
         self._reducer = _reducer_for(compression, op, scale, process_set)
-        if hasattr(compression, "momentum") and getattr(compression, "is_reducer", False):
-            compression.momentum = self._corrected_momentum(compression)
+        if hasattr(compression, "use_optimizer_momentum"):
+            self._sgd_momentum(compression)
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
@@ -143,34 +143,23 @@ class _DistributedOptimizer:
                 self._hook_handles.append(
                     p.register_post_accumulate_grad_hook(self._make_hook(p)))
 
-    def _corrected_momentum(self, reducer):
-        """The momentum a reducer with momentum correction (Compression.topk) corrects
-        for: SGD's, read from the parameter groups when the reducer was given None.
+    def _sgd_momentum(self, reducer):
+        """Hands a reducer with momentum correction (Compression.topk) this optimizer's
+        momentum: SGD's (0 for other optimizers, whose "momentum" is not SGD's).
 
         Raises:
-            ValueError: the groups' momenta differ, SGD with dampening or Nesterov (the
-                correction assumes buf = m buf + update), or a momentum given that is
-                not the optimizer's.
+            ValueError: the parameter groups' momenta differ (or see
+                ``TopK.use_optimizer_momentum``).
         """
-        momenta = {(0.0, 0.0, False)}  # other optimizers' "momentum" is not SGD's
+        momenta = {(0.0, 0.0, False)}
         if isinstance(self, torch.optim.SGD):
             momenta = {(g["momentum"], g["dampening"], g["nesterov"])
                        for g in self.param_groups}
-        if len(momenta) > 1:
+        if len(momenta) > 1 and reducer.momentum != 0.0:
             raise ValueError(f"{reducer!r} corrects for one momentum, but the parameter "
                              f"groups have (momentum, dampening, nesterov) {sorted(momenta)}")
-        ((momentum, dampening, nesterov),) = momenta
-        if momentum and (dampening or nesterov):
-            raise ValueError(f"{reducer!r}: momentum correction assumes SGD's momentum "
-                             f"without dampening or Nesterov (got dampening={dampening}, "
-                             f"nesterov={nesterov}); pass Compression.topk(ratio, momentum=0)")
-        if reducer.momentum is None:
-            return float(momentum)
-        if reducer.momentum and reducer.momentum != momentum:
-            raise ValueError(f"{reducer!r} was given momentum={reducer.momentum}, but the "
-                             f"optimizer's momentum is {momentum}: they must be equal (or "
-                             "leave it None to take the optimizer's)")
-        return reducer.momentum
+        momentum, dampening, nesterov = min(momenta)
+        reducer.use_optimizer_momentum(momentum, plain=not (dampening or nesterov))
 
     @staticmethod
     def _name_parameters(named_parameters, all_params):

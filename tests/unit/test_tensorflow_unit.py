@@ -92,6 +92,9 @@ def test_keras_topk_takes_its_momentum_correction_from_sgd(hvd_tf):
     assert wrap(keras.optimizers.SGD(0.1, momentum=0.9)) == 0.9
     assert wrap(keras.optimizers.SGD(0.1)) == 0.0
     assert wrap(keras.optimizers.Adam()) == 0.0
-    assert wrap(keras.optimizers.SGD(0.1, momentum=0.9), momentum=0.5) == 0.5
+    assert wrap(keras.optimizers.SGD(0.1, momentum=0.9), momentum=0) == 0.0
+    assert wrap(keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True), momentum=0) == 0.0
     with pytest.raises(ValueError, match="Nesterov"):
         wrap(keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True))
+    with pytest.raises(ValueError, match="must be equal"):
+        wrap(keras.optimizers.SGD(0.1, momentum=0.9), momentum=0.5)

@@ -271,6 +271,7 @@ def test_topk_takes_its_momentum_correction_from_the_wrapped_sgd(thvd):
     assert wrap(torch.optim.SGD(params, lr=0.1)) == 0.0
     assert wrap(torch.optim.Adam(params)) == 0.0  # Adam's moments are not SGD's momentum
     assert wrap(torch.optim.SGD(params, lr=0.1, momentum=0.9), momentum=0) == 0.0
+    assert wrap(torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True), momentum=0) == 0
     with pytest.raises(ValueError, match="Nesterov"):
         wrap(torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True))
     with pytest.raises(ValueError, match="must be equal"):
