@@ -12,7 +12,8 @@ does not change what is learnt), ``examples/pytorch_digits.py`` runs 2 ranks for
 same epochs with each compression and the final test accuracies are printed beside
 none's.
 
-Needs root (the cluster); ``--local`` runs the step timing on this host instead.
+Needs root (the cluster); ``--local`` runs the step timing on this host instead, and
+``--accuracy-only --seeds 1-10`` only the accuracies, over several seeds.
 """
 import argparse
 import json
@@ -113,12 +114,12 @@ def time_steps(args, rate):
         return _parse(out.stdout + out.stderr)
 
 
-def accuracy(args, choice):
+def accuracy(args, choice, seed):
     """The digits example's last test accuracy with ``choice``, 2 ranks on this host."""
     out = subprocess.run(
         [sys.executable, "-m", "hvdlite.runner", "-np", "2", sys.executable,
          os.path.join(REPO, "examples", "pytorch_digits.py"), "--epochs", str(args.epochs),
-         "--compression", choice],
+         "--compression", choice, "--seed", str(seed)],
         capture_output=True, text=True, env=_env(), timeout=args.timeout, cwd=REPO)
     found = re.findall(r"test accuracy ([\d.]+)%", out.stdout)
     if not found:
@@ -136,13 +137,17 @@ def main():
     parser.add_argument("--epochs", type=int, default=10, help="digits example's epochs")
     parser.add_argument("--local", action="store_true", help="time on this host, no cluster")
     parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument("--accuracy-only", action="store_true", help="no step timing")
+    parser.add_argument("--seeds", default="42",
+                        help="digits example's seeds (init, split, shuffling), e.g. 1-10")
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--rank-part", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_part:
         return rank_part(args)
     choices = args.choices.split(",")
-    for rate in (["local"] if args.local else args.rates.split(",")):
+    rates = ["local"] if args.local else args.rates.split(",")
+    for rate in ([] if args.accuracy_only else rates):
         result = time_steps(args, rate)
         base = statistics.median(result["times"]["none"])
         print(f"\nMLP 784-2048-2048-10, batch 64/rank, 2 hosts x 1 rank, link {rate} "
@@ -156,12 +161,21 @@ def main():
             print(f"{choice:<12} {med * 1e3:9.1f} {min(ts) * 1e3:7.1f}-{max(ts) * 1e3:<7.1f} "
                   f"{sent:13.3f} {base / med:8.2f}x")
     if not args.skip_accuracy:
-        print(f"\ndigits example, 2 ranks, {args.epochs} epochs: final test accuracy")
-        reference = None
+        first, _, last = args.seeds.partition("-")
+        seeds = list(range(int(first), int(last or first) + 1))
+        print(f"\ndigits example, 2 ranks, {args.epochs} epochs, seeds {args.seeds}: final "
+              "test accuracy (median, range) and the median of the per-seed difference "
+              "against none (same seed: same init, split and batches)")
+        runs = {}
+        for seed in seeds:  # interleaved: the machine's load hits every choice alike
+            for choice in choices:
+                runs.setdefault(choice, []).append(accuracy(args, choice, seed))
         for choice in choices:
-            acc = accuracy(args, choice)
-            reference = acc if reference is None else reference
-            print(f"{choice:<12} {acc:6.2f}%  ({acc - reference:+.2f} points against none)")
+            accs = runs[choice]
+            diffs = [a - b for a, b in zip(accs, runs[choices[0]])]
+            print(f"{choice:<12} median {statistics.median(accs):6.2f}%  range "
+                  f"{min(accs):6.2f}-{max(accs):6.2f}%  {statistics.median(diffs):+.2f} "
+                  f"points against {choices[0]}", flush=True)
     return 0
 
 

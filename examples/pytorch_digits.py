@@ -29,7 +29,8 @@ def parse_args():
     parser.add_argument("--fp16-allreduce", action="store_true",
                         help="compress gradients to float16 for the allreduce")
     parser.add_argument("--compression", default=None,
-                        help="none, fp16, bf16, topk:RATIO, quantize:BITS or powersgd:RANK "
+                        help="none, fp16, bf16, topk:RATIO, quantize:BITS or powersgd:RANK, "
+                             "a reducer's options after colons, e.g. topk:0.1:momentum=0 "
                              "(README, 'Gradient compression')")
     parser.add_argument("--seed", type=int, default=42)
     return parser.parse_args()

@@ -72,19 +72,38 @@ class ReducerChoices:
     def parse(cls, text):
         """The compressor or a new reducer named by ``text``, for command lines:
         ``none``, ``fp16``, ``bf16`` (where the adapter has it), ``topk:RATIO``,
-        ``quantize:BITS``, ``powersgd:RANK``.
+        ``quantize:BITS``, ``powersgd:RANK``; a reducer's keyword arguments may follow,
+        e.g. ``topk:0.01:momentum=0:warmup_steps=36``.
 
         Raises:
-            ValueError: an unknown name or a bad number.
+            ValueError: an unknown name, a bad number or an unknown keyword.
         """
         name, _, arg = text.partition(":")
         make = {"topk": (cls.topk, float), "quantize": (cls.quantize, int),
                 "powersgd": (cls.powersgd, int)}.get(name)
         if make is not None:
-            if not arg:
+            first, *options = arg.split(":")
+            if not first:
                 raise ValueError(f"compression '{text}': say {name}:NUMBER")
-            return make[0](make[1](arg))
+            kwargs = {}
+            for option in options:
+                key, eq, value = option.partition("=")
+                if not eq:
+                    raise ValueError(f"compression '{text}': '{option}' is not KEY=VALUE")
+                kwargs[key] = _option_value(value)
+            try:
+                return make[0](make[1](first), **kwargs)
+            except TypeError as e:
+                raise ValueError(f"compression '{text}': {e}") from None
         compressor = getattr(cls, name, None) if not arg else None
         if not (isinstance(compressor, type) and issubclass(compressor, Compressor)):
             raise ValueError(f"unknown compression '{text}'")
         return compressor
+
+
+def _option_value(text):
+    """A reducer option's value from a command line: true/false, an int or a float."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    number = float(text)
+    return int(number) if number.is_integer() else number

@@ -145,7 +145,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         name: a new name for the optimizer; None keeps the original's.
         device_dense, device_sparse: accepted for Horovod compatibility.
         compression: Compression.none or Compression.fp16 (this module's, or
-            hvdlite.tensorflow's on the TensorFlow backend).
+            hvdlite.tensorflow's on the TensorFlow backend), or a reducer
+            (Compression.topk/quantize/powersgd); a top-k left with momentum=None takes
+            its momentum correction from a keras SGD's momentum (0 otherwise), one given
+            a momentum must match it.
         sparse_as_dense: densify tf.IndexedSlices gradients (TensorFlow backend).
         gradient_predivide_factor: divide by this before the sum and by
             size()/factor after it.
@@ -171,6 +174,11 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                         f"{type(optimizer).__name__}")
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be >= 1")
+    if hasattr(compression, "use_optimizer_momentum"):  # top-k's momentum correction
+        if isinstance(optimizer, keras.optimizers.SGD):
+            compression.use_optimizer_momentum(optimizer.momentum, not optimizer.nesterov)
+        else:
+            compression.use_optimizer_momentum(0.0)
     cls = distributed_class(type(optimizer), _settings(
         compression, sparse_as_dense, gradient_predivide_factor, op,
         average_aggregated_gradients, process_set))

@@ -109,6 +109,8 @@ class _DistributedOptimizer:
         _, *scale = ops.predivide_scaling(op, gradient_predivide_factor)
         mpi_ops._process_set_id(process_set)
         self._reducer = _reducer_for(compression, op, scale, process_set)
+        if hasattr(compression, "use_optimizer_momentum"):
+            self._sgd_momentum(compression)
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
@@ -140,6 +142,24 @@ class _DistributedOptimizer:
             for p in self._requires_update:
                 self._hook_handles.append(
                     p.register_post_accumulate_grad_hook(self._make_hook(p)))
+
+    def _sgd_momentum(self, reducer):
+        """Hands a reducer with momentum correction (Compression.topk) this optimizer's
+        momentum: SGD's (0 for other optimizers, whose "momentum" is not SGD's).
+
+        Raises:
+            ValueError: the parameter groups' momenta differ (or see
+                ``TopK.use_optimizer_momentum``).
+        """
+        momenta = {(0.0, 0.0, False)}
+        if isinstance(self, torch.optim.SGD):
+            momenta = {(g["momentum"], g["dampening"], g["nesterov"])
+                       for g in self.param_groups}
+        if len(momenta) > 1 and reducer.momentum != 0.0:
+            raise ValueError(f"{reducer!r} corrects for one momentum, but the parameter "
+                             f"groups have (momentum, dampening, nesterov) {sorted(momenta)}")
+        momentum, dampening, nesterov = min(momenta)
+        reducer.use_optimizer_momentum(momentum, plain=not (dampening or nesterov))
 
     @staticmethod
     def _name_parameters(named_parameters, all_params):

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(600)
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "torch_scripts", "compression.py")
 sys.path.insert(0, os.path.join(HERE, "torch_scripts"))
-from compression import SHAPES, STEPS, gradient  # noqa: E402 - the rank script's seeds
+from compression import SHAPES, STEPS, batch, gradient, regression  # noqa: E402
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
 def job(request, native):
@@ -61,6 +61,114 @@ def test_topk_first_step_matches_numpy(job):
         np.testing.assert_allclose(applied, total / size, rtol=1e-6, atol=1e-7)
         # Sparse: at most size * k entries are non-zero.
         assert np.count_nonzero(applied) <= size * math.ceil(0.1 * total.size)
+
+
+def simulate_topk(per_rank, ratios, momentum=0.0, masking=False):
+    """Top-k with error feedback on every rank, in numpy, written from the definitions:
+    per_rank[r][t] is rank r's gradient at step t, ratios[t] the ratio at step t.
+    Returns the updates handed to the optimizer, the ranks' residuals and velocities.
+
+    A rank's velocity is u = m u + g (u = g without momentum); it selects the k largest
+    magnitudes of residual + u, sends them and keeps the rest; the mean over ranks S_t
+    goes to the optimizer as S_t - m S_(t-1) (its momentum buffer is then S_t). With
+    masking, the velocity of the entries a rank sent is zeroed too.
+    """
+    size, n = len(per_rank), per_rank[0][0].size
+    residual = [np.zeros(n) for _ in range(size)]
+    velocity = [np.zeros(n) for _ in range(size)]
+    updates, last = [], np.zeros(n)
+    for t, ratio in enumerate(ratios):
+        total = np.zeros(n)
+        for r in range(size):
+            velocity[r] = momentum * velocity[r] + per_rank[r][t]
+            acc = residual[r] + velocity[r]
+            top = np.argsort(-np.abs(acc), kind="stable")[:math.ceil(ratio * n)]
+            total[top] += acc[top]
+            residual[r] = acc.copy()
+            residual[r][top] = 0.0
+            if masking:
+                velocity[r][top] = 0.0
+        mean = total / size
+        updates.append(mean - momentum * last)
+        last = mean
+    return updates, residual, velocity
+
+
+@pytest.mark.parametrize("label, ratio, momentum, masking", [
+    ("topk", 0.1, 0.0, False), ("topk_mc", 0.1, 0.9, False), ("topk_mask", 0.1, 0.9, True)])
+def test_topk_every_step_matches_the_simulation(job, label, ratio, momentum, masking):
+    """Each step's update, and what each rank holds back, against the numpy simulation:
+    plain error feedback, DGC's momentum correction, and with momentum factor masking."""
+    size, bodies = job
+    for name in SHAPES:
+        per_rank = [[gradient(name, t, r).reshape(-1).astype(np.float64)
+                     for t in range(STEPS)] for r in range(size)]
+        updates, residual, velocity = simulate_topk(per_rank, [ratio] * STEPS, momentum,
+                                                    masking)
+        for t in range(STEPS):
+            np.testing.assert_allclose(np.reshape(bodies[0][label]["applied"][name][t], -1),
+                                       updates[t], rtol=1e-5, atol=1e-5, err_msg=f"{name} {t}")
+        for r in range(size):
+            np.testing.assert_allclose(bodies[r][label]["residuals"][name], residual[r],
+                                       rtol=1e-5, atol=1e-5)
+            if momentum:
+                np.testing.assert_allclose(bodies[r][label]["velocities"][name], velocity[r],
+                                           rtol=1e-5, atol=1e-5)
+            else:
+                assert bodies[r][label]["velocities"][name] is None
+    if masking:  # the masked velocities differ from the unmasked ones: masking did act
+        assert bodies[0]["topk_mask"]["velocities"]["w"] != bodies[0]["topk_mc"]["velocities"]["w"]
+
+
+def test_topk_warmup_sends_more_at_first(job):
+    """warmup_steps=3 with ratio 0.05: 25% at step 0, falling geometrically to 5% at step 3."""
+    size, bodies = job
+    ratios = [0.25 * (0.05 / 0.25) ** (t / 3) if t < 3 else 0.05 for t in range(STEPS)]
+    for name in SHAPES:
+        per_rank = [[gradient(name, t, r).reshape(-1).astype(np.float64)
+                     for t in range(STEPS)] for r in range(size)]
+        updates, _, _ = simulate_topk(per_rank, ratios)
+        for t in range(STEPS):
+            applied = np.reshape(bodies[0]["topk_warm"]["applied"][name][t], -1)
+            np.testing.assert_allclose(applied, updates[t], rtol=1e-5, atol=1e-5)
+    # w (192 entries): 48 per rank at first, 10 after the warm-up.
+    first = np.count_nonzero(bodies[0]["topk_warm"]["applied"]["w"][0])
+    last = np.count_nonzero(bodies[0]["topk_warm"]["applied"]["w"][-1])
+    assert first > 3 * last, (first, last)
+
+
+def test_topk_momentum_correction_with_the_optimizers_momentum(job):
+    """DistributedOptimizer(SGD(momentum=0.9), Compression.topk(0.25)) takes momentum 0.9
+    for the correction and trains as DGC does: the velocity accumulated on each rank,
+    top-k with error feedback, and plain SGD steps on the exchanged sum. The reference is
+    one process running every rank's batch with numpy's top-k."""
+    torch = pytest.importorskip("torch")
+    size, bodies = job
+    run = bodies[0]["topk_sgd_momentum"]
+    assert run["momentum"] == 0.9
+    assert all(b["topk_sgd_momentum"]["params"] == run["params"] for b in bodies)
+    model, x, y = regression()
+    params = list(model.parameters())
+    residual = [[np.zeros(p.numel()) for p in params] for _ in range(size)]
+    velocity = [[np.zeros(p.numel()) for p in params] for _ in range(size)]
+    for step in range(20):
+        totals = [np.zeros(p.numel()) for p in params]
+        for r in range(size):
+            xb, yb = batch(x, y, step, r, size)
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(xb), yb).backward()
+            for i, p in enumerate(params):
+                velocity[r][i] = 0.9 * velocity[r][i] + p.grad.double().reshape(-1).numpy()
+                acc = residual[r][i] + velocity[r][i]
+                top = np.argsort(-np.abs(acc), kind="stable")[:math.ceil(0.25 * acc.size)]
+                totals[i][top] += acc[top]
+                residual[r][i] = acc.copy()
+                residual[r][i][top] = 0.0
+        with torch.no_grad():
+            for p, total in zip(params, totals):
+                p -= 0.05 * torch.from_numpy(total / size).reshape(p.shape).to(p.dtype)
+    for p, got in zip(params, run["params"]):
+        np.testing.assert_allclose(got, p.detach().reshape(-1).numpy(), rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.parametrize("reducer", ["topk", "powersgd"])

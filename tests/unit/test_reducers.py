@@ -45,6 +45,49 @@ def test_topk_keeps_the_rest_for_the_next_step(hvd):
     np.testing.assert_allclose(u1 + u2 + topk.residual("g"), g1 + g2)
 
 
+def test_topk_momentum_correction_at_ratio_one_hands_back_the_gradient(hvd):
+    """Everything sent: the exchanged sum S_t is the velocity u_t = m u_(t-1) + g_t, and
+    the update handed to the optimizer, S_t - m S_(t-1), is g_t itself (so an SGD with
+    momentum m steps exactly as without compression)."""
+    topk = reducers.TopK(1.0, dense_below=0, momentum=0.9)
+    rng = np.random.default_rng(5)
+    velocity = np.zeros(50)
+    for _ in range(4):
+        g = rng.standard_normal(50).astype(np.float32)
+        (update,) = topk.finish_all([topk.start(["g"], [g])])[0]
+        velocity = 0.9 * velocity + g
+        np.testing.assert_allclose(update, g, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(topk.velocity("g"), velocity, rtol=1e-5, atol=1e-5)
+        assert not topk.residual("g").any()
+
+
+def test_topk_momentum_factor_masking_zeroes_the_sent_velocity(hvd):
+    g = np.array([4.0, -1.0, 0.5, -3.0], np.float32)
+    masked = reducers.TopK(0.5, dense_below=0, momentum=0.5, momentum_masking=True)
+    kept = reducers.TopK(0.5, dense_below=0, momentum=0.5)
+    for topk in (masked, kept):
+        (u1,) = topk.finish_all([topk.start(["g"], [g])])[0]
+        np.testing.assert_array_equal(u1, [4.0, 0, 0, -3.0])
+    np.testing.assert_array_equal(masked.velocity("g"), [0, -1.0, 0.5, 0])
+    np.testing.assert_array_equal(kept.velocity("g"), g)
+    # Step 2 (g again): masked u = [4, -1.5, 0.75, -3], acc = u + residual [0, -1, .5, 0].
+    (u2,) = masked.finish_all([masked.start(["g"], [g])])[0]
+    np.testing.assert_allclose(u2, np.float32([4.0, 0, 0, -3.0]) - 0.5 * np.float32(
+        [4.0, 0, 0, -3.0]))
+    np.testing.assert_allclose(masked.residual("g"), [0, -2.5, 1.25, 0])
+
+
+def test_topk_warmup_lowers_the_ratio_geometrically(hvd):
+    topk = reducers.TopK(0.01, warmup_steps=4)
+    ratios = [topk.ratio_at(step) for step in range(6)]
+    np.testing.assert_allclose(ratios, [0.25, 0.25 * 0.04 ** 0.25, 0.25 * 0.04 ** 0.5,
+                                        0.25 * 0.04 ** 0.75, 0.01, 0.01])
+    g = np.random.default_rng(6).standard_normal(2000).astype(np.float32)
+    counts = [np.count_nonzero(topk.finish_all([topk.start(["g"], [g])])[0][0])
+              for _ in range(5)]
+    assert counts == [500, 224, 100, 45, 20]
+
+
 def test_powersgd_recovers_a_low_rank_gradient(hvd):
     rng = np.random.default_rng(4)
     g = (rng.standard_normal((30, 2)) @ rng.standard_normal((2, 20))).astype(np.float32)
@@ -70,6 +113,10 @@ def test_bad_reducer_arguments_are_refused():
         reducers.Quantize(3)
     with pytest.raises(ValueError, match="rank"):
         reducers.PowerSGD(0)
+    with pytest.raises(ValueError, match="momentum"):
+        reducers.TopK(0.1, momentum=1.0)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        reducers.TopK(0.1, warmup_steps=-1)
 
 
 def test_compression_names_for_command_lines():
@@ -81,6 +128,10 @@ def test_compression_names_for_command_lines():
     assert Compression.parse("topk:0.01").ratio == 0.01
     assert Compression.parse("quantize:4").bits == 4
     assert Compression.parse("powersgd:4").rank == 4
-    for bad in ("gzip", "topk", "fp16:2", "quantize:x"):
+    topk = Compression.parse("topk:0.01:momentum=0:warmup_steps=36:momentum_masking=true")
+    assert (topk.ratio, topk.momentum, topk.warmup_steps, topk.momentum_masking) == (
+        0.01, 0, 36, True)
+    assert Compression.parse("topk:0.01").momentum is None  # the optimizer's
+    for bad in ("gzip", "topk", "fp16:2", "quantize:x", "topk:0.1:speed=2", "topk:0.1:x"):
         with pytest.raises(ValueError):
             Compression.parse(bad)

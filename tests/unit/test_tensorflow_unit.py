@@ -78,3 +78,23 @@ def test_fp16_compression_round_trip(hvd_tf):
     assert hvd_tf.Compression.fp16.decompress(wire, ctx).dtype == tf.float32
     same, ctx = hvd_tf.Compression.fp16.compress(tf.constant([1], dtype=tf.int32))
     assert same.dtype == tf.int32 and ctx is None
+
+
+def test_keras_topk_takes_its_momentum_correction_from_sgd(hvd_tf):
+    keras = pytest.importorskip("keras")
+    import hvdlite.keras as hvd_keras
+
+    def wrap(optimizer, **topk):
+        compression = hvd_keras.Compression.topk(0.01, **topk)
+        hvd_keras.DistributedOptimizer(optimizer, compression=compression)
+        return compression.momentum
+
+    assert wrap(keras.optimizers.SGD(0.1, momentum=0.9)) == 0.9
+    assert wrap(keras.optimizers.SGD(0.1)) == 0.0
+    assert wrap(keras.optimizers.Adam()) == 0.0
+    assert wrap(keras.optimizers.SGD(0.1, momentum=0.9), momentum=0) == 0.0
+    assert wrap(keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True), momentum=0) == 0.0
+    with pytest.raises(ValueError, match="Nesterov"):
+        wrap(keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True))
+    with pytest.raises(ValueError, match="must be equal"):
+        wrap(keras.optimizers.SGD(0.1, momentum=0.9), momentum=0.5)

@@ -258,6 +258,29 @@ def test_wrapped_optimizer_is_still_its_class_and_shares_state(thvd):
         thvd.DistributedOptimizer(opt)
 
 
+def test_topk_takes_its_momentum_correction_from_the_wrapped_sgd(thvd):
+    def wrap(optimizer, **topk):
+        compression = thvd.Compression.topk(0.01, **topk)
+        thvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                  compression=compression)
+        return compression.momentum
+
+    model = _model()
+    params = list(model.parameters())
+    assert wrap(torch.optim.SGD(params, lr=0.1, momentum=0.9)) == 0.9
+    assert wrap(torch.optim.SGD(params, lr=0.1)) == 0.0
+    assert wrap(torch.optim.Adam(params)) == 0.0  # Adam's moments are not SGD's momentum
+    assert wrap(torch.optim.SGD(params, lr=0.1, momentum=0.9), momentum=0) == 0.0
+    assert wrap(torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True), momentum=0) == 0
+    with pytest.raises(ValueError, match="Nesterov"):
+        wrap(torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True))
+    with pytest.raises(ValueError, match="must be equal"):
+        wrap(torch.optim.SGD(params, lr=0.1, momentum=0.5), momentum=0.9)
+    with pytest.raises(ValueError, match="one momentum"):
+        wrap(torch.optim.SGD([{"params": params[:1], "momentum": 0.9},
+                              {"params": params[1:], "momentum": 0.5}], lr=0.1))
+
+
 def test_one_process_steps_like_the_plain_optimizer(thvd):
     ref, dist = _model(), _model()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
