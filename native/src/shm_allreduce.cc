@@ -190,7 +190,7 @@ int ShmAllreduce::DeadPeer() const {
   return -1;
 }
 
-Status ShmAllreduce::Barrier(std::chrono::microseconds spin) {
+Status ShmAllreduce::Barrier() {
   Control* c = reinterpret_cast<Control*>(segments_[0]);
   sense_ ^= 1;
   if (c->count.fetch_add(1, std::memory_order_acq_rel) == size_ - 1) {
@@ -200,14 +200,6 @@ Status ShmAllreduce::Barrier(std::chrono::microseconds spin) {
     // new sense before it waits, or this sees the sleeper and wakes it.
     if (c->sleepers.load(std::memory_order_seq_cst) > 0) FutexWakeAll(&c->sense);
     return Status::OK();
-  }
-  using Clock = std::chrono::steady_clock;
-  const auto spin_end = Clock::now() + spin;
-  for (int i = 0;; ++i) {
-    if (c->sense.load(std::memory_order_acquire) == sense_) return Status::OK();
-    // A peer in step with us arrives within microseconds.
-    if (i % 16 == 15 && Clock::now() >= spin_end) break;
-    CpuRelax();
   }
   const int32_t old_sense = sense_ ^ 1;
   while (true) {
@@ -230,7 +222,7 @@ Status ShmAllreduce::Barrier(std::chrono::microseconds spin) {
 
 Status ShmAllreduce::AndBits(uint64_t* bits, int64_t words) {
   std::memcpy(Bits(rank_, bits_set_), bits, words * sizeof(uint64_t));
-  Status s = Barrier(kCoordinationSpin);
+  Status s = Barrier();
   if (!s.ok()) return s;
   for (int k = 0; k < size_; ++k) {
     if (k == rank_) continue;
@@ -340,7 +332,7 @@ Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, int32_t dtype, 
   Chunk previous{}, current = chunk(0);
   copy_in(current);
   for (int64_t c = 0; c <= chunks; ++c) {
-    Status s = Barrier(kChunkSpin);
+    Status s = Barrier();
     if (!s.ok()) return s;
     const Chunk next = c + 1 < chunks ? chunk(c + 1) : Chunk{};
     if (c < chunks) reduce(current);
@@ -433,7 +425,7 @@ Status ShmAllreduce::Rounds(int64_t rounds, const std::function<void(int64_t, in
   auto set_of = [&](int64_t r) { return (base_set + static_cast<int>(r % 2)) % 2; };
   fill(0, set_of(0));
   for (int64_t r = 0; r < rounds; ++r) {
-    Status s = Barrier(kChunkSpin);
+    Status s = Barrier();
     if (!s.ok()) return s;
     drain(r, set_of(r));
     if (r + 1 < rounds) fill(r + 1, set_of(r + 1));

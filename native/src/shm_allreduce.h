@@ -30,14 +30,15 @@
 // without the pipeline), and each rank has a chunk's worth of copying to do between
 // them, which evens out a peer's late arrival.
 //
-// The barrier (a counter and a sense flag in rank 0's segment) spins for a while (20 us
-// between chunks, where a peer in step is there at once; 50 us in the coordination,
-// where ranks arrive as their own threads submit), then sleeps on the sense flag as a
-// futex until the last rank to arrive wakes it: a waiting rank takes no CPU from the training threads that share
-// its cores (spinning or yielding there took up to half a core from them), and a wake
-// costs a few microseconds, not a timer's late tens. Every 100 ms of waiting it checks
-// that the peer processes still exist, so a dead rank ends the wait with an error that
-// names it rather than a hang.
+// The barrier (a counter and a sense flag in rank 0's segment) does not spin: a rank
+// that arrives before its peers sleeps on the sense flag as a futex until the last
+// rank to arrive wakes it. A waiting rank takes no CPU from the training threads that
+// share its cores (a 20 us spin per chunk cost each rank ~0.7 ms of CPU per step of
+// the MLP benchmark's 23 MB), and a wake (the background thread asks for the kernel's
+// shortest slice, so it takes the core from a training thread at once) costs a few
+// microseconds, not a timer's late tens. Every 100 ms of waiting it checks that the
+// peer processes still exist, so a dead rank ends the wait with an error that names it
+// rather than a hang.
 //
 // The same segments carry the coordination's bit vector (AndBits): every rank writes
 // its vector to its segment, passes the barrier and ANDs all of them. A rank that gets
@@ -125,10 +126,8 @@ class ShmAllreduce {
   // after barrier r drain(r) and fill(r + 1), each given round r's slot set.
   Status Rounds(int64_t rounds, const std::function<void(int64_t, int)>& fill,
                 const std::function<void(int64_t, int)>& drain);
-  // Spins for `spin` before sleeping.
-  Status Barrier(std::chrono::microseconds spin);
-  static constexpr std::chrono::microseconds kChunkSpin{20};
-  static constexpr std::chrono::microseconds kCoordinationSpin{50};
+  // Every rank arrives before any leaves; a rank that waits sleeps.
+  Status Barrier();
   // How often a sleeping barrier wakes to call idle_: a ring step that ends while the
   // host waits is noticed within this, and the next one posted.
   static constexpr int64_t kIdleWakeUs = 200;
