@@ -1,6 +1,6 @@
 """Training throughput against the machine's ceiling.
 
-    python benchmarks/train_throughput.py [--rounds 8] [--steps 60] [--np 2]
+    python benchmarks/train_throughput.py [--rounds 8] [--steps 60] [--np 2] [--phases]
 
 Same model (an MLP 784-2048-2048-10 by default), same batch per rank (64), synthetic
 data, SGD. Four configurations run interleaved, round after round, so that drift in the
@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,27 +57,102 @@ def _wait_for_files(paths):
         time.sleep(0.002)
 
 
+def _thread_stats():
+    """tid -> (CPU ns, run-queue ns, minor faults, involuntary switches) of this
+    process's threads, from /proc (Linux)."""
+    stats = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                run, queued, _ = (int(v) for v in f.read().split())
+            with open(f"/proc/self/task/{tid}/status") as f:
+                nvcsw = next(int(line.split()[1]) for line in f
+                             if line.startswith("nonvoluntary_ctxt_switches"))
+        except (OSError, StopIteration):
+            continue
+        stats[int(tid)] = (run, queued, int(fields[7]), nvcsw)
+    return stats
+
+
+class Phases:
+    """--phases: per-step milliseconds of forward, backward, waiting for the gradients'
+    allreduce and the update, and per thread (the training thread; all others, i.e.
+    hvdlite's background thread) CPU and run-queue ms, minor page faults and
+    involuntary context switches per step."""
+
+    def __init__(self):
+        self.ms = {"forward": 0.0, "backward": 0.0, "wait": 0.0, "update": 0.0}
+        self.steps = 0
+
+    def start(self):
+        self.before = _thread_stats()
+
+    def stop(self):
+        after, main = _thread_stats(), threading.get_native_id()
+        per = {"main": [0, 0, 0, 0], "other": [0, 0, 0, 0]}
+        for tid, now in after.items():
+            was = self.before.get(tid, (0, 0, 0, 0))
+            for i in range(4):
+                per["main" if tid == main else "other"][i] += now[i] - was[i]
+        out = {k: round(v / self.steps, 2) for k, v in self.ms.items()}
+        for who, (run, queued, faults, nvcsw) in per.items():
+            out[who] = {"cpu_ms": round(run / 1e6 / self.steps, 2),
+                        "runq_ms": round(queued / 1e6 / self.steps, 2),
+                        "minflt": round(faults / self.steps, 1),
+                        "nvcsw": round(nvcsw / self.steps, 1)}
+        return out
+
+
 def timed_loop(args, model, opt, x, y, before=None, after=None):
-    """Samples/sec over args.steps steps after args.warmup; before() runs between the
-    two, after(step) once the timed steps are done (the ceiling's barriers)."""
+    """Samples/sec over args.steps steps after args.warmup, and the Phases (or None);
+    before() runs between the two, after(step) once the timed steps are done (the
+    ceiling's barriers)."""
     import torch.nn.functional as F
 
+    phases = None
+
     def step():
+        if phases is None:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            return
+        t0 = time.perf_counter()
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+        loss = F.cross_entropy(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        if hasattr(opt, "skip_synchronize"):  # hvdlite: the wait apart from the update
+            opt.synchronize()
+            t3 = time.perf_counter()
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            t3 = t2
+            opt.step()
+        t4 = time.perf_counter()
+        for name, dt in zip(phases.ms, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            phases.ms[name] += dt * 1e3
+        phases.steps += 1
 
     for _ in range(args.warmup):
         step()
+    if args.phases:
+        phases = Phases()
+        phases.start()
     if before:
         before()
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
     elapsed = time.perf_counter() - start
+    measured = phases.stop() if phases else None
     if after:
         after(step)
-    return args.steps * args.batch / elapsed
+    return args.steps * args.batch / elapsed, measured
 
 
 def worker_single(args):
@@ -101,8 +177,8 @@ def worker_single(args):
             while not all(os.path.exists(p) for p in done):
                 step()
 
-    rate = timed_loop(args, model, opt, x, y, before, after)
-    print(RESULT + json.dumps({"rate": rate}), flush=True)
+    rate, phases = timed_loop(args, model, opt, x, y, before, after)
+    print(RESULT + json.dumps({"rate": rate, "phases": phases}), flush=True)
 
 
 def worker_hvdlite(args):
@@ -116,10 +192,11 @@ def worker_hvdlite(args):
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    rate = timed_loop(args, model, opt, x, y)
+    rate, phases = timed_loop(args, model, opt, x, y)
     rates = hvd.allgather_object(rate)
+    phases = hvd.allgather_object(phases)
     if hvd.rank() == 0:
-        print(RESULT + json.dumps({"rates": rates}), flush=True)
+        print(RESULT + json.dumps({"rates": rates, "phases": phases}), flush=True)
 
 
 def worker_ddp(args):
@@ -131,7 +208,7 @@ def worker_ddp(args):
     model, x, y = build(args)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-    rate = timed_loop(args, ddp, opt, x, y)
+    rate, _ = timed_loop(args, ddp, opt, x, y)
     rates = [None] * dist.get_world_size()
     dist.all_gather_object(rates, rate)
     if dist.get_rank() == 0:
@@ -163,13 +240,14 @@ def _parse(text):
 def _worker_args(args, kind):
     return [sys.executable, os.path.abspath(__file__), "--worker", kind,
             "--layers", args.layers, "--batch", str(args.batch), "--steps", str(args.steps),
-            "--warmup", str(args.warmup)]
+            "--warmup", str(args.warmup)] + (["--phases"] if args.phases else [])
 
 
 def run_single(args):
     out = subprocess.run(_worker_args(args, "single"), capture_output=True, text=True,
                          env=_env(), timeout=args.timeout, check=True, **_SESSION)
-    return [_parse(out.stdout)["rate"]]
+    res = _parse(out.stdout)
+    return [res["rate"]], [res["phases"]]
 
 
 def run_ceiling(args):
@@ -183,7 +261,8 @@ def run_ceiling(args):
         outs = [p.communicate(timeout=args.timeout) for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError("ceiling run failed:\n" + "\n".join(e[-3000:] for _, e in outs))
-    return [_parse(out)["rate"] for out, _ in outs]
+    results = [_parse(out) for out, _ in outs]
+    return [r["rate"] for r in results], [r["phases"] for r in results]
 
 
 def run_hvdlite(args):
@@ -192,7 +271,8 @@ def run_hvdlite(args):
     out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=args.timeout)
     if out.returncode:
         raise RuntimeError(f"hvdlite run failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
-    return _parse(out.stdout)["rates"]
+    res = _parse(out.stdout)
+    return res["rates"], res["phases"]
 
 
 def run_ddp(args):
@@ -210,7 +290,7 @@ def run_ddp(args):
     outs = [p.communicate(timeout=args.timeout) for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError("DDP run failed:\n" + "\n".join(e[-3000:] for _, e in outs))
-    return _parse(outs[0][0])["rates"]
+    return _parse(outs[0][0])["rates"], []
 
 
 def main():
@@ -224,6 +304,10 @@ def main():
     parser.add_argument("--layers", default="784-2048-2048-10")
     parser.add_argument("--timeout", type=int, default=300)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--phases", action="store_true",
+                        help="also print, per process, ms per step of forward, backward, "
+                             "waiting for the allreduce and the update, and per thread CPU "
+                             "and run-queue ms, page faults and involuntary switches")
     parser.add_argument("--sync-dir", help=argparse.SUPPRESS)
     parser.add_argument("--sync-id", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--sync-count", type=int, default=1, help=argparse.SUPPRESS)
@@ -238,10 +322,12 @@ def main():
     ratios = {"hvdlite": [], "ddp": []}
     for round_ in range(args.rounds):
         for kind, fn in kinds:
-            rates = fn(args)
+            rates, phases = fn(args)
             runs[kind].append(statistics.mean(rates))
             print(f"round {round_ + 1}/{args.rounds} {kind:8s} samples/sec per rank: "
                   + ", ".join(f"{r:.1f}" for r in rates), flush=True)
+            for k, p in enumerate(p for p in phases if p):
+                print(f"    {kind} process {k}: " + json.dumps(p), flush=True)
         for kind in ratios:
             ratios[kind].append(runs[kind][-1] / runs["ceiling"][-1])
         print(f"round {round_ + 1}/{args.rounds} hvdlite/ceiling {ratios['hvdlite'][-1]:.3f}  "
