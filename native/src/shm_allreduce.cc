@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <type_traits>
@@ -231,16 +230,8 @@ Status ShmAllreduce::WaitFor(int field, int64_t chunks) {
       if (f->load(std::memory_order_seq_cst) < chunks) FutexWait(&p->seq, seq, idle_ ? kIdleWakeUs : 100000);
       p->sleepers.fetch_sub(1, std::memory_order_seq_cst);
       if (f->load(std::memory_order_acquire) >= chunks) break;
-      if (idle_) {
-        Status s = idle_();
-        if (!s.ok()) return s;
-      }
-      int dead = DeadPeer();
-      if (dead >= 0) {
-        return Status(HVDLITE_ERR_RANK_FAILED,
-                      "rank " + std::to_string(dead) + " (pid " + std::to_string(pids_[dead]) +
-                          ") ended during a shared-memory allreduce");
-      }
+      Status s = AfterWait();
+      if (!s.ok()) return s;
     }
   }
   return Status::OK();
@@ -263,17 +254,21 @@ Status ShmAllreduce::Barrier() {
     if (c->sense.load(std::memory_order_seq_cst) == old_sense) FutexWait(&c->sense, old_sense, idle_ ? kIdleWakeUs : 100000);
     c->sleepers.fetch_sub(1, std::memory_order_seq_cst);
     if (c->sense.load(std::memory_order_acquire) == sense_) return Status::OK();
-    if (idle_) {
-      Status s = idle_();
-      if (!s.ok()) return s;
-    }
-    int dead = DeadPeer();  // woken by the timeout (or a signal): is everyone still there?
-    if (dead >= 0) {
-      return Status(HVDLITE_ERR_RANK_FAILED,
-                    "rank " + std::to_string(dead) + " (pid " + std::to_string(pids_[dead]) +
-                        ") ended during a shared-memory allreduce");
-    }
+    Status s = AfterWait();
+    if (!s.ok()) return s;
   }
+}
+
+Status ShmAllreduce::AfterWait() {
+  if (idle_) {
+    Status s = idle_();
+    if (!s.ok()) return s;
+  }
+  int dead = DeadPeer();  // woken by the timeout (or a signal): is everyone still there?
+  if (dead < 0) return Status::OK();
+  return Status(HVDLITE_ERR_RANK_FAILED, "rank " + std::to_string(dead) + " (pid " +
+                                             std::to_string(pids_[dead]) +
+                                             ") ended during a shared-memory allreduce");
 }
 
 Status ShmAllreduce::AndBits(uint64_t* bits, int64_t words) {

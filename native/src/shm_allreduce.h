@@ -57,7 +57,6 @@
 // Background thread only.
 #pragma once
 
-#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <vector>
@@ -145,6 +144,9 @@ class ShmAllreduce {
   static constexpr int64_t kIdleWakeUs = 200;
   // The first rank whose process has ended, or -1.
   int DeadPeer() const;
+  // After a futex wait that did not end the wait (a timeout, a signal): calls idle_ and
+  // returns an error naming a peer whose process has ended.
+  Status AfterWait();
 
   const int rank_, size_;
   const std::vector<uint8_t*> segments_;
