@@ -1099,6 +1099,7 @@ void ProcessSetState::ExecuteAllgather(const std::vector<const Response*>& fused
   activities.Done("MEMCPY_IN_FUSION_BUFFER");
   Status s = mpi_->Allgatherv(send, block[me], recv, block);
   activities.Done("MPI_ALLGATHER");
+  if (mpi_->hierarchical_allgather()) counters_.hierarchical_collectives++;
   std::vector<OpOutput> outs(fused.size());
   if (s.ok()) {
     for (size_t t = 0; t < fused.size(); ++t) outs[t].Allocate(AllgatherBytes(*fused[t]));
@@ -1148,6 +1149,7 @@ void ProcessSetState::ExecuteOne(const Response& r) {
       out.Allocate(total);
       s = mpi_->Allgatherv(e ? e->input : nullptr, bytes[me], out.data.get(), bytes);
       moved = total;
+      if (mpi_->hierarchical_allgather()) counters_.hierarchical_collectives++;
       break;
     }
     case HVDLITE_OP_BROADCAST: {
@@ -1158,6 +1160,7 @@ void ProcessSetState::ExecuteOne(const Response& r) {
       }
       s = mpi_->Bcast(target, nbytes, r.root_rank);
       moved = nbytes;
+      if (mpi_->hierarchical_broadcast()) counters_.hierarchical_collectives++;
       break;
     }
     case HVDLITE_OP_ALLTOALL: {

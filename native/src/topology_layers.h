@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -29,6 +30,11 @@ struct LayerSettings {
   // HVDLITE_SHM_ALLREDUCE: whether the ranks of a host may reduce through shared memory
   // (the host layer of the hierarchy, or every rank when all share one host).
   bool shared_memory = true;
+  // HVDLITE_HIERARCHICAL_ALLGATHER (HOROVOD_HIERARCHICAL_ALLGATHER) and
+  // HVDLITE_HIERARCHICAL_BROADCAST: -1 when unset (on with more than one host and more
+  // than one rank on some host), 0 off, 1 on.
+  int hierarchical_allgather = -1;
+  int hierarchical_broadcast = -1;
 };
 
 // Splits world (collectively) into the ranks of this rank's host, in world rank order:
@@ -38,14 +44,20 @@ Status SplitHosts(void* world, const std::string& host_id, void* local);
 // Where one rank sits, as every rank learns it at init.
 struct RankPlace {
   int local_rank = 0, local_size = 1;
-  int hierarchical_allreduce = -1;  // its LayerSettings value
+  int hierarchical_allreduce = -1;  // its LayerSettings values
   int shared_memory = 1;
+  int host = 0;  // the lowest rank on its host, which names the host
+  int hierarchical_allgather = -1, hierarchical_broadcast = -1;
 };
 
 // The layers every rank uses, decided alike everywhere from every rank's place.
 struct LayerPlan {
   bool world_shared_memory = false;  // one host: every rank reduces through shared memory
   bool hierarchical_allreduce = false;
+  // Allgather and broadcast through the hosts' leaders (any placement of ranks).
+  bool hierarchical_allgather = false, hierarchical_broadcast = false;
+  // The ranks of each host in rank order, hosts in the order of their lowest rank.
+  std::vector<std::vector<int>> hosts;
   std::string error;   // settings that disagree across ranks
   std::string notice;  // why a requested hierarchy is not used (rank 0 logs it)
 };
@@ -115,5 +127,56 @@ class CrossLayer {
   int step_ = 0, steps_ = 0;
   std::vector<void*> requests_;  // MPI_Request*, of the step in flight
 };
+
+// The requests of nonblocking collectives in flight (MPI_Request*).
+class Pending {
+ public:
+  Pending() = default;
+  Pending(const Pending&) = delete;
+  Pending& operator=(const Pending&) = delete;
+  ~Pending() { Clear(); }
+  // Whether every request is done (tests them all; finished ones are freed).
+  Status Test(bool* done);
+  bool empty() const { return requests_.empty(); }
+  void Add(void* request) { requests_.push_back(request); }
+  void Clear();
+
+ private:
+  std::vector<void*> requests_;
+};
+
+// A group of ranks on one communicator whose collectives run nonblocking, so that
+// waiting for them can sleep (RunPipeline): the ranks of one host over MPI, and the
+// hosts' leaders (local rank 0 of every host, in host order). Counts are bytes.
+class GroupLayer {
+ public:
+  // Takes comm (an MPI_Comm*) over; frees it in Close.
+  explicit GroupLayer(void* comm);
+  ~GroupLayer();
+  void Close(bool collective);
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  // Each call posts its collective and adds its requests to *pending. Rank 0 receives
+  // rank k's in_bytes at out + displs[k]; buf's parts [displs[k], + bytes[k]) go to
+  // every rank from rank k (rank k's in place); buf's bytes go from root to all.
+  Status Gatherv(const void* in, int64_t in_bytes, void* out, const std::vector<int64_t>& bytes,
+                 const std::vector<int64_t>& displs, Pending* pending);
+  Status Allgatherv(void* buf, const std::vector<int64_t>& bytes,
+                    const std::vector<int64_t>& displs, Pending* pending);
+  Status Bcast(void* buf, int64_t bytes, int root, Pending* pending);
+
+ private:
+  void* comm_ = nullptr;  // MPI_Comm*
+  int rank_ = 0, size_ = 1;
+};
+
+// A collective in chunks and stages: stage s of chunk k posts its collectives (or none,
+// on a rank with no part in it) into the Pending it is given. It starts once stage
+// s - 1 of chunk k is done and stage s of chunk k - 1 has started, so every rank posts
+// the collectives of one communicator in the same order, and the stages of
+// neighbouring chunks overlap (chunk k crosses the network while chunk k - 1 is shared
+// within the host). Waits with short sleeps, not spinning a core.
+using PipelineStage = std::function<Status(int64_t chunk, Pending* pending)>;
+Status RunPipeline(int64_t chunks, const std::vector<PipelineStage>& stages);
 
 }  // namespace hvdlite

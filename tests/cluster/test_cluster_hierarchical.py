@@ -1,9 +1,11 @@
-"""The hierarchical allreduce on a real namespace cluster: 2 hosts x 2 ranks, links at
-1 Gbit/s, MPI over TCP, started by hvdliterun across the hosts. The rank script is the
-one the single-machine tests run (there each rank names its "host" with
-HVDLITE_HOST_ID; here the hosts are real), on a lighter set of dtypes: every reduction
-and scaling, alone and grouped, several pipeline blocks, against numpy, same bits on
-every rank, and the topology and the path taken as expected.
+"""The hierarchical collectives on a real namespace cluster: 2 hosts (2 x 2 ranks, and
+3 + 1 for allgather and broadcast), links at 1 Gbit/s, MPI over TCP, started by
+hvdliterun across the hosts. The rank scripts are the ones the single-machine tests run
+(there each rank names its "host" with HVDLITE_HOST_ID; here the hosts are real).
+Allreduce, on a lighter set of dtypes: every reduction and scaling, alone and grouped,
+several pipeline blocks, against numpy, same bits on every rank, and the topology and
+the path taken as expected. Allgather and broadcast: uneven first dims, groups, every
+root, several chunks, against numpy.
 """
 import pytest
 
@@ -18,7 +20,8 @@ def test_two_hosts_of_two_allreduce_hierarchically(make_cluster):
 
     cluster = make_cluster(2, rate="1gbit")
     job = harness.assert_ok(run_cluster_job(cluster, "h1:2,h2:2", SCRIPT, timeout=500,
-                                            args=("-", "", "int32,float16,float32,bool")))
+                                            args=("-", "", "int32,float16,float32,bool"),
+                                            env={"HVDLITE_HIERARCHICAL_ALLGATHER": "0"}))
     for rank in range(4):
         res = job.result(rank)
         assert not res["failures"], f"rank {rank}:\n" + "\n".join(res["failures"][:20])
@@ -26,3 +29,21 @@ def test_two_hosts_of_two_allreduce_hierarchically(make_cluster):
         # hvdliterun places ranks 0, 1 on h1 and 2, 3 on h2.
         assert res["topology"] == [rank % 2, 2, rank // 2, 2], res["topology"]
         assert res["stats"]["hierarchical_collectives"] == res["allreduces"], res["stats"]
+
+
+@pytest.mark.parametrize("hosts", ["h1:2,h2:2", "h1:3,h2:1"])
+def test_allgather_and_broadcast_go_through_the_hosts_leaders(make_cluster, hosts):
+    # The single-machine tests' script (uneven first dims, groups, every root, several
+    # pipeline chunks) on real hosts, 2 x 2 and 3 + 1, against numpy.
+    from test_hierarchical_gather_broadcast import SCRIPT
+
+    cluster = make_cluster(2, rate="1gbit")
+    job = harness.assert_ok(run_cluster_job(cluster, hosts, SCRIPT, timeout=500, args=("-",)))
+    per_host = [int(h.split(":")[1]) for h in hosts.split(",")]
+    for rank in range(4):
+        res = job.result(rank)
+        assert not res["failures"], f"rank {rank}:\n" + "\n".join(res["failures"][:20])
+        host = 0 if rank < per_host[0] else 1
+        assert res["topology"][1] == per_host[host], res["topology"]
+        # Every allgather and broadcast took the leaders' path.
+        assert res["stats"]["hierarchical_collectives"] == res["stats"]["collectives"] > 0, res["stats"]

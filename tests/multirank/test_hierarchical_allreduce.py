@@ -96,8 +96,11 @@ hvd.shutdown()
 
 
 def _run(layout, hierarchical, tmp_path, fusion=None, dtypes=None):
+    # The script's allgathers (the bits check) flat: the count of hierarchical
+    # collectives is then that of allreduces.
     env = {"HVDLITE_FUSION_THRESHOLD": fusion, "HVDLITE_SHM_ALLREDUCE": None,
-           "HVDLITE_HIERARCHICAL_ALLREDUCE": hierarchical, "HOROVOD_HIERARCHICAL_ALLREDUCE": None}
+           "HVDLITE_HIERARCHICAL_ALLREDUCE": hierarchical, "HOROVOD_HIERARCHICAL_ALLREDUCE": None,
+           "HVDLITE_HIERARCHICAL_ALLGATHER": "0"}
     out = str(tmp_path / f"{layout}-{hierarchical}-{fusion}.npz")
     args = (layout, out) + ((dtypes,) if dtypes else ())
     job = harness.assert_ok(harness.run_job(len(layout), SCRIPT, timeout=400, env=env,
