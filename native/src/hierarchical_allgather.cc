@@ -7,7 +7,7 @@ namespace hvdlite {
 
 HierarchicalAllgather::HierarchicalAllgather(GroupLayer* host, GroupLayer* leaders,
                                              std::vector<std::vector<int>> hosts, int rank)
-    : host_(host), leaders_(leaders), hosts_(std::move(hosts)) {
+    : host_(host), leaders_(leaders), hosts_(std::move(hosts)), rank_(rank) {
   int next = 0;
   for (size_t j = 0; j < hosts_.size(); ++j) {
     for (int r : hosts_[j]) {
@@ -36,21 +36,30 @@ Status HierarchicalAllgather::Allgatherv(const void* in, int64_t in_bytes, void*
     staging_.resize(total);
     result = staging_.data();
   }
-  // 1. The host's parts to its leader.
-  const std::vector<int>& mine = hosts_[my_host_];
-  std::vector<int64_t> part_bytes, part_at;
-  for (int r : mine) {
-    part_bytes.push_back(bytes_per_rank[r]);
-    part_at.push_back(at[r]);
-  }
-  Status s = RunPipeline(1, {[&](int64_t, Pending* p) {
-    return host_->Gatherv(in, in_bytes, result, part_bytes, part_at, p);
-  }});
-  if (!s.ok()) return s;
-  // 2 and 3, chunk c being slice c of every host's block.
-  const int64_t chunks = std::max<int64_t>(1, std::min(kMaxChunks, total / kChunkBytes));
+  // Chunk c: slice c of every host's block.
+  const int64_t chunks = PipelineChunks(total);
   auto slice_at = [&](int j, int64_t c) { return block_at[j] + block[j] * c / chunks; };
   auto slice_bytes = [&](int j, int64_t c) { return slice_at(j, c + 1) - slice_at(j, c); };
+  // 1. Within the host, the parts of slice c to the leader: of each rank's part, what
+  // lies in the slice (a range of its part, maybe empty).
+  const std::vector<int>& mine = hosts_[my_host_];
+  const PipelineStage to_leader = [&](int64_t c, Pending* p) {
+    const int64_t lo = slice_at(my_host_, c), hi = lo + slice_bytes(my_host_, c);
+    std::vector<int64_t> part_bytes, part_at;
+    const void* send = nullptr;
+    int64_t send_bytes = 0;
+    for (int r : mine) {
+      const int64_t from = std::max(lo, at[r]), to = std::min(hi, at[r] + bytes_per_rank[r]);
+      part_bytes.push_back(std::max<int64_t>(0, to - from));
+      part_at.push_back(from);
+      if (r == rank_ && to > from) {
+        send = static_cast<const uint8_t*>(in) + (from - at[r]);
+        send_bytes = to - from;
+      }
+    }
+    return host_->Gatherv(send, send_bytes, result, part_bytes, part_at, p);
+  };
+  // 2. The leaders exchange the hosts' slices c.
   const PipelineStage across_hosts = [&](int64_t c, Pending* p) {
     if (!leaders_) return Status::OK();
     std::vector<int64_t> bytes(hosts), displs(hosts);
@@ -60,6 +69,7 @@ Status HierarchicalAllgather::Allgatherv(const void* in, int64_t in_bytes, void*
     }
     return leaders_->Allgatherv(result, bytes, displs, p);
   };
+  // 3. Each leader sends every host's slice c within its host.
   const PipelineStage within_host = [&](int64_t c, Pending* p) {
     if (host_->size() == 1) return Status::OK();
     Status st;
@@ -68,7 +78,7 @@ Status HierarchicalAllgather::Allgatherv(const void* in, int64_t in_bytes, void*
     }
     return st;
   };
-  s = RunPipeline(chunks, {across_hosts, within_host});
+  Status s = RunPipeline(chunks, {to_leader, across_hosts, within_host});
   if (!s.ok() || in_rank_order_) return s;
   int64_t to = 0;
   for (size_t r = 0; r < bytes_per_rank.size(); ++r) {

@@ -1,7 +1,8 @@
 // The hierarchical broadcast: the root's data crosses each host's link once.
 //
 //   1. within the root's host, the root sends to every rank of it (its leader too);
-//   2. the root's host's leader sends to the other hosts' leaders;
+//   2. the root's host's leader sends to the other hosts' leaders (at once with step 1
+//      when the root is that leader);
 //   3. within each other host, its leader sends to every rank of it.
 //
 // A flat broadcast of a large buffer scatters it and then allgathers it in a ring of
@@ -28,8 +29,6 @@ class HierarchicalBroadcast {
   Status Bcast(void* buf, int64_t bytes, int root);
 
  private:
-  static constexpr int64_t kChunkBytes = 1 << 20;
-
   GroupLayer* host_;
   GroupLayer* leaders_;
   std::vector<int> host_of_, local_rank_of_;  // per rank: its host, its place there

@@ -404,6 +404,12 @@ Status GroupLayer::Bcast(void* buf, int64_t bytes, int root, Pending* pending) {
   return Status::OK();
 }
 
+int64_t PipelineChunks(int64_t bytes) {
+  constexpr int64_t kMaxChunk = 1 << 20, kMinChunk = 256 << 10, kMinChunks = 8;
+  const int64_t chunk = std::max(kMinChunk, std::min(kMaxChunk, bytes / kMinChunks));
+  return std::max<int64_t>(1, (bytes + chunk - 1) / chunk);
+}
+
 Status RunPipeline(int64_t chunks, const std::vector<PipelineStage>& stages) {
   const int count = static_cast<int>(stages.size());
   // Per chunk: stages started, stages done; the started one's requests.

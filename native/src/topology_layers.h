@@ -178,5 +178,9 @@ class GroupLayer {
 // within the host). Waits with short sleeps, not spinning a core.
 using PipelineStage = std::function<Status(int64_t chunk, Pending* pending)>;
 Status RunPipeline(int64_t chunks, const std::vector<PipelineStage>& stages);
+// How many chunks a pipelined collective of `bytes` goes through: chunks of 1 MiB,
+// large enough for the network to run at full rate, and at least 8 of 256 KiB or more
+// for a smaller buffer, so that it too overlaps its stages.
+int64_t PipelineChunks(int64_t bytes);
 
 }  // namespace hvdlite
