@@ -190,7 +190,7 @@ Status MpiBackend::SetUpLayers(const LayerSettings& settings, const MpiTopology&
   if (!plan.notice.empty() && topo.rank == 0) {
     HVDLITE_LOG(WARNING) << plan.notice;
   }
-  if (s.ok() && (plan.hierarchical_allgather || plan.hierarchical_broadcast)) {
+  if (s.ok() && (plan.hierarchical_allgather || plan.hierarchical_broadcast || plan.leader_allreduce)) {
     // Communicators of their own (so their collectives never meet the allreduce's):
     // the host's ranks, and on each host's leader the leaders (cross's of local rank 0).
     MPI_Comm* host = new MPI_Comm(MPI_COMM_NULL);
@@ -210,18 +210,24 @@ Status MpiBackend::SetUpLayers(const LayerSettings& settings, const MpiTopology&
           new HierarchicalBroadcast(host_group_.get(), leaders_.get(), plan.hosts, topo.rank));
     }
   }
-  if (s.ok() && (plan.world_shared_memory || plan.hierarchical_allreduce)) {
+  if (s.ok() && (plan.world_shared_memory || plan.hierarchical_allreduce || plan.leader_allreduce)) {
     host_ = HostLayer::Open(local);
     local = nullptr;  // the layer's now, or freed with it
   }
-  if (s.ok() && plan.hierarchical_allreduce) {
+  if (s.ok() && (plan.hierarchical_allreduce || plan.leader_allreduce)) {
     // Every host must have its shared-memory group, or every rank goes flat.
     int ok = host_ ? 1 : 0, all_ok = 0;
     s = Check(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, Comm(comm_)), "MPI_Allreduce (layers)");
-    if (s.ok() && all_ok) {
+    if (s.ok() && all_ok && plan.hierarchical_allreduce) {
       cross_.reset(new CrossLayer(cross));
       cross = nullptr;
       hierarchical_.reset(new HierarchicalAllreduce(host_.get(), cross_.get()));
+    } else if (s.ok() && all_ok) {
+      if (topo.local_rank == 0) {  // cross is then the leaders
+        cross_.reset(new CrossLayer(cross));
+        cross = nullptr;
+      }
+      hierarchical_.reset(new LeaderAllreduce(host_.get(), cross_.get(), host_group_.get()));
     } else if (host_) {
       host_->Close(true);
       host_.reset();

@@ -16,6 +16,7 @@
 #include "hierarchical_allgather.h"
 #include "hierarchical_allreduce.h"
 #include "hierarchical_broadcast.h"
+#include "leader_allreduce.h"
 #include "shm_allreduce.h"
 #include "topology_layers.h"
 
@@ -75,7 +76,7 @@ class MpiBackend {
     return host_->shm().Allreduce(pieces, dtype, reduce_op, prescale, postscale, divisor);
   }
   // The hierarchical allreduce over the layers, or null when allreduce goes flat.
-  HierarchicalAllreduce* hierarchical() { return hierarchical_.get(); }
+  LayeredAllreduce* hierarchical() { return hierarchical_.get(); }
   // Whether allgather (Allgatherv) and broadcast (Bcast) go through the hosts' leaders.
   bool hierarchical_allgather() const { return hierarchical_allgather_ != nullptr; }
   bool hierarchical_broadcast() const { return hierarchical_broadcast_ != nullptr; }
@@ -99,7 +100,7 @@ class MpiBackend {
   // (hierarchical allreduce), or none (flat MPI).
   std::unique_ptr<HostLayer> host_;
   std::unique_ptr<CrossLayer> cross_;
-  std::unique_ptr<HierarchicalAllreduce> hierarchical_;
+  std::unique_ptr<LayeredAllreduce> hierarchical_;
   // Allgather and broadcast across hosts: the host's ranks and the hosts' leaders
   // (leaders_ on local rank 0 only) over MPI, and the plans of steps over them.
   std::unique_ptr<GroupLayer> host_group_, leaders_;

@@ -995,7 +995,7 @@ void ProcessSetState::ExecuteAllreduce(const std::vector<const Response*>& fused
   Activities activities(timeline_, names, queue_start_us_);
   activities.Done("QUEUE");
   Status s;
-  HierarchicalAllreduce* hierarchical = mpi_->hierarchical();
+  LayeredAllreduce* hierarchical = mpi_->hierarchical();
   if (mpi_->shared_memory() || hierarchical) {
     // Straight from the inputs through shared memory into the outputs, scaled on the
     // way: no fusion buffer and no separate scaling pass.

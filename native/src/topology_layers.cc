@@ -114,18 +114,7 @@ LayerPlan PlanLayers(const std::vector<RankPlace>& ranks) {
   }
   const int knob_value = ranks[0].hierarchical_allreduce;
   if (knob_value == 0) return plan;
-  if (!even) {
-    std::string sizes;
-    for (const RankPlace& p : ranks) {
-      if (p.local_rank == 0) sizes += (sizes.empty() ? "" : ", ") + std::to_string(p.local_size);
-    }
-    if (knob_value == 1) {
-      plan.notice = "hierarchical allreduce needs the same number of ranks on every host (these "
-                    "have " + sizes + "): allreduce goes flat through MPI";
-    }
-    return plan;
-  }
-  if (ranks[0].local_size == 1) return plan;  // one rank per host: the hierarchy is flat
+  if (!crowded) return plan;  // one rank per host: the hierarchy is the flat allreduce
   if (!shared) {
     if (knob_value == 1) {
       plan.notice = "hierarchical allreduce reduces within a host through shared memory, which "
@@ -133,7 +122,8 @@ LayerPlan PlanLayers(const std::vector<RankPlace>& ranks) {
     }
     return plan;
   }
-  plan.hierarchical_allreduce = true;
+  // Hosts of one size reduce in shards across hosts; others through their leaders.
+  (even ? plan.hierarchical_allreduce : plan.leader_allreduce) = true;
   return plan;
 }
 
@@ -201,46 +191,51 @@ CrossLayer::CrossLayer(void* comm) : comm_(comm) {
 CrossLayer::~CrossLayer() { Close(false); }
 
 void CrossLayer::Close(bool collective) {
-  for (void* r : requests_) delete static_cast<MPI_Request*>(r);
-  requests_.clear();
-  steps_ = 0;
+  for (Ring& ring : rings_) {
+    for (void* r : ring.requests) delete static_cast<MPI_Request*>(r);
+    ring.requests.clear();
+    ring.steps = 0;
+  }
   if (!comm_) return;
   if (collective && Comm(comm_) != MPI_COMM_NULL) MPI_Comm_free(&Comm(comm_));
   delete static_cast<MPI_Comm*>(comm_);
   comm_ = nullptr;
 }
 
-uint8_t* CrossLayer::Segment(int k) const { return buf_ + count_ * k / size_ * ElementSize(dtype_); }
+uint8_t* CrossLayer::Segment(const Ring& ring, int k) const {
+  return ring.buf + ring.count * k / size_ * ElementSize(ring.dtype);
+}
 
-int64_t CrossLayer::SegmentBytes(int k) const {
-  return (count_ * (k + 1) / size_ - count_ * k / size_) * ElementSize(dtype_);
+int64_t CrossLayer::SegmentBytes(const Ring& ring, int k) const {
+  return (ring.count * (k + 1) / size_ - ring.count * k / size_) * ElementSize(ring.dtype);
 }
 
 // Ring steps. Reduce-scatter, step s: this rank passes segment rank - s on and adds the
 // previous rank's partial result of segment rank - s - 1 into its own; after size - 1
 // steps it holds segment rank + 1 reduced over every rank. Allgather, step s: the
 // reduced segment rank + 1 - s goes on, segment rank - s arrives.
-Status CrossLayer::Post() {
-  const bool reducing = step_ < size_ - 1;
-  const int s = reducing ? step_ : step_ - (size_ - 1);
+Status CrossLayer::Post(int slot) {
+  Ring& ring = rings_[slot];
+  const bool reducing = ring.step < size_ - 1;
+  const int s = reducing ? ring.step : ring.step - (size_ - 1);
   const int out = (rank_ - s + (reducing ? 0 : 1) + size_) % size_;
   const int in = (rank_ - s - (reducing ? 1 : 0) + 2 * size_) % size_;
-  const uint8_t* send = Segment(out);
-  uint8_t* recv = reducing ? scratch_.data() : Segment(in);
-  const int64_t send_bytes = SegmentBytes(out), recv_bytes = SegmentBytes(in);
+  const uint8_t* send = Segment(ring, out);
+  uint8_t* recv = reducing ? ring.scratch.data() : Segment(ring, in);
+  const int64_t send_bytes = SegmentBytes(ring, out), recv_bytes = SegmentBytes(ring, in);
   const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
-  for (void* r : requests_) delete static_cast<MPI_Request*>(r);
-  requests_.clear();
+  for (void* r : ring.requests) delete static_cast<MPI_Request*>(r);
+  ring.requests.clear();
   // One message of at most kMaxMessage bytes from `done` on, if any are left.
   auto post = [&](bool receiving, int64_t done) {
     const int64_t total = receiving ? recv_bytes : send_bytes;
     if (done >= total) return Status::OK();
     MPI_Request* r = new MPI_Request;
-    requests_.push_back(r);
+    ring.requests.push_back(r);
     const int n = static_cast<int>(std::min(kMaxMessage, total - done));
     InMpiCall in_mpi(receiving ? "MPI_Irecv (cross-host ring)" : "MPI_Isend (cross-host ring)");
-    return receiving ? Check(MPI_Irecv(recv + done, n, MPI_BYTE, prev, 0, Comm(comm_), r), "MPI_Irecv (cross-host ring)")
-                     : Check(MPI_Isend(send + done, n, MPI_BYTE, next, 0, Comm(comm_), r), "MPI_Isend (cross-host ring)");
+    return receiving ? Check(MPI_Irecv(recv + done, n, MPI_BYTE, prev, slot, Comm(comm_), r), "MPI_Irecv (cross-host ring)")
+                     : Check(MPI_Isend(send + done, n, MPI_BYTE, next, slot, Comm(comm_), r), "MPI_Isend (cross-host ring)");
   };
   for (int64_t done = 0; done < recv_bytes || done < send_bytes; done += kMaxMessage) {
     Status st = post(true, done);
@@ -250,47 +245,58 @@ Status CrossLayer::Post() {
   return Status::OK();
 }
 
-Status CrossLayer::Start(void* buf, int64_t count, int32_t dtype, int32_t reduce_op) {
-  buf_ = static_cast<uint8_t*>(buf);
-  count_ = count;
-  dtype_ = dtype;
-  reduce_op_ = reduce_op;
-  step_ = 0;
-  steps_ = size_ == 1 || count == 0 ? 0 : 2 * (size_ - 1);
-  if (done()) return Status::OK();
-  scratch_.resize(SegmentBytes(size_ - 1));  // the longest segment
-  return Post();
+Status CrossLayer::Start(int slot, void* buf, int64_t count, int32_t dtype, int32_t reduce_op) {
+  Ring& ring = rings_[slot];
+  ring.buf = static_cast<uint8_t*>(buf);
+  ring.count = count;
+  ring.dtype = dtype;
+  ring.reduce_op = reduce_op;
+  ring.step = 0;
+  ring.steps = size_ == 1 || count == 0 ? 0 : 2 * (size_ - 1);
+  if (done(slot)) return Status::OK();
+  ring.scratch.resize(SegmentBytes(ring, size_ - 1));  // the longest segment
+  return Post(slot);
 }
 
-Status CrossLayer::Progress() {
-  if (done()) return Status::OK();
-  for (void* r : requests_) {
+Status CrossLayer::ProgressRing(int slot) {
+  Ring& ring = rings_[slot];
+  if (done(slot)) return Status::OK();
+  for (void* r : ring.requests) {
     int flag = 0;
     InMpiCall in_mpi("MPI_Test (cross-host ring)");
     Status st = Check(MPI_Test(static_cast<MPI_Request*>(r), &flag, MPI_STATUS_IGNORE),
                       "MPI_Test (cross-host ring)");
     if (!st.ok() || !flag) return st;
   }
-  if (step_ < size_ - 1) {
-    const int in = (rank_ - step_ - 1 + size_) % size_;
-    const std::vector<const uint8_t*> parts = {Segment(in), scratch_.data()};
-    ReduceElements(Segment(in), parts, SegmentBytes(in) / ElementSize(dtype_), dtype_, reduce_op_);
+  if (ring.step < size_ - 1) {
+    const int in = (rank_ - ring.step - 1 + size_) % size_;
+    const std::vector<const uint8_t*> parts = {Segment(ring, in), ring.scratch.data()};
+    ReduceElements(Segment(ring, in), parts, SegmentBytes(ring, in) / ElementSize(ring.dtype),
+                   ring.dtype, ring.reduce_op);
   }
-  ++step_;
-  return done() ? Status::OK() : Post();
+  ++ring.step;
+  return done(slot) ? Status::OK() : Post(slot);
 }
 
-Status CrossLayer::Wait() {
+Status CrossLayer::Progress() {
+  for (int slot = 0; slot < kSlots; ++slot) {
+    Status st = ProgressRing(slot);
+    if (!st.ok()) return st;
+  }
+  return Status::OK();
+}
+
+Status CrossLayer::Wait(int slot) {
   // A step moves megabytes at network speed: poll briefly, then sleep between polls
   // (20 us doubling to 200 us; each poll lets MPI push more into the socket, whose
   // buffer holds far more than the link carries in 200 us).
   auto sleep = std::chrono::microseconds(20);
   const auto spin_end = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
-  while (!done()) {
-    const int step = step_;
+  while (!done(slot)) {
+    const int steps = rings_[0].step + rings_[1].step;
     Status st = Progress();
     if (!st.ok()) return st;
-    if (step_ != step) {
+    if (rings_[0].step + rings_[1].step != steps) {
       sleep = std::chrono::microseconds(20);
     } else if (std::chrono::steady_clock::now() >= spin_end) {
       std::this_thread::sleep_for(sleep);
@@ -301,8 +307,8 @@ Status CrossLayer::Wait() {
 }
 
 Status CrossLayer::Allreduce(void* buf, int64_t count, int32_t dtype, int32_t reduce_op) {
-  Status st = Start(buf, count, dtype, reduce_op);
-  return st.ok() ? Wait() : st;
+  Status st = Start(0, buf, count, dtype, reduce_op);
+  return st.ok() ? Wait(0) : st;
 }
 
 void Pending::Clear() {

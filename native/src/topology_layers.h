@@ -53,7 +53,8 @@ struct RankPlace {
 // The layers every rank uses, decided alike everywhere from every rank's place.
 struct LayerPlan {
   bool world_shared_memory = false;  // one host: every rank reduces through shared memory
-  bool hierarchical_allreduce = false;
+  bool hierarchical_allreduce = false;  // hosts of one size: shards across hosts
+  bool leader_allreduce = false;        // hosts of different sizes: through the leaders
   // Allgather and broadcast through the hosts' leaders (any placement of ranks).
   bool hierarchical_allgather = false, hierarchical_broadcast = false;
   // The ranks of each host in rank order, hosts in the order of their lowest rank.
@@ -91,41 +92,52 @@ class HostLayer {
 // receives 2 (h - 1) / h of the buffer, what a bandwidth-optimal allreduce must, and the
 // result is bit-identical on every rank. It waits on nonblocking MPI with short sleeps:
 // a rank waiting on the network does not spin a core (MPICH's blocking waits do).
+//
+// Two allreduces may be in flight at once (slots 0 and 1, with tags of their own), so
+// that the next block's ring starts while the last one's finishes: the link then has
+// data queued between one ring's steps, where a ring alone leaves it idle while a step's
+// last bytes arrive, are reduced and the next step is posted.
 class CrossLayer {
  public:
+  static constexpr int kSlots = 2;
   // Takes comm (an MPI_Comm*) over; frees it in Close.
   explicit CrossLayer(void* comm);
   ~CrossLayer();
   void Close(bool collective);
   // buf = reduce over the layer's ranks of buf (Average: Sum), in place.
   Status Allreduce(void* buf, int64_t count, int32_t dtype, int32_t reduce_op);
-  // The same in parts, for overlapping it with other work: Start posts the first step,
-  // Progress tests the step in flight and, once it is done, reduces what it brought
-  // and posts the next; Wait progresses until done(). One allreduce at a time; buf
-  // must stay until done().
-  Status Start(void* buf, int64_t count, int32_t dtype, int32_t reduce_op);
+  // The same in parts, for overlapping it with other work: Start posts the first step
+  // of an allreduce in `slot` (a free one); Progress tests the steps in flight and, for
+  // each that is done, reduces what it brought and posts the next; Wait progresses
+  // until the slot's allreduce is done. buf must stay until then. Every rank starts
+  // its allreduces in the same slots in the same order.
+  Status Start(int slot, void* buf, int64_t count, int32_t dtype, int32_t reduce_op);
   Status Progress();
-  Status Wait();
-  bool done() const { return step_ >= steps_; }
+  Status Wait(int slot);
+  bool done(int slot) const { return rings_[slot].step >= rings_[slot].steps; }
   int rank() const { return rank_; }
   int size() const { return size_; }
 
  private:
-  // Posts ring step step_: sends a segment to the next rank while receiving one from
-  // the previous, in messages MPI's int counts can carry.
-  Status Post();
-  uint8_t* Segment(int k) const;
-  int64_t SegmentBytes(int k) const;
+  // One allreduce in flight: steps 0 .. size - 2 reduce-scatter, the rest allgather.
+  struct Ring {
+    uint8_t* buf = nullptr;
+    int64_t count = 0;
+    int32_t dtype = 0, reduce_op = 0;
+    int step = 0, steps = 0;
+    std::vector<uint8_t> scratch;  // a received segment, before it is reduced in
+    std::vector<void*> requests;   // MPI_Request*, of the step in flight
+  };
+  // Posts the ring's step: sends a segment to the next rank while receiving one from
+  // the previous, in messages MPI's int counts can carry, tagged with the slot.
+  Status Post(int slot);
+  Status ProgressRing(int slot);
+  uint8_t* Segment(const Ring& ring, int k) const;
+  int64_t SegmentBytes(const Ring& ring, int k) const;
 
   void* comm_ = nullptr;  // MPI_Comm*
   int rank_ = 0, size_ = 1;
-  std::vector<uint8_t> scratch_;  // a received segment, before it is reduced in
-  // The allreduce in flight: steps 0 .. size - 2 reduce-scatter, the rest allgather.
-  uint8_t* buf_ = nullptr;
-  int64_t count_ = 0;
-  int32_t dtype_ = 0, reduce_op_ = 0;
-  int step_ = 0, steps_ = 0;
-  std::vector<void*> requests_;  // MPI_Request*, of the step in flight
+  Ring rings_[kSlots];
 };
 
 // The requests of nonblocking collectives in flight (MPI_Request*).
