@@ -182,13 +182,18 @@ void HostLayer::Close(bool collective) {
   }
 }
 
-CrossLayer::CrossLayer(void* comm) : comm_(comm) {
+CommLayer::CommLayer(void* comm) : comm_(comm) {
   MPI_Comm_set_errhandler(Comm(comm_), MPI_ERRORS_RETURN);
   MPI_Comm_rank(Comm(comm_), &rank_);
   MPI_Comm_size(Comm(comm_), &size_);
 }
 
-CrossLayer::~CrossLayer() { Close(false); }
+void CommLayer::CloseComm(bool collective) {
+  if (!comm_) return;
+  if (collective && Comm(comm_) != MPI_COMM_NULL) MPI_Comm_free(&Comm(comm_));
+  delete static_cast<MPI_Comm*>(comm_);
+  comm_ = nullptr;
+}
 
 void CrossLayer::Close(bool collective) {
   for (Ring& ring : rings_) {
@@ -196,10 +201,7 @@ void CrossLayer::Close(bool collective) {
     ring.requests.clear();
     ring.steps = 0;
   }
-  if (!comm_) return;
-  if (collective && Comm(comm_) != MPI_COMM_NULL) MPI_Comm_free(&Comm(comm_));
-  delete static_cast<MPI_Comm*>(comm_);
-  comm_ = nullptr;
+  CloseComm(collective);
 }
 
 uint8_t* CrossLayer::Segment(const Ring& ring, int k) const {
@@ -334,21 +336,6 @@ Status Pending::Test(bool* done) {
     it = requests_.erase(it);
   }
   return Status::OK();
-}
-
-GroupLayer::GroupLayer(void* comm) : comm_(comm) {
-  MPI_Comm_set_errhandler(Comm(comm_), MPI_ERRORS_RETURN);
-  MPI_Comm_rank(Comm(comm_), &rank_);
-  MPI_Comm_size(Comm(comm_), &size_);
-}
-
-GroupLayer::~GroupLayer() { Close(false); }
-
-void GroupLayer::Close(bool collective) {
-  if (!comm_) return;
-  if (collective && Comm(comm_) != MPI_COMM_NULL) MPI_Comm_free(&Comm(comm_));
-  delete static_cast<MPI_Comm*>(comm_);
-  comm_ = nullptr;
 }
 
 namespace {

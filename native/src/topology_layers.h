@@ -87,6 +87,21 @@ class HostLayer {
   std::unique_ptr<ShmAllreduce> shm_;
 };
 
+// A layer's communicator, taken over at construction (an MPI_Comm*) and freed in
+// CloseComm: collectively on a shutdown every rank takes part in, else only forgotten.
+class CommLayer {
+ public:
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+ protected:
+  explicit CommLayer(void* comm);
+  ~CommLayer() { CloseComm(false); }
+  void CloseComm(bool collective);
+  void* comm_ = nullptr;  // MPI_Comm*
+  int rank_ = 0, size_ = 1;
+};
+
 // The ranks of one local rank, one per host: the network layer. Its allreduce is a ring
 // (reduce-scatter, then allgather, over h - 1 steps each), so each rank sends and
 // receives 2 (h - 1) / h of the buffer, what a bandwidth-optimal allreduce must, and the
@@ -97,12 +112,11 @@ class HostLayer {
 // that the next block's ring starts while the last one's finishes: the link then has
 // data queued between one ring's steps, where a ring alone leaves it idle while a step's
 // last bytes arrive, are reduced and the next step is posted.
-class CrossLayer {
+class CrossLayer : public CommLayer {
  public:
   static constexpr int kSlots = 2;
-  // Takes comm (an MPI_Comm*) over; frees it in Close.
-  explicit CrossLayer(void* comm);
-  ~CrossLayer();
+  explicit CrossLayer(void* comm) : CommLayer(comm) {}
+  ~CrossLayer() { Close(false); }
   void Close(bool collective);
   // buf = reduce over the layer's ranks of buf (Average: Sum), in place.
   Status Allreduce(void* buf, int64_t count, int32_t dtype, int32_t reduce_op);
@@ -115,8 +129,6 @@ class CrossLayer {
   Status Progress();
   Status Wait(int slot);
   bool done(int slot) const { return rings_[slot].step >= rings_[slot].steps; }
-  int rank() const { return rank_; }
-  int size() const { return size_; }
 
  private:
   // One allreduce in flight: steps 0 .. size - 2 reduce-scatter, the rest allgather.
@@ -135,8 +147,6 @@ class CrossLayer {
   uint8_t* Segment(const Ring& ring, int k) const;
   int64_t SegmentBytes(const Ring& ring, int k) const;
 
-  void* comm_ = nullptr;  // MPI_Comm*
-  int rank_ = 0, size_ = 1;
   Ring rings_[kSlots];
 };
 
@@ -160,14 +170,10 @@ class Pending {
 // A group of ranks on one communicator whose collectives run nonblocking, so that
 // waiting for them can sleep (RunPipeline): the ranks of one host over MPI, and the
 // hosts' leaders (local rank 0 of every host, in host order). Counts are bytes.
-class GroupLayer {
+class GroupLayer : public CommLayer {
  public:
-  // Takes comm (an MPI_Comm*) over; frees it in Close.
-  explicit GroupLayer(void* comm);
-  ~GroupLayer();
-  void Close(bool collective);
-  int rank() const { return rank_; }
-  int size() const { return size_; }
+  explicit GroupLayer(void* comm) : CommLayer(comm) {}
+  void Close(bool collective) { CloseComm(collective); }
   // Each call posts its collective and adds its requests to *pending. Rank 0 receives
   // rank k's in_bytes at out + displs[k]; buf's parts [displs[k], + bytes[k]) go to
   // every rank from rank k (rank k's in place); buf's bytes go from root to all.
@@ -176,10 +182,6 @@ class GroupLayer {
   Status Allgatherv(void* buf, const std::vector<int64_t>& bytes,
                     const std::vector<int64_t>& displs, Pending* pending);
   Status Bcast(void* buf, int64_t bytes, int root, Pending* pending);
-
- private:
-  void* comm_ = nullptr;  // MPI_Comm*
-  int rank_ = 0, size_ = 1;
 };
 
 // A collective in chunks and stages: stage s of chunk k posts its collectives (or none,
