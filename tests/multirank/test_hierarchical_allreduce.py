@@ -203,12 +203,12 @@ def test_hierarchical_and_flat_give_the_same_results(layout, tmp_path):
             assert np.array_equal(a, b), name
 
 
-def test_knob_must_agree_and_horovod_alias_forces_flat(tmp_path):
-    script = r"""
+KNOB_SCRIPT = r"""
 import os, sys, json
 os.environ["HVDLITE_HOST_ID"] = "host-" + "AABB"[int(os.environ["HVDLITE_RANK"])]
+knob, collective = sys.argv[2], sys.argv[3]
 if sys.argv[1] == "disagree" and os.environ["HVDLITE_RANK"] == "3":
-    os.environ["HVDLITE_HIERARCHICAL_ALLREDUCE"] = "0"
+    os.environ[knob] = "0"
 import numpy as np
 import hvdlite as hvd
 try:
@@ -216,26 +216,38 @@ try:
 except hvd.errors.InvalidArgumentError as e:
     print("HVDLITE_RESULT", json.dumps({"error": str(e)}))
     sys.exit(0)
-got = hvd.allreduce(np.full(10, hvd.rank() + 1.0), op=hvd.Sum, name="x")
-print("HVDLITE_RESULT", json.dumps({"sum": got.tolist(), "stats": hvd.stats()}))
+if collective == "allreduce":
+    got = hvd.allreduce(np.full(10, hvd.rank() + 1.0), op=hvd.Sum, name="x").tolist()
+else:
+    got = hvd.allgather(np.full((hvd.rank() + 1, 2), hvd.rank()), name="x")[:, 0].tolist()
+print("HVDLITE_RESULT", json.dumps({"got": got, "stats": hvd.stats()}))
 hvd.shutdown()
 """
-    job = harness.assert_ok(harness.run_job(4, script, timeout=120, args=("disagree",),
-                                            env={"HVDLITE_HIERARCHICAL_ALLREDUCE": "1"}))
+
+
+def check_knob_agrees_and_horovod_alias_turns_it_off(knob, horovod_knob, collective, want):
+    """On 2 x 2 fake hosts: ``knob`` forced on with rank 3 off is an init error on every
+    rank naming rank 3; Horovod's name alone at 0 sends ``collective`` flat, ours at 1
+    wins over it. ``want``: the collective's result on every rank."""
+    args = (knob, collective)
+    job = harness.assert_ok(harness.run_job(4, KNOB_SCRIPT, timeout=120,
+                                            args=("disagree",) + args, env={knob: "1"}))
     for rank in range(4):
         err = job.result(rank).get("error", "")
-        assert "HVDLITE_HIERARCHICAL_ALLREDUCE must be the same on every rank" in err, err
+        assert f"{knob} must be the same on every rank" in err, err
         assert "rank 3" in err, err
-    # Horovod's name alone turns it off; ours wins over it.
-    for env, expect in (({"HOROVOD_HIERARCHICAL_ALLREDUCE": "0",
-                          "HVDLITE_HIERARCHICAL_ALLREDUCE": None}, 0),
-                        ({"HOROVOD_HIERARCHICAL_ALLREDUCE": "0",
-                          "HVDLITE_HIERARCHICAL_ALLREDUCE": "1"}, 1)):
-        job = harness.assert_ok(harness.run_job(4, script, timeout=120, args=("agree",), env=env))
+    for env, expect in (({horovod_knob: "0", knob: None}, 0), ({horovod_knob: "0", knob: "1"}, 1)):
+        job = harness.assert_ok(harness.run_job(4, KNOB_SCRIPT, timeout=120,
+                                                args=("agree",) + args, env=env))
         for rank in range(4):
             res = job.result(rank)
-            assert res["sum"] == [10.0] * 10
+            assert res["got"] == want
             assert res["stats"]["hierarchical_collectives"] == expect, (env, res["stats"])
+
+
+def test_knob_must_agree_and_horovod_alias_forces_flat():
+    check_knob_agrees_and_horovod_alias_turns_it_off(
+        "HVDLITE_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE", "allreduce", [10.0] * 10)
 
 
 SETS_SCRIPT = r"""

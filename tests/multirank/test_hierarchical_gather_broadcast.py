@@ -123,34 +123,8 @@ def test_one_rank_per_host_goes_flat_and_knobs_are_separate():
 
 
 def test_knob_must_agree_and_horovod_alias_turns_allgather_off():
-    script = r"""
-import os, sys, json
-os.environ["HVDLITE_HOST_ID"] = "host-" + "AABB"[int(os.environ["HVDLITE_RANK"])]
-if sys.argv[1] == "disagree" and os.environ["HVDLITE_RANK"] == "2":
-    os.environ["HVDLITE_HIERARCHICAL_ALLGATHER"] = "0"
-import numpy as np
-import hvdlite as hvd
-try:
-    hvd.init()
-except hvd.errors.InvalidArgumentError as e:
-    print("HVDLITE_RESULT", json.dumps({"error": str(e)}))
-    sys.exit(0)
-got = hvd.allgather(np.full((hvd.rank() + 1, 2), hvd.rank()), name="x")
-print("HVDLITE_RESULT", json.dumps({"got": got[:, 0].tolist(), "stats": hvd.stats()}))
-hvd.shutdown()
-"""
-    job = harness.assert_ok(harness.run_job(4, script, timeout=120, args=("disagree",),
-                                            env={"HVDLITE_HIERARCHICAL_ALLGATHER": "1"}))
-    for rank in range(4):
-        err = job.result(rank).get("error", "")
-        assert "HVDLITE_HIERARCHICAL_ALLGATHER must be the same on every rank" in err, err
-        assert "rank 2" in err, err
-    for env, expect in (({"HOROVOD_HIERARCHICAL_ALLGATHER": "0",
-                          "HVDLITE_HIERARCHICAL_ALLGATHER": None}, 0),
-                        ({"HOROVOD_HIERARCHICAL_ALLGATHER": "0",
-                          "HVDLITE_HIERARCHICAL_ALLGATHER": "1"}, 1)):
-        job = harness.assert_ok(harness.run_job(4, script, timeout=120, args=("agree",), env=env))
-        for rank in range(4):
-            res = job.result(rank)
-            assert res["got"] == [0, 1, 1, 2, 2, 2, 3, 3, 3, 3]
-            assert res["stats"]["hierarchical_collectives"] == expect, (env, res["stats"])
+    from test_hierarchical_allreduce import check_knob_agrees_and_horovod_alias_turns_it_off
+
+    check_knob_agrees_and_horovod_alias_turns_it_off(
+        "HVDLITE_HIERARCHICAL_ALLGATHER", "HOROVOD_HIERARCHICAL_ALLGATHER", "allgather",
+        [0, 1, 1, 2, 2, 2, 3, 3, 3, 3])
