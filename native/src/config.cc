@@ -71,7 +71,7 @@ Status LoadConfig(Config* c) {
   }
   if (!(s = ReadSwitch("HVDLITE_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE",
                        &c->hierarchical_allreduce)).ok() ||
-      !(s = ReadSwitch("HVDLITE_HIERARCHICAL_ALLGATHER", "HOROVOD_HIERARCHICAL_ALLGATHER",
+      !(s = ReadSwitch("HVDLITE_HIERARCHICAL_ALLGATHER", "HVDLITE_HIERARCHICAL_ALLGATHER",
                        &c->hierarchical_allgather)).ok() ||
       !(s = ReadSwitch("HVDLITE_HIERARCHICAL_BROADCAST", "HVDLITE_HIERARCHICAL_BROADCAST",
                        &c->hierarchical_broadcast)).ok()) {

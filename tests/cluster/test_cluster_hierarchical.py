@@ -1,5 +1,5 @@
-"""The hierarchical collectives on a real namespace cluster: 2 hosts (2 x 2 ranks, and
-3 + 1 for allgather and broadcast), links at 1 Gbit/s, MPI over TCP, started by
+"""The hierarchical collectives on a real namespace cluster: 2 hosts (2 x 2 and 3 + 1
+ranks), links at 1 Gbit/s, MPI over TCP, started by
 hvdliterun across the hosts. The rank scripts are the ones the single-machine tests run
 (there each rank names its "host" with HVDLITE_HOST_ID; here the hosts are real).
 Allreduce, on a lighter set of dtypes: every reduction and scaling, alone and grouped,
@@ -47,3 +47,19 @@ def test_allgather_and_broadcast_go_through_the_hosts_leaders(make_cluster, host
         assert res["topology"][1] == per_host[host], res["topology"]
         # Every allgather and broadcast took the leaders' path.
         assert res["stats"]["hierarchical_collectives"] == res["stats"]["collectives"] > 0, res["stats"]
+
+
+def test_uneven_hosts_allreduce_through_the_leaders(make_cluster):
+    # 3 + 1 ranks: the hosts' leaders carry each host's sum across (LeaderAllreduce).
+    from test_hierarchical_allreduce import SCRIPT
+
+    cluster = make_cluster(2, rate="1gbit")
+    job = harness.assert_ok(run_cluster_job(cluster, "h1:3,h2:1", SCRIPT, timeout=500,
+                                            args=("-", "", "int32,float32"),
+                                            env={"HVDLITE_HIERARCHICAL_ALLGATHER": "0"}))
+    for rank in range(4):
+        res = job.result(rank)
+        assert not res["failures"], f"rank {rank}:\n" + "\n".join(res["failures"][:20])
+        assert not res["disagree"], f"rank {rank}: ranks hold different bits for {res['disagree']}"
+        assert res["topology"][:2] == ([rank, 3] if rank < 3 else [0, 1]), res["topology"]
+        assert res["stats"]["hierarchical_collectives"] == res["allreduces"], res["stats"]
