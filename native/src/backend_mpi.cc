@@ -158,14 +158,25 @@ Status MpiBackend::Attach(const LayerSettings& layers, MpiTopology* topo) {
 Status MpiBackend::SetUpLayers(const LayerSettings& settings, const MpiTopology& topo,
                                void* local, void* cross) {
   // Every rank learns every rank's place and settings and decides alike.
-  const int mine[4] = {topo.local_rank, topo.local_size, settings.hierarchical_allreduce,
-                       settings.shared_memory ? 1 : 0};
-  std::vector<int> all(4 * topo.size);
-  Status s = Check(MPI_Allgather(mine, 4, MPI_INT, all.data(), 4, MPI_INT, Comm(comm_)),
+  // A host is named by its lowest rank: local rank 0's rank in comm_.
+  MPI_Group local_group, group;
+  MPI_Comm_group(Comm(local), &local_group);
+  MPI_Comm_group(Comm(comm_), &group);
+  int zero = 0, leader = 0;
+  MPI_Group_translate_ranks(local_group, 1, &zero, group, &leader);
+  MPI_Group_free(&local_group);
+  MPI_Group_free(&group);
+  constexpr int kFields = 7;
+  const int mine[kFields] = {topo.local_rank, topo.local_size, settings.hierarchical_allreduce,
+                             settings.shared_memory ? 1 : 0, leader,
+                             settings.hierarchical_allgather, settings.hierarchical_broadcast};
+  std::vector<int> all(kFields * topo.size);
+  Status s = Check(MPI_Allgather(mine, kFields, MPI_INT, all.data(), kFields, MPI_INT, Comm(comm_)),
                    "MPI_Allgather (topology)");
   std::vector<RankPlace> places(topo.size);
   for (int r = 0; r < topo.size; ++r) {
-    places[r] = RankPlace{all[4 * r], all[4 * r + 1], all[4 * r + 2], all[4 * r + 3]};
+    const int* f = &all[kFields * r];
+    places[r] = RankPlace{f[0], f[1], f[2], f[3], f[4], f[5], f[6]};
   }
   LayerPlan plan = PlanLayers(places);
   if (s.ok() && !plan.error.empty()) {
@@ -179,18 +190,44 @@ Status MpiBackend::SetUpLayers(const LayerSettings& settings, const MpiTopology&
   if (!plan.notice.empty() && topo.rank == 0) {
     HVDLITE_LOG(WARNING) << plan.notice;
   }
-  if (s.ok() && (plan.world_shared_memory || plan.hierarchical_allreduce)) {
+  if (s.ok() && (plan.hierarchical_allgather || plan.hierarchical_broadcast || plan.leader_allreduce)) {
+    // Communicators of their own (so their collectives never meet the allreduce's):
+    // the host's ranks, and on each host's leader the leaders (cross's of local rank 0).
+    MPI_Comm* host = new MPI_Comm(MPI_COMM_NULL);
+    s = Check(MPI_Comm_dup(Comm(local), host), "MPI_Comm_dup (host)");
+    host_group_.reset(new GroupLayer(host));
+    if (s.ok() && topo.local_rank == 0) {
+      MPI_Comm* leaders = new MPI_Comm(MPI_COMM_NULL);
+      s = Check(MPI_Comm_dup(Comm(cross), leaders), "MPI_Comm_dup (leaders)");
+      leaders_.reset(new GroupLayer(leaders));
+    }
+    if (s.ok() && plan.hierarchical_allgather) {
+      hierarchical_allgather_.reset(
+          new HierarchicalAllgather(host_group_.get(), leaders_.get(), plan.hosts, topo.rank));
+    }
+    if (s.ok() && plan.hierarchical_broadcast) {
+      hierarchical_broadcast_.reset(
+          new HierarchicalBroadcast(host_group_.get(), leaders_.get(), plan.hosts, topo.rank));
+    }
+  }
+  if (s.ok() && (plan.world_shared_memory || plan.hierarchical_allreduce || plan.leader_allreduce)) {
     host_ = HostLayer::Open(local);
     local = nullptr;  // the layer's now, or freed with it
   }
-  if (s.ok() && plan.hierarchical_allreduce) {
+  if (s.ok() && (plan.hierarchical_allreduce || plan.leader_allreduce)) {
     // Every host must have its shared-memory group, or every rank goes flat.
     int ok = host_ ? 1 : 0, all_ok = 0;
     s = Check(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, Comm(comm_)), "MPI_Allreduce (layers)");
-    if (s.ok() && all_ok) {
+    if (s.ok() && all_ok && plan.hierarchical_allreduce) {
       cross_.reset(new CrossLayer(cross));
       cross = nullptr;
       hierarchical_.reset(new HierarchicalAllreduce(host_.get(), cross_.get()));
+    } else if (s.ok() && all_ok) {
+      if (topo.local_rank == 0) {  // cross is then the leaders
+        cross_.reset(new CrossLayer(cross));
+        cross = nullptr;
+      }
+      hierarchical_.reset(new LeaderAllreduce(host_.get(), cross_.get(), host_group_.get()));
     } else if (host_) {
       host_->Close(true);
       host_.reset();
@@ -207,6 +244,12 @@ Status MpiBackend::SetUpLayers(const LayerSettings& settings, const MpiTopology&
 void MpiBackend::Shutdown(bool finalize) {
   // Freeing is collective: only on a shutdown every rank takes part in.
   hierarchical_.reset();
+  hierarchical_allgather_.reset();
+  hierarchical_broadcast_.reset();
+  for (std::unique_ptr<GroupLayer>* group : {&host_group_, &leaders_}) {
+    if (*group) (*group)->Close(finalize);
+    group->reset();
+  }
   if (cross_) cross_->Close(finalize);
   if (host_) host_->Close(finalize);
   cross_.reset();
@@ -348,6 +391,7 @@ static Status ToIntCounts(const std::vector<int64_t>& in, std::vector<int>* coun
 
 Status MpiBackend::Allgatherv(const void* in, int64_t in_bytes, void* out,
                               const std::vector<int64_t>& bytes_per_rank) {
+  if (hierarchical_allgather_) return hierarchical_allgather_->Allgatherv(in, in_bytes, out, bytes_per_rank);
   InMpiCall in_mpi("MPI_Allgatherv");
   std::vector<int> counts, displs;
   Status s = ToIntCounts(bytes_per_rank, &counts, &displs, "allgather");
@@ -358,6 +402,7 @@ Status MpiBackend::Allgatherv(const void* in, int64_t in_bytes, void* out,
 }
 
 Status MpiBackend::Bcast(void* buf, int64_t nbytes, int root) {
+  if (hierarchical_broadcast_) return hierarchical_broadcast_->Bcast(buf, nbytes, root);
   InMpiCall in_mpi("MPI_Bcast");
   char* p = static_cast<char*>(buf);
   for (int64_t done = 0; done < nbytes;) {

@@ -13,7 +13,10 @@
 #include <vector>
 
 #include "common.h"
+#include "hierarchical_allgather.h"
 #include "hierarchical_allreduce.h"
+#include "hierarchical_broadcast.h"
+#include "leader_allreduce.h"
 #include "shm_allreduce.h"
 #include "topology_layers.h"
 
@@ -51,7 +54,8 @@ class MpiBackend {
   Status GatherBlobs(const std::vector<uint8_t>& mine, std::vector<std::vector<uint8_t>>* all);
   Status BroadcastBlob(std::vector<uint8_t>* blob);  // from rank 0
 
-  // Data (blocking).
+  // Data (blocking; allgather and broadcast through the hosts' leaders when the layers
+  // say so, waiting without spinning).
   // in == out reduces in place.
   Status Allreduce(const void* in, void* out, int64_t count, int32_t dtype, int32_t reduce_op);
   Status Allgatherv(const void* in, int64_t in_bytes, void* out,
@@ -72,7 +76,10 @@ class MpiBackend {
     return host_->shm().Allreduce(pieces, dtype, reduce_op, prescale, postscale, divisor);
   }
   // The hierarchical allreduce over the layers, or null when allreduce goes flat.
-  HierarchicalAllreduce* hierarchical() { return hierarchical_.get(); }
+  LayeredAllreduce* hierarchical() { return hierarchical_.get(); }
+  // Whether allgather (Allgatherv) and broadcast (Bcast) go through the hosts' leaders.
+  bool hierarchical_allgather() const { return hierarchical_allgather_ != nullptr; }
+  bool hierarchical_broadcast() const { return hierarchical_broadcast_ != nullptr; }
 
   static std::string LibraryVersion();
 
@@ -93,7 +100,12 @@ class MpiBackend {
   // (hierarchical allreduce), or none (flat MPI).
   std::unique_ptr<HostLayer> host_;
   std::unique_ptr<CrossLayer> cross_;
-  std::unique_ptr<HierarchicalAllreduce> hierarchical_;
+  std::unique_ptr<LayeredAllreduce> hierarchical_;
+  // Allgather and broadcast across hosts: the host's ranks and the hosts' leaders
+  // (leaders_ on local rank 0 only) over MPI, and the plans of steps over them.
+  std::unique_ptr<GroupLayer> host_group_, leaders_;
+  std::unique_ptr<HierarchicalAllgather> hierarchical_allgather_;
+  std::unique_ptr<HierarchicalBroadcast> hierarchical_broadcast_;
 };
 
 }  // namespace hvdlite

@@ -1000,7 +1000,7 @@ void ProcessSetState::ExecuteAllreduce(const std::vector<const Response*>& fused
   Activities activities(timeline_, names, queue_start_us_);
   activities.Done("QUEUE");
   Status s;
-  HierarchicalAllreduce* hierarchical = mpi_->hierarchical();
+  LayeredAllreduce* hierarchical = mpi_->hierarchical();
   if (mpi_->shared_memory() || hierarchical) {
     // Straight from the inputs through shared memory into the outputs, scaled on the
     // way: no fusion buffer and no separate scaling pass.
@@ -1104,6 +1104,7 @@ void ProcessSetState::ExecuteAllgather(const std::vector<const Response*>& fused
   activities.Done("MEMCPY_IN_FUSION_BUFFER");
   Status s = mpi_->Allgatherv(send, block[me], recv, block);
   activities.Done("MPI_ALLGATHER");
+  if (mpi_->hierarchical_allgather()) counters_.hierarchical_collectives++;
   std::vector<OpOutput> outs(fused.size());
   if (s.ok()) {
     for (size_t t = 0; t < fused.size(); ++t) outs[t].Allocate(AllgatherBytes(*fused[t]));
@@ -1153,6 +1154,7 @@ void ProcessSetState::ExecuteOne(const Response& r) {
       out.Allocate(total);
       s = mpi_->Allgatherv(e ? e->input : nullptr, bytes[me], out.data.get(), bytes);
       moved = total;
+      if (mpi_->hierarchical_allgather()) counters_.hierarchical_collectives++;
       break;
     }
     case HVDLITE_OP_BROADCAST: {
@@ -1163,6 +1165,7 @@ void ProcessSetState::ExecuteOne(const Response& r) {
       }
       s = mpi_->Bcast(target, nbytes, r.root_rank);
       moved = nbytes;
+      if (mpi_->hierarchical_broadcast()) counters_.hierarchical_collectives++;
       break;
     }
     case HVDLITE_OP_ALLTOALL: {

@@ -70,7 +70,11 @@ Status LoadConfig(Config* c) {
     c->shm_allreduce = !(std::string(m) == "0" || std::string(m) == "false");
   }
   if (!(s = ReadSwitch("HVDLITE_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE",
-                       &c->hierarchical_allreduce)).ok()) {
+                       &c->hierarchical_allreduce)).ok() ||
+      !(s = ReadSwitch("HVDLITE_HIERARCHICAL_ALLGATHER", "HVDLITE_HIERARCHICAL_ALLGATHER",
+                       &c->hierarchical_allgather)).ok() ||
+      !(s = ReadSwitch("HVDLITE_HIERARCHICAL_BROADCAST", "HVDLITE_HIERARCHICAL_BROADCAST",
+                       &c->hierarchical_broadcast)).ok()) {
     return s;
   }
   if (const char* h = std::getenv("HVDLITE_HOST_ID")) c->host_id = h;

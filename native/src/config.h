@@ -30,6 +30,11 @@ struct Config {
   // ours wins when both are set): -1 when unset, the hierarchical allreduce then on
   // with more than one host and more than one rank on each (topology_layers.h).
   int hierarchical_allreduce = -1;
+  // HVDLITE_HIERARCHICAL_ALLGATHER=0/1 (Horovod's name: hvdlite/env_aliases.py) and
+  // HVDLITE_HIERARCHICAL_BROADCAST=0/1: the same for allgather and broadcast, which go
+  // through the hosts' leaders (hierarchical_allgather.h, hierarchical_broadcast.h).
+  int hierarchical_allgather = -1;
+  int hierarchical_broadcast = -1;
   // HVDLITE_HOST_ID: ranks with equal ids count as one host (testing, advanced).
   std::string host_id;
 };

@@ -45,21 +45,22 @@ Status HierarchicalAllreduce::Allreduce(const std::vector<ShmAllreduce::Piece>& 
   ProgressWhileWaiting progress(shm, *cross_);
   Status s;
   if (blocks > 0) s = shm.ReduceScatter(pieces, 0, length(0), dtype, reduce_op, prescale, shard(0));
-  if (s.ok() && blocks > 0) s = cross_->Start(shards_[0].data(), shard_length(0), dtype, reduce_op);
+  if (s.ok() && blocks > 0) s = cross_->Start(0, shards_[0].data(), shard_length(0), dtype, reduce_op);
   step_done("SHM_REDUCESCATTER");
   for (int64_t k = 0; k < blocks && s.ok(); ++k) {
+    const int slot = static_cast<int>(k % 2), next = 1 - slot;
     if (k + 1 < blocks) {
+      // Block k + 1 joins block k on the network (the other slot, whose last user,
+      // block k - 1, is done and copied out).
       s = shm.ReduceScatter(pieces, (k + 1) * block, length(k + 1), dtype, reduce_op, prescale,
                             shard(k + 1));
+      if (s.ok()) s = cross_->Start(next, shards_[next].data(), shard_length(k + 1), dtype, reduce_op);
       step_done("SHM_REDUCESCATTER");
     }
-    if (s.ok()) s = cross_->Wait();
+    if (s.ok()) s = cross_->Wait(slot);
     step_done("CROSS_HOST_ALLREDUCE");
-    if (s.ok() && k + 1 < blocks) {
-      s = cross_->Start(shards_[(k + 1) % 2].data(), shard_length(k + 1), dtype, reduce_op);
-    }
     if (s.ok()) {
-      s = shm.Allgather(shards_[k % 2].data(), pieces, k * block, length(k), dtype, postscale, divisor);
+      s = shm.Allgather(shards_[slot].data(), pieces, k * block, length(k), dtype, postscale, divisor);
     }
     step_done("SHM_ALLGATHER");
   }

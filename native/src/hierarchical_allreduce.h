@@ -11,8 +11,10 @@
 //
 // The buffer goes through in blocks (kBlockBytes), pipelined so that the network step
 // of one block overlaps the host steps of its neighbours: while block k crosses the
-// network, the host reduce-scatters block k + 1 and then allgathers block k - 1 (the
-// cross-host ring moves on between their rounds and while their barriers wait).
+// network, the host reduce-scatters block k + 1, whose ring then starts beside block
+// k's (CrossLayer's two slots: the link stays busy between one ring's steps), and
+// allgathers block k once its ring is done (the rings move on between the host's
+// rounds and while its barriers wait).
 //
 // Every element is reduced in the same order wherever it is reduced and then copied,
 // so every rank holds the same bits. Needs the same number of ranks on every host
@@ -26,27 +28,37 @@
 
 namespace hvdlite {
 
-class HierarchicalAllreduce {
+// An allreduce over the topology layers, by the plan of steps PlanLayers chose: this
+// one (hosts of equal size) or LeaderAllreduce (leader_allreduce.h, uneven hosts).
+class LayeredAllreduce {
  public:
-  // The layers stay owned by the caller and outlive this object.
-  HierarchicalAllreduce(HostLayer* host, CrossLayer* cross) : host_(host), cross_(cross) {}
-
+  virtual ~LayeredAllreduce() = default;
   // Called after each step with its timeline activity name.
   using StepDone = std::function<void(const char* activity)>;
   // The pieces' outs = reduce over every rank of (pieces' ins * prescale) * postscale /
   // divisor, as ShmAllreduce::Allreduce. Every rank calls it with the same counts,
   // dtype, op and scaling, in the same order.
+  virtual Status Allreduce(const std::vector<ShmAllreduce::Piece>& pieces, int32_t dtype,
+                           int32_t reduce_op, double prescale, double postscale, int64_t divisor,
+                           const StepDone& step_done) = 0;
+};
+
+class HierarchicalAllreduce : public LayeredAllreduce {
+ public:
+  // The layers stay owned by the caller and outlive this object.
+  HierarchicalAllreduce(HostLayer* host, CrossLayer* cross) : host_(host), cross_(cross) {}
+
   Status Allreduce(const std::vector<ShmAllreduce::Piece>& pieces, int32_t dtype,
                    int32_t reduce_op, double prescale, double postscale, int64_t divisor,
-                   const StepDone& step_done);
+                   const StepDone& step_done) override;
 
  private:
   // Bytes of the buffer per block of the pipeline: at most kBlockBytes, whose shards are
   // large enough for the network to run at full rate, and smaller for a smaller buffer,
   // so that it too has kMinBlocks blocks to overlap, down to kMinBlockBytes.
-  static constexpr int64_t kBlockBytes = 4 << 20;
-  static constexpr int64_t kMinBlockBytes = 1 << 20;
-  static constexpr int64_t kMinBlocks = 4;
+  static constexpr int64_t kBlockBytes = 2 << 20;
+  static constexpr int64_t kMinBlockBytes = 512 << 10;
+  static constexpr int64_t kMinBlocks = 8;
 
   HostLayer* host_;
   CrossLayer* cross_;

@@ -5,7 +5,8 @@
 namespace hvdlite {
 
 LayerSettings LayersOf(const Config& config) {
-  return LayerSettings{config.host_id, config.hierarchical_allreduce, config.shm_allreduce};
+  return LayerSettings{config.host_id, config.hierarchical_allreduce, config.shm_allreduce,
+                       config.hierarchical_allgather, config.hierarchical_broadcast};
 }
 
 ProcessSetMembers::ProcessSetMembers(int32_t id_, std::vector<int> ranks_, int global_rank)

@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
+#include <cstdint>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -65,39 +67,54 @@ Status SplitHosts(void* world, const std::string& host_id, void* local) {
 LayerPlan PlanLayers(const std::vector<RankPlace>& ranks) {
   LayerPlan plan;
   const int size = static_cast<int>(ranks.size());
-  std::vector<std::string> knob;
   int hosts = 0;
-  bool shared = true, even = true;
+  bool shared = true, even = true, crowded = false;  // crowded: a host of several ranks
   for (const RankPlace& p : ranks) {
-    knob.push_back(p.hierarchical_allreduce < 0 ? "unset" : std::to_string(p.hierarchical_allreduce));
     if (p.local_rank == 0) ++hosts;
     shared = shared && p.shared_memory;
     even = even && p.local_size == ranks[0].local_size;
+    crowded = crowded || p.local_size > 1;
   }
-  std::string diff = Disagreement(knob);
-  if (!diff.empty()) {
-    plan.error = "HVDLITE_HIERARCHICAL_ALLREDUCE must be the same on every rank: " + diff;
-    return plan;
+  // Every knob must agree: the layers are collective.
+  const std::pair<const char*, int RankPlace::*> knobs[] = {
+      {"HVDLITE_HIERARCHICAL_ALLREDUCE", &RankPlace::hierarchical_allreduce},
+      {"HVDLITE_HIERARCHICAL_ALLGATHER", &RankPlace::hierarchical_allgather},
+      {"HVDLITE_HIERARCHICAL_BROADCAST", &RankPlace::hierarchical_broadcast}};
+  for (const auto& knob : knobs) {
+    std::vector<std::string> values;
+    for (const RankPlace& p : ranks) {
+      values.push_back(p.*knob.second < 0 ? "unset" : std::to_string(p.*knob.second));
+    }
+    std::string diff = Disagreement(values);
+    if (!diff.empty()) {
+      plan.error = std::string(knob.first) + " must be the same on every rank: " + diff;
+      return plan;
+    }
   }
   if (size < 2) return plan;
+  // Allgather and broadcast go through the hosts' leaders, which works for any number of
+  // ranks per host and any placement; with one rank per host it would be the flat one.
+  const bool leaders_pay = hosts > 1 && crowded;
+  plan.hierarchical_allgather = leaders_pay && ranks[0].hierarchical_allgather != 0;
+  plan.hierarchical_broadcast = leaders_pay && ranks[0].hierarchical_broadcast != 0;
+  if (plan.hierarchical_allgather || plan.hierarchical_broadcast) {
+    std::vector<int> host_index(size, -1);
+    for (int r = 0; r < size; ++r) {
+      const int leader = ranks[r].host;
+      if (host_index[leader] < 0) {
+        host_index[leader] = static_cast<int>(plan.hosts.size());
+        plan.hosts.emplace_back();
+      }
+      plan.hosts[host_index[leader]].push_back(r);
+    }
+  }
   if (hosts == 1) {
     plan.world_shared_memory = shared;
     return plan;
   }
   const int knob_value = ranks[0].hierarchical_allreduce;
   if (knob_value == 0) return plan;
-  if (!even) {
-    std::string sizes;
-    for (const RankPlace& p : ranks) {
-      if (p.local_rank == 0) sizes += (sizes.empty() ? "" : ", ") + std::to_string(p.local_size);
-    }
-    if (knob_value == 1) {
-      plan.notice = "hierarchical allreduce needs the same number of ranks on every host (these "
-                    "have " + sizes + "): allreduce goes flat through MPI";
-    }
-    return plan;
-  }
-  if (ranks[0].local_size == 1) return plan;  // one rank per host: the hierarchy is flat
+  if (!crowded) return plan;  // one rank per host: the hierarchy is the flat allreduce
   if (!shared) {
     if (knob_value == 1) {
       plan.notice = "hierarchical allreduce reduces within a host through shared memory, which "
@@ -105,7 +122,8 @@ LayerPlan PlanLayers(const std::vector<RankPlace>& ranks) {
     }
     return plan;
   }
-  plan.hierarchical_allreduce = true;
+  // Hosts of one size reduce in shards across hosts; others through their leaders.
+  (even ? plan.hierarchical_allreduce : plan.leader_allreduce) = true;
   return plan;
 }
 
@@ -165,55 +183,62 @@ void HostLayer::Close(bool collective) {
   }
 }
 
-CrossLayer::CrossLayer(void* comm) : comm_(comm) {
+CommLayer::CommLayer(void* comm) : comm_(comm) {
   MPI_Comm_set_errhandler(Comm(comm_), MPI_ERRORS_RETURN);
   MPI_Comm_rank(Comm(comm_), &rank_);
   MPI_Comm_size(Comm(comm_), &size_);
 }
 
-CrossLayer::~CrossLayer() { Close(false); }
-
-void CrossLayer::Close(bool collective) {
-  for (void* r : requests_) delete static_cast<MPI_Request*>(r);
-  requests_.clear();
-  steps_ = 0;
+void CommLayer::CloseComm(bool collective) {
   if (!comm_) return;
   if (collective && Comm(comm_) != MPI_COMM_NULL) MPI_Comm_free(&Comm(comm_));
   delete static_cast<MPI_Comm*>(comm_);
   comm_ = nullptr;
 }
 
-uint8_t* CrossLayer::Segment(int k) const { return buf_ + count_ * k / size_ * ElementSize(dtype_); }
+void CrossLayer::Close(bool collective) {
+  for (Ring& ring : rings_) {
+    for (void* r : ring.requests) delete static_cast<MPI_Request*>(r);
+    ring.requests.clear();
+    ring.steps = 0;
+  }
+  CloseComm(collective);
+}
 
-int64_t CrossLayer::SegmentBytes(int k) const {
-  return (count_ * (k + 1) / size_ - count_ * k / size_) * ElementSize(dtype_);
+uint8_t* CrossLayer::Segment(const Ring& ring, int k) const {
+  return ring.buf + ring.count * k / size_ * ElementSize(ring.dtype);
+}
+
+int64_t CrossLayer::SegmentBytes(const Ring& ring, int k) const {
+  return (ring.count * (k + 1) / size_ - ring.count * k / size_) * ElementSize(ring.dtype);
 }
 
 // Ring steps. Reduce-scatter, step s: this rank passes segment rank - s on and adds the
 // previous rank's partial result of segment rank - s - 1 into its own; after size - 1
 // steps it holds segment rank + 1 reduced over every rank. Allgather, step s: the
 // reduced segment rank + 1 - s goes on, segment rank - s arrives.
-Status CrossLayer::Post() {
-  const bool reducing = step_ < size_ - 1;
-  const int s = reducing ? step_ : step_ - (size_ - 1);
+Status CrossLayer::Post(int slot) {
+  Ring& ring = rings_[slot];
+  const bool reducing = ring.step < size_ - 1;
+  const int s = reducing ? ring.step : ring.step - (size_ - 1);
   const int out = (rank_ - s + (reducing ? 0 : 1) + size_) % size_;
   const int in = (rank_ - s - (reducing ? 1 : 0) + 2 * size_) % size_;
-  const uint8_t* send = Segment(out);
-  uint8_t* recv = reducing ? scratch_.data() : Segment(in);
-  const int64_t send_bytes = SegmentBytes(out), recv_bytes = SegmentBytes(in);
+  const uint8_t* send = Segment(ring, out);
+  uint8_t* recv = reducing ? ring.scratch.data() : Segment(ring, in);
+  const int64_t send_bytes = SegmentBytes(ring, out), recv_bytes = SegmentBytes(ring, in);
   const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
-  for (void* r : requests_) delete static_cast<MPI_Request*>(r);
-  requests_.clear();
+  for (void* r : ring.requests) delete static_cast<MPI_Request*>(r);
+  ring.requests.clear();
   // One message of at most kMaxMessage bytes from `done` on, if any are left.
   auto post = [&](bool receiving, int64_t done) {
     const int64_t total = receiving ? recv_bytes : send_bytes;
     if (done >= total) return Status::OK();
     MPI_Request* r = new MPI_Request;
-    requests_.push_back(r);
+    ring.requests.push_back(r);
     const int n = static_cast<int>(std::min(kMaxMessage, total - done));
     InMpiCall in_mpi(receiving ? "MPI_Irecv (cross-host ring)" : "MPI_Isend (cross-host ring)");
-    return receiving ? Check(MPI_Irecv(recv + done, n, MPI_BYTE, prev, 0, Comm(comm_), r), "MPI_Irecv (cross-host ring)")
-                     : Check(MPI_Isend(send + done, n, MPI_BYTE, next, 0, Comm(comm_), r), "MPI_Isend (cross-host ring)");
+    return receiving ? Check(MPI_Irecv(recv + done, n, MPI_BYTE, prev, slot, Comm(comm_), r), "MPI_Irecv (cross-host ring)")
+                     : Check(MPI_Isend(send + done, n, MPI_BYTE, next, slot, Comm(comm_), r), "MPI_Isend (cross-host ring)");
   };
   for (int64_t done = 0; done < recv_bytes || done < send_bytes; done += kMaxMessage) {
     Status st = post(true, done);
@@ -223,47 +248,58 @@ Status CrossLayer::Post() {
   return Status::OK();
 }
 
-Status CrossLayer::Start(void* buf, int64_t count, int32_t dtype, int32_t reduce_op) {
-  buf_ = static_cast<uint8_t*>(buf);
-  count_ = count;
-  dtype_ = dtype;
-  reduce_op_ = reduce_op;
-  step_ = 0;
-  steps_ = size_ == 1 || count == 0 ? 0 : 2 * (size_ - 1);
-  if (done()) return Status::OK();
-  scratch_.resize(SegmentBytes(size_ - 1));  // the longest segment
-  return Post();
+Status CrossLayer::Start(int slot, void* buf, int64_t count, int32_t dtype, int32_t reduce_op) {
+  Ring& ring = rings_[slot];
+  ring.buf = static_cast<uint8_t*>(buf);
+  ring.count = count;
+  ring.dtype = dtype;
+  ring.reduce_op = reduce_op;
+  ring.step = 0;
+  ring.steps = size_ == 1 || count == 0 ? 0 : 2 * (size_ - 1);
+  if (done(slot)) return Status::OK();
+  ring.scratch.resize(SegmentBytes(ring, size_ - 1));  // the longest segment
+  return Post(slot);
 }
 
-Status CrossLayer::Progress() {
-  if (done()) return Status::OK();
-  for (void* r : requests_) {
+Status CrossLayer::ProgressRing(int slot) {
+  Ring& ring = rings_[slot];
+  if (done(slot)) return Status::OK();
+  for (void* r : ring.requests) {
     int flag = 0;
     InMpiCall in_mpi("MPI_Test (cross-host ring)");
     Status st = Check(MPI_Test(static_cast<MPI_Request*>(r), &flag, MPI_STATUS_IGNORE),
                       "MPI_Test (cross-host ring)");
     if (!st.ok() || !flag) return st;
   }
-  if (step_ < size_ - 1) {
-    const int in = (rank_ - step_ - 1 + size_) % size_;
-    const std::vector<const uint8_t*> parts = {Segment(in), scratch_.data()};
-    ReduceElements(Segment(in), parts, SegmentBytes(in) / ElementSize(dtype_), dtype_, reduce_op_);
+  if (ring.step < size_ - 1) {
+    const int in = (rank_ - ring.step - 1 + size_) % size_;
+    const std::vector<const uint8_t*> parts = {Segment(ring, in), ring.scratch.data()};
+    ReduceElements(Segment(ring, in), parts, SegmentBytes(ring, in) / ElementSize(ring.dtype),
+                   ring.dtype, ring.reduce_op);
   }
-  ++step_;
-  return done() ? Status::OK() : Post();
+  ++ring.step;
+  return done(slot) ? Status::OK() : Post(slot);
 }
 
-Status CrossLayer::Wait() {
+Status CrossLayer::Progress() {
+  for (int slot = 0; slot < kSlots; ++slot) {
+    Status st = ProgressRing(slot);
+    if (!st.ok()) return st;
+  }
+  return Status::OK();
+}
+
+Status CrossLayer::Wait(int slot) {
   // A step moves megabytes at network speed: poll briefly, then sleep between polls
   // (20 us doubling to 200 us; each poll lets MPI push more into the socket, whose
   // buffer holds far more than the link carries in 200 us).
   auto sleep = std::chrono::microseconds(20);
   const auto spin_end = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
-  while (!done()) {
-    const int step = step_;
+  while (!done(slot)) {
+    const int steps = rings_[0].step + rings_[1].step;
     Status st = Progress();
     if (!st.ok()) return st;
-    if (step_ != step) {
+    if (rings_[0].step + rings_[1].step != steps) {
       sleep = std::chrono::microseconds(20);
     } else if (std::chrono::steady_clock::now() >= spin_end) {
       std::this_thread::sleep_for(sleep);
@@ -274,8 +310,145 @@ Status CrossLayer::Wait() {
 }
 
 Status CrossLayer::Allreduce(void* buf, int64_t count, int32_t dtype, int32_t reduce_op) {
-  Status st = Start(buf, count, dtype, reduce_op);
-  return st.ok() ? Wait() : st;
+  Status st = Start(0, buf, count, dtype, reduce_op);
+  return st.ok() ? Wait(0) : st;
+}
+
+void Pending::Clear() {
+  // Requests left only after a failure, which ends the job's collectives: MPI may not
+  // free a nonblocking collective's request, so it keeps what it has.
+  for (void* r : requests_) delete static_cast<MPI_Request*>(r);
+  requests_.clear();
+}
+
+Status Pending::Test(bool* done) {
+  InMpiCall in_mpi("MPI_Testall (hierarchical collective)");
+  *done = true;
+  for (auto it = requests_.begin(); it != requests_.end();) {
+    int flag = 0;
+    Status st = Check(MPI_Test(static_cast<MPI_Request*>(*it), &flag, MPI_STATUS_IGNORE),
+                      "MPI_Test (hierarchical collective)");
+    if (!st.ok()) return st;
+    if (!flag) {
+      *done = false;
+      return Status::OK();  // in order: a later request cannot be needed before this one
+    }
+    delete static_cast<MPI_Request*>(*it);
+    it = requests_.erase(it);
+  }
+  return Status::OK();
+}
+
+namespace {
+
+// Byte counts and offsets as MPI's ints; more than 2 GiB in one collective is refused,
+// as the flat one refuses it.
+Status IntCounts(const std::vector<int64_t>& bytes, const std::vector<int64_t>& displs,
+                 std::vector<int>* counts, std::vector<int>* offsets) {
+  for (size_t k = 0; k < bytes.size(); ++k) {
+    if (bytes[k] + displs[k] > INT32_MAX) {
+      return InvalidArgument("allgather: more than 2 GiB per collective is not supported yet");
+    }
+    counts->push_back(static_cast<int>(bytes[k]));
+    offsets->push_back(static_cast<int>(displs[k]));
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Status GroupLayer::Gatherv(const void* in, int64_t in_bytes, void* out,
+                           const std::vector<int64_t>& bytes, const std::vector<int64_t>& displs,
+                           Pending* pending) {
+  std::vector<int> counts, offsets;
+  Status st = IntCounts(bytes, displs, &counts, &offsets);
+  if (!st.ok()) return st;
+  InMpiCall in_mpi("MPI_Igatherv (within the host)");
+  MPI_Request* r = new MPI_Request(MPI_REQUEST_NULL);
+  pending->Add(r);
+  return Check(MPI_Igatherv(in, static_cast<int>(in_bytes), MPI_BYTE, out, counts.data(),
+                            offsets.data(), MPI_BYTE, 0, Comm(comm_), r),
+               "MPI_Igatherv (within the host)");
+}
+
+Status GroupLayer::Allgatherv(void* buf, const std::vector<int64_t>& bytes,
+                              const std::vector<int64_t>& displs, Pending* pending) {
+  std::vector<int> counts, offsets;
+  Status st = IntCounts(bytes, displs, &counts, &offsets);
+  if (!st.ok()) return st;
+  InMpiCall in_mpi("MPI_Iallgatherv (across hosts)");
+  MPI_Request* r = new MPI_Request(MPI_REQUEST_NULL);
+  pending->Add(r);
+  return Check(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_BYTE, buf, counts.data(), offsets.data(),
+                               MPI_BYTE, Comm(comm_), r),
+               "MPI_Iallgatherv (across hosts)");
+}
+
+Status GroupLayer::Bcast(void* buf, int64_t bytes, int root, Pending* pending) {
+  InMpiCall in_mpi("MPI_Ibcast (hierarchical)");
+  for (int64_t done = 0; done < bytes; done += kMaxMessage) {
+    MPI_Request* r = new MPI_Request(MPI_REQUEST_NULL);
+    pending->Add(r);
+    const int n = static_cast<int>(std::min(kMaxMessage, bytes - done));
+    Status st = Check(MPI_Ibcast(static_cast<uint8_t*>(buf) + done, n, MPI_BYTE, root,
+                                 Comm(comm_), r),
+                      "MPI_Ibcast (hierarchical)");
+    if (!st.ok()) return st;
+  }
+  return Status::OK();
+}
+
+int64_t PipelineChunks(int64_t bytes) {
+  constexpr int64_t kMaxChunk = 1 << 20, kMinChunk = 256 << 10, kMinChunks = 8;
+  const int64_t chunk = std::max(kMinChunk, std::min(kMaxChunk, bytes / kMinChunks));
+  return std::max<int64_t>(1, (bytes + chunk - 1) / chunk);
+}
+
+Status RunPipeline(int64_t chunks, const std::vector<PipelineStage>& stages) {
+  const int count = static_cast<int>(stages.size());
+  // Per chunk: stages started, stages done; the started one's requests.
+  std::vector<int> started(chunks, 0), finished(chunks, 0);
+  std::vector<Pending> pending(chunks);
+  int64_t first = 0;  // chunks before it are through every stage
+  // Polls briefly, then sleeps between polls (20 us doubling to 200 us, back to 20 us
+  // after any progress): MPI moves data on in the polls, and a socket buffer holds far
+  // more than the link carries in 200 us.
+  auto sleep = std::chrono::microseconds(20);
+  auto spin_end = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
+  while (first < chunks) {
+    bool progressed = false;
+    for (int64_t k = first; k < chunks; ++k) {
+      if (started[k] > finished[k]) {
+        bool done = false;
+        Status st = pending[k].Test(&done);
+        if (!st.ok()) return st;
+        if (done) {
+          ++finished[k];
+          progressed = true;
+        }
+      }
+      // Start stage started[k] of chunk k once its previous stage is done and chunk
+      // k - 1 has started it; stages with nothing for this rank are done at once.
+      while (started[k] == finished[k] && started[k] < count &&
+             (k == first || started[k - 1] > started[k])) {
+        Status st = stages[started[k]](k, &pending[k]);
+        if (!st.ok()) return st;
+        ++started[k];
+        if (pending[k].empty()) ++finished[k];
+        progressed = true;
+      }
+      if (started[k] == 0) break;  // later chunks wait for this one to start
+    }
+    while (first < chunks && finished[first] == count) ++first;
+    if (first >= chunks) break;
+    if (progressed) {
+      sleep = std::chrono::microseconds(20);
+    } else if (std::chrono::steady_clock::now() >= spin_end) {
+      std::this_thread::sleep_for(sleep);
+      sleep = std::min(sleep * 2, std::chrono::microseconds(200));
+    }
+  }
+  return Status::OK();
 }
 
 }  // namespace hvdlite
