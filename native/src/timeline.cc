@@ -68,7 +68,11 @@ uint32_t InternTable::Hash(std::string_view text) {
   }
   if (n > 0) {
     uint64_t w = 0;
-    std::memcpy(&w, p, n);
+    if (text.size() >= 8) {
+      std::memcpy(&w, text.data() + text.size() - 8, 8);  // the last 8 bytes, overlapping
+    } else {
+      for (size_t i = 0; i < n; ++i) w |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
+    }
     mix(w);
   }
   h *= 0xC4CEB9FE1A85EC53ull;
@@ -230,6 +234,17 @@ int Timeline::TrackOf(std::string_view tensor) {
   return tid;
 }
 
+int Timeline::Follow(const std::string& tensor, int* prev, bool add) {
+  int tid = *prev > 0 ? tracks_[*prev].next : 0;
+  if (tid == 0 || track_ids_.text(tid - 1) != tensor) {
+    tid = add ? TrackOf(tensor) : track_ids_.Find(tensor) + 1;
+    if (tid == 0) return 0;
+    if (*prev > 0) tracks_[*prev].next = tid;
+  }
+  *prev = tid;
+  return tid;
+}
+
 bool Timeline::OpenSpan(Track& track, bool fits) {
   track.open.push_back(fits);
   if (!fits) {
@@ -271,13 +286,12 @@ void Timeline::PushAll(const std::string* const* tensors, size_t n, char phase,
   Produce([&] {
     const size_t room = phase == 'E' ? SIZE_MAX : Room(phase == 'B' ? kEndWords : 0);
     size_t k = 0;
+    int prev = 0;
     for (size_t i = 0; i < n; ++i) {
-      int tid;
+      const int tid = Follow(*tensors[i], &prev, phase != 'E');
       if (phase == 'E') {
-        tid = track_ids_.Find(*tensors[i]) + 1;
         if (tid == 0 || !CloseSpan(tracks_[tid])) continue;
       } else {
-        tid = TrackOf(*tensors[i]);
         if (phase == 'B') {
           Track& track = tracks_[tid];
           if (only_if_idle && !track.open.empty()) continue;
@@ -298,9 +312,10 @@ std::vector<int> Timeline::OpenTracks(const std::vector<const std::string*>& ten
   if (!active()) return tids;
   tids.reserve(tensors.size());
   std::lock_guard<std::mutex> lock(mutex_);
+  int prev = 0;
   for (const std::string* t : tensors) {
-    const int tid = track_ids_.Find(*t) + 1;
-    if (tid > 0 && !tracks_[tid].open.empty() && tracks_[tid].open.back()) tids.push_back(tid);
+    const int tid = Follow(*t, &prev, false);
+    if (tid > 0 && !tracks_[tid].open.empty()) tids.push_back(tid);
   }
   return tids;
 }
@@ -309,9 +324,17 @@ void Timeline::Complete(const std::vector<int>& tids, const char* activity, int6
                         int64_t end_us) {
   if (tids.empty() || !active()) return;
   Produce([&] {
-    const size_t k = std::min(tids.size(), Room(0));
-    dropped_ += static_cast<int64_t>(tids.size() - k);
-    for (size_t i = 0; i < k; ++i) PutTid(i, tids[i]);
+    const size_t room = Room(0);
+    size_t k = 0;
+    for (int tid : tids) {
+      // In the span it belongs to, if that was recorded; else lost with it, and counted.
+      const std::vector<bool>& open = tracks_[tid].open;
+      if (k < room && !open.empty() && open.back()) {
+        PutTid(k++, tid);
+      } else {
+        ++dropped_;
+      }
+    }
     Commit('X', k, strings_.Add(activity), 0, start_us, end_us - start_us);
   });
 }
@@ -330,8 +353,9 @@ void Timeline::BeginOps(const std::vector<const std::string*>& tensors, const ch
     size_t room = Room(kEndWords);
     size_t k = 0;
     int run_args = -1;  // the args of the record being gathered
+    int prev = 0;
     for (size_t i = 0; i < tensors.size(); ++i) {
-      const int tid = TrackOf(*tensors[i]);
+      const int tid = Follow(*tensors[i], &prev, true);
       Track& track = tracks_[tid];
       const uint64_t key = args_key(i);
       if (track.args < 0 || track.args_key != key) {

@@ -107,8 +107,9 @@ class Timeline {
   void InstantAll(const std::vector<const std::string*>& tensors, const char* what, const char* args);
   // Microseconds on the timeline's clock, for the start and end times given to Complete.
   static int64_t Now();
-  // The tracks of these tensors whose operation span is recorded and open: where the
-  // activities of their execution go. Empty when the timeline is off.
+  // The tracks of these tensors with an operation span open: where the activities of
+  // their execution go (those of a span dropped for want of room are counted as
+  // dropped too). Empty when the timeline is off.
   std::vector<int> OpenTracks(const std::vector<const std::string*>& tensors);
   // One activity from start_us to end_us on each of these tracks (from OpenTracks): a
   // single record, written as one complete ('X') line per track. Activities are
@@ -140,6 +141,7 @@ class Timeline {
     std::vector<bool> open;  // one entry per open B: was it recorded (true) or dropped
     uint64_t args_key = 0;   // BeginOps' last args key, and its interned args (-1: none)
     int args = -1;
+    int next = 0;  // the track that followed this one in the last call naming both
   };
 
   // Everything below marked "needs mutex_" runs inside Produce.
@@ -151,6 +153,11 @@ class Timeline {
   // `reserve` words, without eating into the room kept for the open spans' ends.
   size_t Room(size_t reserve) const;
   int TrackOf(std::string_view tensor);  // needs mutex_: its tid (from 1), added if new
+  // Needs mutex_: the tid of the tensor named after the one of tid *prev in a call (0
+  // at its start), added if new and `add`, else 0 when unknown. The loop names the
+  // same tensors in the same order step after step, so the track that followed *prev
+  // last time is tried first: one comparison of the name instead of a table lookup.
+  int Follow(const std::string& tensor, int* prev, bool add);
   // Needs mutex_: a B on the track; true if recorded (then its E's room is set aside).
   bool OpenSpan(Track& track, bool fits);
   // Needs mutex_: an E on the track; true if its B was recorded (the E then is too).
