@@ -471,8 +471,9 @@ uint64_t Timeline::WriteRecord(uint64_t pos) {
   const bool global = phase == 'i' && count == 1 && word(kHeaderWords) == 0;
 
   // What every line of the record shares: its start up to the tid, and the rest.
-  char head[40];
-  const int head_len = std::snprintf(head, sizeof(head), ",\n{\"ph\": \"%c\", \"pid\": 0, \"tid\": ", phase);
+  char head[] = ",\n{\"ph\": \"?\", \"pid\": 0, \"tid\": ";
+  constexpr size_t kHeadLen = sizeof(head) - 1;
+  head[10] = phase;
   char num[24];
   line_.assign(", \"ts\": ");
   line_.append(num, std::to_chars(num, num + sizeof(num), ts - start_us_).ptr);
@@ -493,13 +494,24 @@ uint64_t Timeline::WriteRecord(uint64_t pos) {
   }
   line_ += '}';
 
+  const size_t line_max = kHeadLen + 10 + line_.size();  // 10: the digits of a tid
   for (size_t k = 0; k < count; ++k) {
     const uint32_t tid = word(kHeaderWords + k);
     if (phase == 'B') ++depth_[tid];
     if (phase == 'E') --depth_[tid];
-    Append(head, static_cast<size_t>(head_len));
-    AppendNumber(tid);
-    Append(line_);
+    if (out_len_ + line_max > kOutBytes) FlushOut();
+    if (line_max > kOutBytes) {  // a line longer than the buffer (huge args)
+      Append(head, kHeadLen);
+      AppendNumber(tid);
+      Append(line_);
+      continue;
+    }
+    // The common case: straight copies into the buffer, with its room checked once.
+    char* p = out_.get() + out_len_;
+    std::memcpy(p, head, kHeadLen);
+    p = std::to_chars(p + kHeadLen, p + kHeadLen + 10, tid).ptr;
+    std::memcpy(p, line_.data(), line_.size());
+    out_len_ = static_cast<size_t>(p + line_.size() - out_.get());
   }
   return pos + kHeaderWords + count;
 }

@@ -411,7 +411,7 @@ def test_summary_after_a_rank_crashed(tmp_path):
         for i in range(20):
             hvd.allreduce(np.ones(64, np.float32), name=f"t.{i % 4}")
         if hvd.rank() == 0:
-            # The writer flushes every 50 ms, at a low priority: wait until the file
+            # The writer flushes every 100 ms, at a low priority: wait until the file
             # holds the 20 operations and their ends (a crash keeps what was flushed).
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
