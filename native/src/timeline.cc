@@ -151,6 +151,7 @@ Status Timeline::Start(const std::string& path, bool mark_cycles) {
     head_ = tail_ = reserved_ = 0;
     stop_ = hold_ = wake_ = false;
     dropped_ = 0;
+    run_ = (run_ + 1) & ((1 << (31 - kRunShift)) - 1);
     track_ids_.Clear();
     strings_.Clear();
     strings_.Add("");
@@ -246,7 +247,10 @@ int Timeline::Follow(const std::string& tensor, int* prev, bool add) {
 }
 
 bool Timeline::OpenSpan(Track& track, bool fits) {
-  track.open.push_back(fits);
+  if (track.depth >= 64) fits = false;
+  const uint64_t bit = uint64_t{1} << (track.depth & 63);
+  track.recorded = fits ? track.recorded | bit : track.recorded & ~bit;
+  ++track.depth;
   if (!fits) {
     ++dropped_;
     return false;
@@ -256,9 +260,9 @@ bool Timeline::OpenSpan(Track& track, bool fits) {
 }
 
 bool Timeline::CloseSpan(Track& track) {
-  if (track.open.empty()) return false;  // its B was never recorded
-  const bool recorded = track.open.back();
-  track.open.pop_back();
+  if (track.depth == 0) return false;  // its B was never recorded
+  const bool recorded = track.top_recorded();
+  --track.depth;
   // Recorded even when the ring is full: its B is in the file, and this is the room
   // set aside for it (an E record of n tracks takes less than n records of one).
   if (recorded) reserved_ -= kEndWords;
@@ -294,7 +298,7 @@ void Timeline::PushAll(const std::string* const* tensors, size_t n, char phase,
       } else {
         if (phase == 'B') {
           Track& track = tracks_[tid];
-          if (only_if_idle && !track.open.empty()) continue;
+          if (only_if_idle && track.depth > 0) continue;
           if (!OpenSpan(track, k < room)) continue;
         } else if (k >= room) {
           ++dropped_;
@@ -315,7 +319,12 @@ std::vector<int> Timeline::OpenTracks(const std::vector<const std::string*>& ten
   int prev = 0;
   for (const std::string* t : tensors) {
     const int tid = Follow(*t, &prev, false);
-    if (tid > 0 && !tracks_[tid].open.empty()) tids.push_back(tid);
+    if (tid <= 0 || tracks_[tid].depth == 0) continue;
+    if (tid >= 1 << kRunShift) {  // beyond 16M tracks: no room in the value
+      ++dropped_;
+      continue;
+    }
+    tids.push_back(tid | run_ << kRunShift);
   }
   return tids;
 }
@@ -326,10 +335,12 @@ void Timeline::Complete(const std::vector<int>& tids, const char* activity, int6
   Produce([&] {
     const size_t room = Room(0);
     size_t k = 0;
-    for (int tid : tids) {
+    for (int value : tids) {
+      // Tracks of an earlier run (restarted since OpenTracks) are not this file's.
+      if (value >> kRunShift != run_) continue;
+      const int tid = value & ((1 << kRunShift) - 1);
       // In the span it belongs to, if that was recorded; else lost with it, and counted.
-      const std::vector<bool>& open = tracks_[tid].open;
-      if (k < room && !open.empty() && open.back()) {
+      if (k < room && tracks_[tid].top_recorded()) {
         PutTid(k++, tid);
       } else {
         ++dropped_;

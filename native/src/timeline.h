@@ -109,7 +109,8 @@ class Timeline {
   static int64_t Now();
   // The tracks of these tensors with an operation span open: where the activities of
   // their execution go (those of a span dropped for want of room are counted as
-  // dropped too). Empty when the timeline is off.
+  // dropped too). Empty when the timeline is off. Valid until the next Start: the
+  // values also name the run of the timeline they belong to.
   std::vector<int> OpenTracks(const std::vector<const std::string*>& tensors);
   // One activity from start_us to end_us on each of these tracks (from OpenTracks): a
   // single record, written as one complete ('X') line per track. Activities are
@@ -136,9 +137,16 @@ class Timeline {
                        kHeaderWords };
   // Room set aside for the E of a recorded B: a record of its own at most.
   static constexpr size_t kEndWords = kHeaderWords + 1;
+  // OpenTracks' values: the tid in the low bits, the run (Start) above them.
+  static constexpr int kRunShift = 24;
   // Producer-side state of one track. Guarded by mutex_.
   struct Track {
-    std::vector<bool> open;  // one entry per open B: was it recorded (true) or dropped
+    // The stack of open spans, without an allocation: `depth` spans, bit d of
+    // `recorded` says whether the d-th (from the bottom) was recorded or dropped.
+    // Spans nest two deep in the loop; beyond 64 they are dropped (and counted).
+    uint32_t depth = 0;
+    uint64_t recorded = 0;
+    bool top_recorded() const { return depth > 0 && depth <= 64 && (recorded >> (depth - 1) & 1); }
     uint64_t args_key = 0;   // BeginOps' last args key, and its interned args (-1: none)
     int args = -1;
     int next = 0;  // the track that followed this one in the last call naming both
@@ -199,6 +207,7 @@ class Timeline {
   bool hold_ = false;          // Guarded by mutex_.
   bool wake_ = false;          // Guarded by mutex_. WaitWritten wants a batch now.
   int64_t dropped_ = 0;        // Guarded by mutex_.
+  int run_ = 0;                // Guarded by mutex_. Counts Starts (mod 2^(31 - kRunShift)).
   std::thread writer_;
 
   // Writer thread only while it runs; Start/Stop otherwise.
