@@ -16,6 +16,14 @@ writer) per step over a whole block, ``stop_timeline`` included, on against off.
 
 On a small shared machine the figure is noisy: run it a few times and quote the range.
 ``--json PATH`` also writes the figures.
+
+``--recorder`` instead measures the timeline alone, in one process with no MPI (through
+testing.h): the CPU time per step that recording takes on the calling thread (what the
+background loop pays) and what the writer thread takes, over ``--recorder-steps`` steps
+of the same 200 tensors (pausing for the writer every 100), written to /dev/null and to
+a file:
+
+    .venv/bin/python benchmarks/timeline_overhead.py --recorder
 """
 import argparse
 import json
@@ -40,11 +48,49 @@ def parse_args():
     p.add_argument("--path", help="the timeline file (default: a temporary one); "
                    "/dev/null separates the cost of recording from that of the disk")
     p.add_argument("--json", help="also write the figures to this file (rank 0)")
+    p.add_argument("--recorder", action="store_true",
+                   help="measure the timeline alone (one process, no MPI)")
+    p.add_argument("--recorder-steps", type=int, default=2000)
     return p.parse_args()
+
+
+def recorder_cost(tensors, steps, path):
+    """CPU time per step (recording thread, writer thread) in microseconds, through
+    hvdlite_test_timeline_steps: the background loop's calls for a cached, fused
+    allreduce of `tensors` tensors, `steps` times, written to path."""
+    from hvdlite._native import ffi, lib
+    asked, dropped = ffi.new("int64_t *"), ffi.new("int64_t *")
+    thread, process = time.thread_time(), time.process_time()
+    # Every 100 steps, wait for the writer (faster than any training loop, the steps
+    # would otherwise overflow the ring and the writer would write less than all).
+    status = lib.hvdlite_test_timeline_steps(path.encode(), tensors, steps, 1 << 21, 0, 100,
+                                             asked, dropped)
+    thread, process = time.thread_time() - thread, time.process_time() - process
+    if status != lib.HVDLITE_OK:
+        raise RuntimeError(ffi.string(lib.hvdlite_last_error()).decode())
+    return thread / steps * 1e6, (process - thread) / steps * 1e6, dropped[0]
+
+
+def main_recorder(args):
+    tmpdir = tempfile.mkdtemp(prefix="hvdlite-timeline-bench-")
+    for path in ("/dev/null", os.path.join(tmpdir, "timeline.json")):
+        runs = []
+        for _ in range(5):
+            runs.append(recorder_cost(args.tensors, args.recorder_steps, path))
+            if path != "/dev/null":
+                os.unlink(path)  # not truncated by the next run's start: not its cost
+        rec = statistics.median(r[0] for r in runs)
+        wri = statistics.median(r[1] for r in runs)
+        print(f"{args.tensors} tensors, {args.recorder_steps} steps to {path}: CPU per step "
+              f"(median of 5) recording {rec:.1f} us, writer {wri:.1f} us; "
+              f"{sum(r[2] for r in runs)} dropped")
 
 
 def main():
     args = parse_args()
+    if args.recorder:
+        main_recorder(args)
+        return
     hvd.init()
     rank = hvd.rank()
     n = args.kib * 1024 // 4
