@@ -8,6 +8,17 @@
 
 namespace hvdlite {
 
+// HVDLITE_AUTOTUNE* (autotune.h; Python maps Horovod's HOROVOD_AUTOTUNE* onto them).
+struct AutotuneSettings {
+  bool enabled = false;           // HVDLITE_AUTOTUNE
+  std::string log_path;           // HVDLITE_AUTOTUNE_LOG: CSV of the trials (rank 0)
+  int64_t warmup_samples = 3;     // HVDLITE_AUTOTUNE_WARMUP_SAMPLES, thrown away
+  int64_t steps_per_sample = 10;  // HVDLITE_AUTOTUNE_STEPS_PER_SAMPLE: cycles that moved data
+  int64_t max_samples = 20;       // HVDLITE_AUTOTUNE_MAX_SAMPLES: trials at most
+  // Knobs whose variable the user set are kept as set, as Horovod's autotune does.
+  bool fixed_fusion_threshold = false, fixed_cycle_time = false, fixed_hierarchical = false;
+};
+
 struct Config {
   int64_t fusion_threshold = 128LL * 1024 * 1024;  // HVDLITE_FUSION_THRESHOLD, bytes; 0: off
   double cycle_time_ms = 1.0;                      // HVDLITE_CYCLE_TIME
@@ -32,6 +43,7 @@ struct Config {
   int hierarchical_allreduce = -1;
   // HVDLITE_HOST_ID: ranks with equal ids count as one host (testing, advanced).
   std::string host_id;
+  AutotuneSettings autotune;
 };
 
 // Reads the environment; a malformed value is an error naming the variable.
