@@ -187,8 +187,8 @@ void Autotuner::Adopt(const uint64_t* words, Clock::time_point now) {
 void Autotuner::EndCycle(Clock::time_point now, int64_t bytes) {
   if (!search_ || search_->done() || bytes <= 0) return;
   window_bytes_ += bytes;
-  if (++window_steps_ < settings_.steps_per_sample) return;
   const double seconds = std::chrono::duration<double>(now - window_start_).count();
+  if (++window_steps_ < settings_.steps_per_sample || seconds < settings_.sample_seconds) return;
   const double score = seconds > 0 ? window_bytes_ / seconds : 0;
   window_start_ = now;
   window_bytes_ = window_steps_ = 0;

@@ -3,9 +3,10 @@
 // off where there are several hosts) tuned online from the measured throughput, bytes
 // through collectives per second of wall time.
 //
-// Rank 0 measures: a sample is steps_per_sample cycles that moved data, the first
-// warmup_samples at the starting values are thrown away, then each sample scores one
-// trial of the search (KnobSearch), at most max_samples of them; the best stays.
+// Rank 0 measures: a sample is steps_per_sample cycles that moved data, lasting at
+// least sample_seconds; the first warmup_samples at the starting values are thrown
+// away, then each sample scores one trial of the search (KnobSearch), at most
+// max_samples of them; the best stays.
 //
 // How every rank uses the same values: rank 0 alone decides, and its decision rides
 // in the global set's coordination round, the bit vector every rank ANDs with every

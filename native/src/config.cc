@@ -59,6 +59,7 @@ Status LoadAutotune(AutotuneSettings* a) {
   if (!(s = ReadInt("HVDLITE_AUTOTUNE_WARMUP_SAMPLES", 0, &a->warmup_samples)).ok()) return s;
   if (!(s = ReadInt("HVDLITE_AUTOTUNE_STEPS_PER_SAMPLE", 1, &a->steps_per_sample)).ok()) return s;
   if (!(s = ReadInt("HVDLITE_AUTOTUNE_MAX_SAMPLES", 1, &a->max_samples)).ok()) return s;
+  if (!(s = ReadDouble("HVDLITE_AUTOTUNE_SAMPLE_SECONDS", 0.0, &a->sample_seconds)).ok()) return s;
   a->fixed_fusion_threshold = IsSet("HVDLITE_FUSION_THRESHOLD");
   a->fixed_cycle_time = IsSet("HVDLITE_CYCLE_TIME");
   a->fixed_hierarchical = IsSet("HVDLITE_HIERARCHICAL_ALLREDUCE") || IsSet("HOROVOD_HIERARCHICAL_ALLREDUCE");

@@ -15,6 +15,9 @@ struct AutotuneSettings {
   int64_t warmup_samples = 3;     // HVDLITE_AUTOTUNE_WARMUP_SAMPLES, thrown away
   int64_t steps_per_sample = 10;  // HVDLITE_AUTOTUNE_STEPS_PER_SAMPLE: cycles that moved data
   int64_t max_samples = 20;       // HVDLITE_AUTOTUNE_MAX_SAMPLES: trials at most
+  // HVDLITE_AUTOTUNE_SAMPLE_SECONDS: a sample also lasts at least this long. A cycle is
+  // a fraction of a training step, so a few cycles alone would score a step's edges.
+  double sample_seconds = 0.25;
   // Knobs whose variable the user set are kept as set, as Horovod's autotune does.
   bool fixed_fusion_threshold = false, fixed_cycle_time = false, fixed_hierarchical = false;
 };

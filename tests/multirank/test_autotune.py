@@ -121,7 +121,7 @@ def test_every_rank_settles_on_rank_0s_best_trial_within_the_bound(np_, horovod_
            prefix + "AUTOTUNE_WARMUP_SAMPLES": "2", prefix + "AUTOTUNE_STEPS_PER_SAMPLE": "3",
            ("HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES" if horovod_names
             else "HVDLITE_AUTOTUNE_MAX_SAMPLES"): "6"}
-    result, bodies = run(np_, env)
+    result, bodies = run(np_, env)  # samples of at least the default 0.25 s
     tried = check_agreement_and_log(result, bodies, log, bound=6)
     assert len(tried) == 6  # the grid is larger than the bound
     _, rows = read_log(log)
@@ -133,6 +133,7 @@ def test_every_rank_settles_on_rank_0s_best_trial_within_the_bound(np_, horovod_
 def test_the_search_ends_by_itself_and_chunk_sizes_stay_correct(tmp_path):
     log = str(tmp_path / "autotune.csv")
     env = {"HVDLITE_AUTOTUNE": "1", "HVDLITE_AUTOTUNE_LOG": log,
+           "HVDLITE_AUTOTUNE_SAMPLE_SECONDS": "0",
            "HVDLITE_AUTOTUNE_WARMUP_SAMPLES": "1", "HVDLITE_AUTOTUNE_STEPS_PER_SAMPLE": "2",
            "HVDLITE_AUTOTUNE_MAX_SAMPLES": "50"}
     result, bodies = run(3, env)
@@ -146,6 +147,7 @@ def test_the_search_ends_by_itself_and_chunk_sizes_stay_correct(tmp_path):
 def test_knobs_the_user_set_stay_as_set(tmp_path):
     log = str(tmp_path / "autotune.csv")
     env = {"HVDLITE_AUTOTUNE": "1", "HVDLITE_AUTOTUNE_LOG": log,
+           "HVDLITE_AUTOTUNE_SAMPLE_SECONDS": "0",
            "HVDLITE_AUTOTUNE_WARMUP_SAMPLES": "0", "HVDLITE_AUTOTUNE_STEPS_PER_SAMPLE": "2",
            "HVDLITE_FUSION_THRESHOLD": str(8 * MIB), "HVDLITE_CYCLE_TIME": "2.5"}
     result, bodies = run(2, env)
@@ -211,6 +213,7 @@ def test_hierarchical_allreduce_is_switched_alike_on_every_rank(tmp_path):
     # knob; the search is bounded to reach it (fusion 4 values, cycle 3, chunk 3, then it).
     log = str(tmp_path / "autotune.csv")
     env = {"HVDLITE_AUTOTUNE": "1", "HVDLITE_AUTOTUNE_LOG": log,
+           "HVDLITE_AUTOTUNE_SAMPLE_SECONDS": "0",
            "HVDLITE_AUTOTUNE_WARMUP_SAMPLES": "0", "HVDLITE_AUTOTUNE_STEPS_PER_SAMPLE": "2",
            "HVDLITE_AUTOTUNE_MAX_SAMPLES": "13"}
     result, bodies = run(4, env, layout="ABAB", timeout=420)
