@@ -1,12 +1,13 @@
 """Autotune against the defaults, on the MLP and on the 200-small-tensors step.
 
-    python benchmarks/autotune.py [--rounds 4] [--np 2] [--steps 60] [--workloads mlp,small]
+    python benchmarks/autotune.py [--rounds 4] [--np 2] [--workloads mlp,small]
 
-Each job runs one workload on --np ranks, with HVDLITE_AUTOTUNE=1 or without. The
-autotuned job first trains until every rank reports the search settled (its trials are
-the cost of tuning, reported as the number of steps it took), then both kinds measure
-the same --steps steps after the same warm-up: the figure compares what training runs
-at once tuned with what it runs at the defaults. Jobs of the two kinds alternate in
+Each job runs one workload on --np ranks, with HVDLITE_AUTOTUNE=1 or without. Both kinds
+first run the same number of steps (the workload's --pre-steps, each followed by a
+one-integer allreduce asking whether every rank's search has settled; the autotuned job
+goes on past them until it has, and reports how many steps tuning took), then measure
+the same steps: the figure compares what training runs at once tuned with what it runs
+at the defaults, at the same point of a job. Jobs of the two kinds alternate in
 ABBA order, round after round, so drift in the machine's load hits both alike; each
 figure is the median (and range) over rounds of rank 0's rate, with the ratio of the
 medians.
@@ -28,6 +29,10 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = "AUTOTUNE_BENCH "
 KNOBS = ("fusion_threshold", "cycle_time_ms", "shm_chunk_bytes", "hierarchical")
+# Per workload: steps before the measurement (enough for the default search to settle
+# on this machine: ~23 samples of at least 0.25 s), and measured steps (several seconds).
+PRE_STEPS = {"mlp": 120, "small": 800}
+STEPS = {"mlp": 100, "small": 400}
 
 
 def mlp_step(batch):
@@ -36,17 +41,10 @@ def mlp_step(batch):
     import torch.nn.functional as F
 
     import hvdlite.torch as hvd
+    from train_throughput import build  # the same model, data and seed
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    sizes = [784, 2048, 2048, 10]
-    layers = []
-    for i in range(len(sizes) - 1):
-        layers.append(torch.nn.Linear(sizes[i], sizes[i + 1]))
-        if i < len(sizes) - 2:
-            layers.append(torch.nn.ReLU())
-    model = torch.nn.Sequential(*layers)
-    x, y = torch.randn(batch, sizes[0]), torch.randint(0, sizes[-1], (batch,))
+    model, x, y = build(argparse.Namespace(layers="784-2048-2048-10", batch=batch))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -81,20 +79,24 @@ def worker(args):
 
     hvd.init()
     step, per_step = mlp_step(args.batch) if args.worker == "mlp" else small_step()
-    tune_steps = 0
-    if hvd.autotune_state()["enabled"]:
-        while tune_steps < args.max_tune_steps:
-            step()
-            tune_steps += 1
-            settled = np.array([int(hvd.autotune_state()["settled"])], np.int32)
-            if hvd.allreduce(settled, op=hvd.Min, name="autotune.settled")[0] == 1:
-                break
+    tuning = hvd.autotune_state()["enabled"]
+    pre_steps = args.pre_steps or PRE_STEPS[args.worker]
+    tune_steps = None
+    for done in range(1, args.max_tune_steps + 1):
+        step()
+        settled = np.array([int(hvd.autotune_state()["settled"])], np.int32)
+        everyone = hvd.allreduce(settled, op=hvd.Min, name="autotune.settled")[0] == 1
+        if tuning and everyone and tune_steps is None:
+            tune_steps = done
+        if done >= pre_steps and (everyone or not tuning):
+            break
     for _ in range(args.warmup):
         step()
+    steps = args.steps or STEPS[args.worker]
     start = time.perf_counter()
-    for _ in range(args.steps):
+    for _ in range(steps):
         step()
-    rate = args.steps * per_step / (time.perf_counter() - start)
+    rate = steps * per_step / (time.perf_counter() - start)
     if hvd.rank() == 0:
         state = hvd.autotune_state()
         print(RESULT + json.dumps({"rate": rate, "tune_steps": tune_steps, "settled": state["settled"],
@@ -114,7 +116,7 @@ def run_job(args, workload, autotune):
     cmd = [sys.executable, "-m", "hvdlite.runner", "-np", str(args.np), sys.executable,
            os.path.abspath(__file__), "--worker", workload, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--batch", str(args.batch),
-           "--max-tune-steps", str(args.max_tune_steps)]
+           "--max-tune-steps", str(args.max_tune_steps), "--pre-steps", str(args.pre_steps)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     for line in out.stdout.splitlines():
         body = line.split(":", 1)[1] if line.startswith("[") else line
@@ -133,7 +135,10 @@ def main():
     p.add_argument("--workloads", default="mlp,small")
     p.add_argument("--rounds", type=int, default=4, help="ABBA pairs of jobs per workload")
     p.add_argument("--np", type=int, default=2)
-    p.add_argument("--steps", type=int, default=60, help="measured steps per job")
+    p.add_argument("--steps", type=int, default=0, help="measured steps per job (default: "
+                   + ", ".join(f"{k} {v}" for k, v in STEPS.items()) + ")")
+    p.add_argument("--pre-steps", type=int, default=0, help="steps before the measurement "
+                   "(default: " + ", ".join(f"{k} {v}" for k, v in PRE_STEPS.items()) + ")")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--max-tune-steps", type=int, default=2000)
@@ -158,7 +163,8 @@ def main():
                              **{k: {**summary(v), "runs": v} for k, v in rates.items()},
                              "tune_steps": [res["tune_steps"] for res in runs["autotune"]],
                              "chosen": [res["knobs"] for res in runs["autotune"]]}
-        print(f"\n{workload}: {args.np} ranks, {args.steps} measured steps per job, "
+        print(f"\n{workload}: {args.np} ranks, {args.steps or STEPS[workload]} measured steps per job "
+              f"after {args.pre_steps or PRE_STEPS[workload]}, "
               f"{args.rounds} jobs per kind (ABBA), {unit}")
         for kind, v in rates.items():
             s = summary(v)

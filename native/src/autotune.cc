@@ -30,8 +30,8 @@ constexpr int kTrialsShift = 8;
 
 // ------------------------------------------------------------------ KnobSearch
 
-KnobSearch::KnobSearch(const TunedKnobs& start, const AutotuneSettings& settings, bool hierarchy,
-                       int64_t max_chunk_bytes)
+KnobSearch::KnobSearch(const TunedKnobs& start, const AutotuneSettings& settings, bool shared_memory,
+                       bool hierarchy, int64_t max_chunk_bytes)
     : dims_(kKnobs), max_trials_(settings.max_samples), candidate_(start), best_(start) {
   // Fusion: tensors of 1 MiB and more are reduced alone anyway, so the threshold
   // matters between that and the default 128 MiB. Cycle time: how long a burst of
@@ -41,7 +41,7 @@ KnobSearch::KnobSearch(const TunedKnobs& start, const AutotuneSettings& settings
   dims_[kCycle].values = Grid({0.5, 1, 2, 5}, start.cycle_time_ms, settings.fixed_cycle_time);
   std::vector<double> chunks;
   for (int64_t c = max_chunk_bytes; c >= max_chunk_bytes / 8 && c >= 4096; c /= 2) chunks.push_back(static_cast<double>(c));
-  dims_[kChunk].values = Grid(chunks, static_cast<double>(start.shm_chunk_bytes), false);
+  dims_[kChunk].values = Grid(chunks, static_cast<double>(start.shm_chunk_bytes), !shared_memory);
   dims_[kHierarchical].values = Grid({0, 1}, start.hierarchical ? 1 : 0, !hierarchy || settings.fixed_hierarchical);
   done_ = max_trials_ <= 0;
 }
@@ -100,7 +100,8 @@ void KnobSearch::Next() {
 
 // ------------------------------------------------------------------- Autotuner
 
-Status Autotuner::Start(const AutotuneSettings& settings, const Config& config, int rank, bool hierarchy) {
+Status Autotuner::Start(const AutotuneSettings& settings, const Config& config, int rank, bool shared_memory,
+                        bool hierarchy) {
   Stop();
   settings_ = settings;
   rank_ = rank;
@@ -116,7 +117,7 @@ Status Autotuner::Start(const AutotuneSettings& settings, const Config& config, 
   window_bytes_ = window_steps_ = 0;
   window_start_ = Clock::now();
   if (settings_.enabled && rank_ == 0) {
-    search_.reset(new KnobSearch(knobs_, settings_, hierarchy, ShmAllreduce::kChunkBytes));
+    search_.reset(new KnobSearch(knobs_, settings_, shared_memory, hierarchy, ShmAllreduce::kChunkBytes));
     warmups_left_ = settings_.warmup_samples;
     if (!settings_.log_path.empty()) {
       log_ = std::fopen(settings_.log_path.c_str(), "w");

@@ -52,9 +52,10 @@ struct TunedKnobs {
 // configuration is tried once. The best is always the highest-scoring trial.
 class KnobSearch {
  public:
+  // shared_memory: whether allreduces go through ShmAllreduce (else its chunk stays);
   // hierarchy: whether the hierarchical allreduce exists to be switched off.
-  KnobSearch(const TunedKnobs& start, const AutotuneSettings& settings, bool hierarchy,
-             int64_t max_chunk_bytes);
+  KnobSearch(const TunedKnobs& start, const AutotuneSettings& settings, bool shared_memory,
+             bool hierarchy, int64_t max_chunk_bytes);
   bool done() const { return done_; }
   // The values to measure next (the best, once done).
   const TunedKnobs& candidate() const { return done_ ? best_ : candidate_; }
@@ -94,8 +95,10 @@ struct AutotuneView {
 class Autotuner {
  public:
   // At init, before the loop. Rank 0 opens the log here; an error names the file.
-  // hierarchy: the global set allreduces hierarchically (several hosts).
-  Status Start(const AutotuneSettings& settings, const Config& config, int rank, bool hierarchy);
+  // shared_memory, hierarchy: how the global set allreduces (one host through shared
+  // memory; several hosts hierarchically).
+  Status Start(const AutotuneSettings& settings, const Config& config, int rank, bool shared_memory,
+               bool hierarchy);
   void Stop();  // closes the log
   bool enabled() const { return settings_.enabled; }
   // The values in force this cycle.

@@ -208,7 +208,10 @@ Status Core::Init(int64_t comm_f2c) {
       if (topo.rank == 0 && !config_.timeline_path.empty()) {
         st = timeline_.Start(config_.timeline_path, config_.timeline_mark_cycles);
       }
-      if (st.ok()) st = autotune_.Start(config_.autotune, config_, topo.rank, world->hierarchical() != nullptr);
+      if (st.ok()) {
+        st = autotune_.Start(config_.autotune, config_, topo.rank, world->shared_memory(),
+                             world->hierarchical() != nullptr);
+      }
       // Every rank learns whether rank 0 could open the timeline, so a bad path fails
       // init everywhere instead of leaving the others waiting for rank 0. Done
       // whatever the local config says: HVDLITE_TIMELINE may be set on rank 0 only.

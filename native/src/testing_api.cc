@@ -282,7 +282,7 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_test_knob_search(int32_t hierarchy, int3
     start.fusion_threshold = config.fusion_threshold;
     start.cycle_time_ms = config.cycle_time_ms;
     start.shm_chunk_bytes = hvdlite::ShmAllreduce::kChunkBytes;
-    hvdlite::KnobSearch search(start, settings, hierarchy != 0, hvdlite::ShmAllreduce::kChunkBytes);
+    hvdlite::KnobSearch search(start, settings, !(fixed & 8), hierarchy != 0, hvdlite::ShmAllreduce::kChunkBytes);
     auto put = [](const TunedKnobs& k, hvdlite_autotune_t* out) {
       *out = hvdlite_autotune_t();
       out->enabled = 1;

@@ -71,6 +71,15 @@ def run(np_, env, layout="-", max_steps=400, timeout=300):
     return result, [result.result(r) for r in range(np_)]
 
 
+def quick_env(log, **more):
+    """Autotune on, logging to `log`, with short samples and no warm-up, plus `more`."""
+    env = {"HVDLITE_AUTOTUNE": "1", "HVDLITE_AUTOTUNE_LOG": log,
+           "HVDLITE_AUTOTUNE_SAMPLE_SECONDS": "0", "HVDLITE_AUTOTUNE_WARMUP_SAMPLES": "0",
+           "HVDLITE_AUTOTUNE_STEPS_PER_SAMPLE": "2"}
+    env.update(more)
+    return env
+
+
 def read_log(path):
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
@@ -132,10 +141,7 @@ def test_every_rank_settles_on_rank_0s_best_trial_within_the_bound(np_, horovod_
 
 def test_the_search_ends_by_itself_and_chunk_sizes_stay_correct(tmp_path):
     log = str(tmp_path / "autotune.csv")
-    env = {"HVDLITE_AUTOTUNE": "1", "HVDLITE_AUTOTUNE_LOG": log,
-           "HVDLITE_AUTOTUNE_SAMPLE_SECONDS": "0",
-           "HVDLITE_AUTOTUNE_WARMUP_SAMPLES": "1", "HVDLITE_AUTOTUNE_STEPS_PER_SAMPLE": "2",
-           "HVDLITE_AUTOTUNE_MAX_SAMPLES": "50"}
+    env = quick_env(log, HVDLITE_AUTOTUNE_WARMUP_SAMPLES="1", HVDLITE_AUTOTUNE_MAX_SAMPLES="50")
     result, bodies = run(3, env)
     tried = check_agreement_and_log(result, bodies, log, bound=50)
     assert len(tried) < 50, "a search over a small grid should end before the bound"
@@ -146,10 +152,7 @@ def test_the_search_ends_by_itself_and_chunk_sizes_stay_correct(tmp_path):
 
 def test_knobs_the_user_set_stay_as_set(tmp_path):
     log = str(tmp_path / "autotune.csv")
-    env = {"HVDLITE_AUTOTUNE": "1", "HVDLITE_AUTOTUNE_LOG": log,
-           "HVDLITE_AUTOTUNE_SAMPLE_SECONDS": "0",
-           "HVDLITE_AUTOTUNE_WARMUP_SAMPLES": "0", "HVDLITE_AUTOTUNE_STEPS_PER_SAMPLE": "2",
-           "HVDLITE_FUSION_THRESHOLD": str(8 * MIB), "HVDLITE_CYCLE_TIME": "2.5"}
+    env = quick_env(log, HVDLITE_FUSION_THRESHOLD=str(8 * MIB), HVDLITE_CYCLE_TIME="2.5")
     result, bodies = run(2, env)
     _, rows = read_log(log)
     for body in bodies:
@@ -212,10 +215,7 @@ def test_hierarchical_allreduce_is_switched_alike_on_every_rank(tmp_path):
     # 2 "hosts" x 2 ranks, placed alternately: the hierarchy exists, so its on/off is a
     # knob; the search is bounded to reach it (fusion 4 values, cycle 3, chunk 3, then it).
     log = str(tmp_path / "autotune.csv")
-    env = {"HVDLITE_AUTOTUNE": "1", "HVDLITE_AUTOTUNE_LOG": log,
-           "HVDLITE_AUTOTUNE_SAMPLE_SECONDS": "0",
-           "HVDLITE_AUTOTUNE_WARMUP_SAMPLES": "0", "HVDLITE_AUTOTUNE_STEPS_PER_SAMPLE": "2",
-           "HVDLITE_AUTOTUNE_MAX_SAMPLES": "13"}
+    env = quick_env(log, HVDLITE_AUTOTUNE_MAX_SAMPLES="13")
     result, bodies = run(4, env, layout="ABAB", timeout=420)
     tried = check_agreement_and_log(result, bodies, log, bound=13)
     assert {k[3] for k in tried} == {True, False}, tried

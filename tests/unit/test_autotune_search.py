@@ -7,7 +7,7 @@ import pytest
 
 MIB = 1 << 20
 DEFAULT = {"fusion_threshold": 128 * MIB, "cycle_time_ms": 1.0, "hierarchical": True}
-FIXED_FUSION, FIXED_CYCLE, FIXED_HIERARCHICAL = 1, 2, 4
+FIXED_FUSION, FIXED_CYCLE, FIXED_HIERARCHICAL, NO_SHARED_MEMORY = 1, 2, 4, 8
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +103,9 @@ def test_fixed_knobs_stay_as_set(core):
     assert {(k[0], k[1], k[3]) for k, _ in trials} == {(128 * MIB, 1.0, True)}
     assert len({k[2] for k, _ in trials}) > 1  # the chunk is still tuned
     assert knobs(best)[2] == 65536
+
+
+def test_the_chunk_is_left_alone_without_shared_memory(core):
+    trials, best = drive(core, separable((MIB, 5.0, 65536, True)), fixed=NO_SHARED_MEMORY)
+    assert len({k[2] for k, _ in trials}) == 1
+    assert len({k[0] for k, _ in trials}) > 1 and len({k[1] for k, _ in trials}) > 1

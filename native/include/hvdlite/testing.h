@@ -81,7 +81,8 @@ hvdlite_status_t hvdlite_test_fault_in_mpi(void);
 /* Autotune's search alone (KnobSearch: no clocks, no MPI), replayed from the start:
  * starting at the defaults (fusion threshold 128 MiB, cycle time 1 ms, the largest
  * shared-memory chunk, hierarchical on), with a hierarchy to switch off if `hierarchy`,
- * the knobs in `fixed` kept (bits: 1 fusion threshold, 2 cycle time, 4 hierarchical),
+ * the knobs in `fixed` kept (bits: 1 fusion threshold, 2 cycle time, 4 hierarchical, 8
+ * the chunk, as where allreduces do not go through shared memory),
  * at most max_trials trials, it gives scores[i] to its i-th trial. candidates (capacity
  * cap) receives the trials scored, then the next one to measure unless the search
  * ended; *count their number; *done whether it ended; *best the best so far. */
