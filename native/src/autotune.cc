@@ -113,7 +113,9 @@ Status Autotuner::Start(const AutotuneSettings& settings, const Config& config, 
   trials_seen_ = 0;
   settled_seen_ = false;
   search_.reset();
-  logged_choice_ = false;
+  confirming_.clear();
+  settled_ = false;
+  start_ = chosen_ = knobs_;
   window_bytes_ = window_steps_ = 0;
   window_start_ = Clock::now();
   if (settings_.enabled && rank_ == 0) {
@@ -154,11 +156,11 @@ void Autotuner::Publish(uint64_t* words) const {
     std::fill(words, words + kWords, ~0ull);
     return;
   }
-  const TunedKnobs& k = search_->candidate();
+  const TunedKnobs& k = Wanted();
   words[0] = static_cast<uint64_t>(k.fusion_threshold);
   std::memcpy(&words[1], &k.cycle_time_ms, sizeof(double));
   words[2] = static_cast<uint64_t>(k.shm_chunk_bytes);
-  words[3] = (k.hierarchical ? kHierarchicalBit : 0) | (search_->done() ? kSettledBit : 0) |
+  words[3] = (k.hierarchical ? kHierarchicalBit : 0) | (settled_ ? kSettledBit : 0) |
              (static_cast<uint64_t>(search_->trials()) << kTrialsShift);
 }
 
@@ -186,28 +188,73 @@ void Autotuner::Adopt(const uint64_t* words, Clock::time_point now) {
 }
 
 void Autotuner::EndCycle(Clock::time_point now, int64_t bytes) {
-  if (!search_ || search_->done() || bytes <= 0) return;
+  if (!search_ || settled_ || bytes <= 0) return;
   window_bytes_ += bytes;
   const double seconds = std::chrono::duration<double>(now - window_start_).count();
   if (++window_steps_ < settings_.steps_per_sample || seconds < settings_.sample_seconds) return;
   const double score = seconds > 0 ? window_bytes_ / seconds : 0;
   window_start_ = now;
   window_bytes_ = window_steps_ = 0;
+  Sampled(score);
+}
+
+const TunedKnobs& Autotuner::Wanted() const {
+  if (settled_) return chosen_;
+  if (!confirming_.empty()) return confirming_.front();
+  return search_->candidate();
+}
+
+void Autotuner::Sampled(double score) {
   if (warmups_left_ > 0) {
     --warmups_left_;
     Log("warmup", knobs_, score);
     return;
   }
-  Log(std::to_string(search_->trials()).c_str(), knobs_, score);
-  search_->Record(score);
-  if (search_->done() && !logged_choice_) {
-    logged_choice_ = true;
-    Log("chosen", search_->best(), search_->best_score());
-    HVDLITE_LOG(INFO) << "autotune chose fusion threshold " << search_->best().fusion_threshold
-                      << " bytes, cycle time " << search_->best().cycle_time_ms << " ms, chunk "
-                      << search_->best().shm_chunk_bytes << " bytes after " << search_->trials()
-                      << " trials";
+  if (!search_->done()) {
+    if (search_->trials() == 0) start_score_ = score;
+    Log(std::to_string(search_->trials()).c_str(), knobs_, score);
+    search_->Record(score);
+    if (search_->done()) Confirm();
+    return;
   }
+  // A confirmation sample: knobs_ is the front of confirming_ (Adopt restarted the
+  // window when it came into force).
+  Log("confirm", knobs_, score);
+  const int which = knobs_ == start_ ? 0 : 1;
+  sums_[which] += score;
+  ++counts_[which];
+  confirming_.erase(confirming_.begin());
+  if (confirming_.empty()) {
+    const double start_mean = sums_[0] / counts_[0], best_mean = sums_[1] / counts_[1];
+    if (best_mean > start_mean) {
+      Settle(search_->best(), best_mean);
+    } else {
+      Settle(start_, start_mean);
+    }
+  }
+}
+
+void Autotuner::Confirm() {
+  if (search_->best() == start_) {
+    Settle(start_, search_->best_score());
+    return;
+  }
+  sums_[0] = start_score_;
+  sums_[1] = search_->best_score();
+  counts_[0] = counts_[1] = 1;
+  for (int i = 0; i < kConfirmRounds; ++i) {
+    confirming_.push_back(start_);
+    confirming_.push_back(search_->best());
+  }
+}
+
+void Autotuner::Settle(const TunedKnobs& chosen, double score) {
+  settled_ = true;
+  chosen_ = chosen;
+  Log("chosen", chosen, score);
+  HVDLITE_LOG(INFO) << "autotune chose fusion threshold " << chosen.fusion_threshold << " bytes, cycle time "
+                    << chosen.cycle_time_ms << " ms, chunk " << chosen.shm_chunk_bytes << " bytes after "
+                    << search_->trials() << " trials";
 }
 
 AutotuneView Autotuner::View() const {

@@ -6,7 +6,9 @@
 // Rank 0 measures: a sample is steps_per_sample cycles that moved data, lasting at
 // least sample_seconds; the first warmup_samples at the starting values are thrown
 // away, then each sample scores one trial of the search (KnobSearch), at most
-// max_samples of them; the best stays.
+// max_samples of them. One sample is noisy on a shared machine, so when the search's
+// best is not the starting values, the two are measured again, alternately
+// (kConfirmRounds each); the one with the higher mean score over all its samples stays.
 //
 // How every rank uses the same values: rank 0 alone decides, and its decision rides
 // in the global set's coordination round, the bit vector every rank ANDs with every
@@ -119,6 +121,14 @@ class Autotuner {
 
  private:
   void Log(const char* what, const TunedKnobs& k, double score);
+  // Rank 0: the values to run next.
+  const TunedKnobs& Wanted() const;
+  // Rank 0: a sample of knobs_ ended with this score.
+  void Sampled(double score);
+  // Rank 0, once the search ended: the starting values against its best, or the choice.
+  void Confirm();
+  void Settle(const TunedKnobs& chosen, double score);
+  static constexpr int kConfirmRounds = 2;
 
   AutotuneSettings settings_;
   int rank_ = 0;
@@ -130,7 +140,13 @@ class Autotuner {
   int64_t warmups_left_ = 0;
   Clock::time_point window_start_;
   int64_t window_bytes_ = 0, window_steps_ = 0;
-  bool logged_choice_ = false;
+  TunedKnobs start_;                      // the first trial
+  double start_score_ = 0;
+  std::vector<TunedKnobs> confirming_;    // the samples still to take, in order
+  double sums_[2] = {0, 0};               // scores of start_ and the search's best
+  int counts_[2] = {0, 0};
+  bool settled_ = false;
+  TunedKnobs chosen_;
   FILE* log_ = nullptr;
 
   mutable std::mutex view_mutex_;
