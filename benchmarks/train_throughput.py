@@ -1,16 +1,25 @@
-"""Training throughput: 1 process vs hvdlite on N ranks vs torch DDP (gloo) on N ranks.
+"""Training throughput against the machine's ceiling.
 
-    python benchmarks/train_throughput.py [--rounds 3] [--steps 30] [--np 2]
+    python benchmarks/train_throughput.py [--rounds 8] [--steps 60] [--np 2] [--phases]
 
 Same model (an MLP 784-2048-2048-10 by default), same batch per rank (64), synthetic
-data, SGD. The three configurations run interleaved, round after round, so that drift in
-the machine's load hits all of them alike; each figure is the median over rounds of
-samples/sec measured inside the workers after warm-up steps. Every worker uses one
-compute thread (``torch.set_num_threads(1)``): on a machine with few cores that keeps
-ranks from fighting over them, and it is the same for the single process, so scaling
-efficiency = (per-rank samples/sec on N ranks) / (1-process samples/sec).
+data, SGD. Four configurations run interleaved, round after round, so that drift in the
+machine's load hits all of them alike:
 
-Targets of issue 5: hvdlite >= 1.15x DDP, scaling efficiency >= 70%.
+  ceiling   N independent single-process trainings side by side, at the same time, with
+            no communication: what N ranks could reach if the allreduce were free (the
+            contention for cores and memory alone);
+  hvdlite   N ranks through hvdlite.torch.DistributedOptimizer;
+  DDP       N ranks of torch DDP over gloo;
+  single    one process alone.
+
+Samples/sec are measured inside the workers after warm-up steps. The ceiling's workers
+start their timed steps together (a file barrier) and keep training untimed until every
+one of them is done, so none is timed alone. Every worker uses one compute thread
+(``torch.set_num_threads(1)``). Each round prints hvdlite/ceiling and DDP/ceiling (per
+rank against per process); the summary gives their median and range over the rounds.
+
+Target of issue 19: hvdlite/ceiling median >= 0.85, no round below 0.75.
 """
 import argparse
 import json
@@ -19,6 +28,8 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,22 +52,107 @@ def build(args):
     return model, x, y
 
 
-def timed_loop(args, model, opt, x, y):
-    import torch
+def _wait_for_files(paths):
+    while not all(os.path.exists(p) for p in paths):
+        time.sleep(0.002)
+
+
+def _thread_stats():
+    """tid -> (CPU ns, run-queue ns, minor faults, involuntary switches) of this
+    process's threads, from /proc (Linux)."""
+    stats = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                run, queued, _ = (int(v) for v in f.read().split())
+            with open(f"/proc/self/task/{tid}/status") as f:
+                nvcsw = next(int(line.split()[1]) for line in f
+                             if line.startswith("nonvoluntary_ctxt_switches"))
+        except (OSError, StopIteration):
+            continue
+        stats[int(tid)] = (run, queued, int(fields[7]), nvcsw)
+    return stats
+
+
+class Phases:
+    """--phases: per-step milliseconds of forward, backward, waiting for the gradients'
+    allreduce and the update, and per thread (the training thread; all others, i.e.
+    hvdlite's background thread) CPU and run-queue ms, minor page faults and
+    involuntary context switches per step."""
+
+    def __init__(self):
+        self.ms = {"forward": 0.0, "backward": 0.0, "wait": 0.0, "update": 0.0}
+        self.steps = 0
+
+    def start(self):
+        self.before = _thread_stats()
+
+    def stop(self):
+        after, main = _thread_stats(), threading.get_native_id()
+        per = {"main": [0, 0, 0, 0], "other": [0, 0, 0, 0]}
+        for tid, now in after.items():
+            was = self.before.get(tid, (0, 0, 0, 0))
+            for i in range(4):
+                per["main" if tid == main else "other"][i] += now[i] - was[i]
+        out = {k: round(v / self.steps, 2) for k, v in self.ms.items()}
+        for who, (run, queued, faults, nvcsw) in per.items():
+            out[who] = {"cpu_ms": round(run / 1e6 / self.steps, 2),
+                        "runq_ms": round(queued / 1e6 / self.steps, 2),
+                        "minflt": round(faults / self.steps, 1),
+                        "nvcsw": round(nvcsw / self.steps, 1)}
+        return out
+
+
+def timed_loop(args, model, opt, x, y, before=None, after=None):
+    """Samples/sec over args.steps steps after args.warmup, and the Phases (or None);
+    before() runs between the two, after(step) once the timed steps are done (the
+    ceiling's barriers)."""
     import torch.nn.functional as F
 
+    phases = None
+
     def step():
+        if phases is None:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            return
+        t0 = time.perf_counter()
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+        loss = F.cross_entropy(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        if hasattr(opt, "skip_synchronize"):  # hvdlite: the wait apart from the update
+            opt.synchronize()
+            t3 = time.perf_counter()
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            t3 = t2
+            opt.step()
+        t4 = time.perf_counter()
+        for name, dt in zip(phases.ms, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            phases.ms[name] += dt * 1e3
+        phases.steps += 1
 
     for _ in range(args.warmup):
         step()
+    if args.phases:
+        phases = Phases()
+        phases.start()
+    if before:
+        before()
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
     elapsed = time.perf_counter() - start
-    return args.steps * args.batch / elapsed
+    measured = phases.stop() if phases else None
+    if after:
+        after(step)
+    return args.steps * args.batch / elapsed, measured
 
 
 def worker_single(args):
@@ -65,7 +161,24 @@ def worker_single(args):
     torch.set_num_threads(1)
     model, x, y = build(args)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    print(RESULT + json.dumps({"rate": timed_loop(args, model, opt, x, y)}), flush=True)
+    before = after = None
+    if args.sync_dir:
+        # One of the ceiling's processes: start the timed steps with the others, and
+        # keep the core busy until every one has finished its own.
+        mine = f"{args.sync_id}"
+        peers = range(args.sync_count)
+        before = lambda: (open(os.path.join(args.sync_dir, "ready." + mine), "w").close(),
+                          _wait_for_files([os.path.join(args.sync_dir, f"ready.{k}")
+                                           for k in peers]))
+        done = [os.path.join(args.sync_dir, f"done.{k}") for k in peers]
+
+        def after(step):
+            open(os.path.join(args.sync_dir, "done." + mine), "w").close()
+            while not all(os.path.exists(p) for p in done):
+                step()
+
+    rate, phases = timed_loop(args, model, opt, x, y, before, after)
+    print(RESULT + json.dumps({"rate": rate, "phases": phases}), flush=True)
 
 
 def worker_hvdlite(args):
@@ -79,10 +192,11 @@ def worker_hvdlite(args):
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    rate = timed_loop(args, model, opt, x, y)
+    rate, phases = timed_loop(args, model, opt, x, y)
     rates = hvd.allgather_object(rate)
+    phases = hvd.allgather_object(phases)
     if hvd.rank() == 0:
-        print(RESULT + json.dumps({"rates": rates}), flush=True)
+        print(RESULT + json.dumps({"rates": rates, "phases": phases}), flush=True)
 
 
 def worker_ddp(args):
@@ -94,12 +208,18 @@ def worker_ddp(args):
     model, x, y = build(args)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-    rate = timed_loop(args, ddp, opt, x, y)
+    rate, _ = timed_loop(args, ddp, opt, x, y)
     rates = [None] * dist.get_world_size()
     dist.all_gather_object(rates, rate)
     if dist.get_rank() == 0:
         print(RESULT + json.dumps({"rates": rates}), flush=True)
     dist.destroy_process_group()
+
+
+# Every worker gets a session of its own, as hvdliterun gives each rank: with the
+# kernel's autogroup scheduling, CPU time is shared between sessions first, so workers
+# sharing the benchmark's session would get less of a loaded machine than the ranks.
+_SESSION = {"start_new_session": True}
 
 
 def _env():
@@ -120,13 +240,29 @@ def _parse(text):
 def _worker_args(args, kind):
     return [sys.executable, os.path.abspath(__file__), "--worker", kind,
             "--layers", args.layers, "--batch", str(args.batch), "--steps", str(args.steps),
-            "--warmup", str(args.warmup)]
+            "--warmup", str(args.warmup)] + (["--phases"] if args.phases else [])
 
 
 def run_single(args):
     out = subprocess.run(_worker_args(args, "single"), capture_output=True, text=True,
-                         env=_env(), timeout=args.timeout, check=True)
-    return [_parse(out.stdout)["rate"]]
+                         env=_env(), timeout=args.timeout, check=True, **_SESSION)
+    res = _parse(out.stdout)
+    return [res["rate"]], [res["phases"]]
+
+
+def run_ceiling(args):
+    """args.np single-process trainings at the same time, no communication."""
+    with tempfile.TemporaryDirectory(prefix="hvdlite-ceiling-") as sync:
+        procs = [subprocess.Popen(_worker_args(args, "single") + [
+                     "--sync-dir", sync, "--sync-id", str(k), "--sync-count", str(args.np)],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                     **_SESSION)
+                 for k in range(args.np)]
+        outs = [p.communicate(timeout=args.timeout) for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError("ceiling run failed:\n" + "\n".join(e[-3000:] for _, e in outs))
+    results = [_parse(out) for out, _ in outs]
+    return [r["rate"] for r in results], [r["phases"] for r in results]
 
 
 def run_hvdlite(args):
@@ -135,7 +271,8 @@ def run_hvdlite(args):
     out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=args.timeout)
     if out.returncode:
         raise RuntimeError(f"hvdlite run failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
-    return _parse(out.stdout)["rates"]
+    res = _parse(out.stdout)
+    return res["rates"], res["phases"]
 
 
 def run_ddp(args):
@@ -148,11 +285,12 @@ def run_ddp(args):
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                    WORLD_SIZE=str(args.np), LOCAL_RANK=str(rank))
         procs.append(subprocess.Popen(_worker_args(args, "ddp"), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, env=env))
+                                      stderr=subprocess.PIPE, text=True, env=env,
+                                      **_SESSION))
     outs = [p.communicate(timeout=args.timeout) for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError("DDP run failed:\n" + "\n".join(e[-3000:] for _, e in outs))
-    return _parse(outs[0][0])["rates"]
+    return _parse(outs[0][0])["rates"], []
 
 
 def main():
@@ -160,50 +298,72 @@ def main():
     parser.add_argument("--worker", choices=["single", "hvdlite", "ddp"])
     parser.add_argument("--np", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch", type=int, default=64, help="per rank")
     parser.add_argument("--layers", default="784-2048-2048-10")
     parser.add_argument("--timeout", type=int, default=300)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--phases", action="store_true",
+                        help="also print, per process, ms per step of forward, backward, "
+                             "waiting for the allreduce and the update, and per thread CPU "
+                             "and run-queue ms, page faults and involuntary switches")
+    parser.add_argument("--sync-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--sync-id", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--sync-count", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         {"single": worker_single, "hvdlite": worker_hvdlite, "ddp": worker_ddp}[args.worker](args)
         return
 
-    runs = {"single": [], "hvdlite": [], "ddp": []}
+    kinds = (("ceiling", run_ceiling), ("hvdlite", run_hvdlite), ("ddp", run_ddp),
+             ("single", run_single))
+    runs = {kind: [] for kind, _ in kinds}
+    ratios = {"hvdlite": [], "ddp": []}
     for round_ in range(args.rounds):
-        for kind, fn in (("single", run_single), ("hvdlite", run_hvdlite), ("ddp", run_ddp)):
-            rates = fn(args)
-            runs[kind].append(rates)
+        for kind, fn in kinds:
+            rates, phases = fn(args)
+            runs[kind].append(statistics.mean(rates))
             print(f"round {round_ + 1}/{args.rounds} {kind:8s} samples/sec per rank: "
                   + ", ".join(f"{r:.1f}" for r in rates), flush=True)
+            for k, p in enumerate(p for p in phases if p):
+                print(f"    {kind} process {k}: " + json.dumps(p), flush=True)
+        for kind in ratios:
+            ratios[kind].append(runs[kind][-1] / runs["ceiling"][-1])
+        print(f"round {round_ + 1}/{args.rounds} hvdlite/ceiling {ratios['hvdlite'][-1]:.3f}  "
+              f"DDP/ceiling {ratios['ddp'][-1]:.3f}", flush=True)
 
-    single = statistics.median(r[0] for r in runs["single"])
-    per_rank = {k: statistics.median(statistics.mean(r) for r in runs[k])
-                for k in ("hvdlite", "ddp")}
+    median = {kind: statistics.median(rates) for kind, rates in runs.items()}
     summary = {
         "model": args.layers, "batch_per_rank": args.batch, "np": args.np,
-        "single_samples_per_sec": single,
-        "hvdlite_samples_per_sec_per_rank": per_rank["hvdlite"],
-        "hvdlite_samples_per_sec_total": per_rank["hvdlite"] * args.np,
-        "ddp_samples_per_sec_per_rank": per_rank["ddp"],
-        "ddp_samples_per_sec_total": per_rank["ddp"] * args.np,
-        "hvdlite_over_ddp": per_rank["hvdlite"] / per_rank["ddp"],
-        "hvdlite_scaling_efficiency": per_rank["hvdlite"] / single,
-        "ddp_scaling_efficiency": per_rank["ddp"] / single,
+        "rounds": args.rounds, "steps": args.steps,
+        "ceiling_samples_per_sec_per_process": median["ceiling"],
+        "single_samples_per_sec": median["single"],
+        "hvdlite_samples_per_sec_per_rank": median["hvdlite"],
+        "hvdlite_samples_per_sec_total": median["hvdlite"] * args.np,
+        "ddp_samples_per_sec_per_rank": median["ddp"],
+        "ddp_samples_per_sec_total": median["ddp"] * args.np,
+        "hvdlite_over_ceiling_per_round": ratios["hvdlite"],
+        "ddp_over_ceiling_per_round": ratios["ddp"],
+        "hvdlite_over_ceiling_median": statistics.median(ratios["hvdlite"]),
+        "ddp_over_ceiling_median": statistics.median(ratios["ddp"]),
+        "hvdlite_over_ddp": median["hvdlite"] / median["ddp"],
+        "hvdlite_scaling_efficiency": median["hvdlite"] / median["single"],
+        "ddp_scaling_efficiency": median["ddp"] / median["single"],
     }
     print(f"\nmodel {args.layers}, batch {args.batch} per rank, {args.np} ranks, "
-          f"median of {args.rounds} interleaved rounds")
-    print(f"  1 process           {single:9.1f} samples/sec")
-    print(f"  hvdlite {args.np} ranks     {summary['hvdlite_samples_per_sec_total']:9.1f} "
-          f"samples/sec total, {per_rank['hvdlite']:.1f} per rank")
-    print(f"  DDP gloo {args.np} ranks    {summary['ddp_samples_per_sec_total']:9.1f} "
-          f"samples/sec total, {per_rank['ddp']:.1f} per rank")
-    print(f"  hvdlite / DDP                 {summary['hvdlite_over_ddp']:.2f}x  (target >= 1.15)")
-    print(f"  scaling efficiency hvdlite    {summary['hvdlite_scaling_efficiency']:.0%}  "
-          "(target >= 70%)")
-    print(f"  scaling efficiency DDP        {summary['ddp_scaling_efficiency']:.0%}")
+          f"{args.steps} timed steps, medians of {args.rounds} interleaved rounds")
+    print(f"  ceiling ({args.np} independent) {median['ceiling']:9.1f} samples/sec per process")
+    print(f"  hvdlite {args.np} ranks         {median['hvdlite']:9.1f} samples/sec per rank")
+    print(f"  DDP gloo {args.np} ranks        {median['ddp']:9.1f} samples/sec per rank")
+    print(f"  1 process alone         {median['single']:9.1f} samples/sec")
+    for kind, label in (("hvdlite", "hvdlite/ceiling"), ("ddp", "DDP/ceiling    ")):
+        r = ratios[kind]
+        print(f"  {label}   median {statistics.median(r):.3f}, range {min(r):.3f}-{max(r):.3f}"
+              + ("  (target: median >= 0.85, none below 0.75)" if kind == "hvdlite" else ""))
+    print(f"  hvdlite / DDP     {summary['hvdlite_over_ddp']:.2f}x")
+    print(f"  scaling vs 1 process: hvdlite {summary['hvdlite_scaling_efficiency']:.0%}, "
+          f"DDP {summary['ddp_scaling_efficiency']:.0%}")
     if args.json:
         print(json.dumps(summary))
 

@@ -30,6 +30,8 @@
 #include <cstring>
 #include <future>
 
+#include "thread_sched.h"
+
 namespace hvdlite {
 namespace {
 
@@ -199,6 +201,9 @@ Status Core::Init(int64_t comm_f2c) {
     // Short sleeps in the loop (backoff while a peer catches up) should last what they
     // ask for, not the default 50 us timer slack on top.
     prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+    // Wakes take the core from a training thread at once rather than after its slice:
+    // each chunk of a shared-memory allreduce waits for the peers' background threads.
+    RequestShortSlice(kBackgroundSliceNs);
     MpiTopology topo;
     std::unique_ptr<MpiBackend> world(new MpiBackend());
     Status st = world->Init(comm_f2c, config_.mpi_thread_multiple, LayersOf(config_), &topo);

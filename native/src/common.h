@@ -25,17 +25,6 @@ class Status {
   std::string message_;
 };
 
-// Inside a spin-wait loop: tells the CPU the thread is waiting (x86 PAUSE), which leaves
-// more of a shared physical core to its other hardware thread (a peer rank, say) and
-// spares the pipeline flush on leaving the loop.
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
 inline Status InvalidArgument(std::string m) { return Status(HVDLITE_ERR_INVALID_ARGUMENT, std::move(m)); }
 
 bool ValidDtype(int32_t dtype);

@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <type_traits>
@@ -27,6 +26,23 @@ struct Control {
   alignas(64) std::atomic<int32_t> sleepers;  // ranks in (or about to be in) futex wait
 };
 static_assert(sizeof(Control) <= ShmAllreduce::kControlBytes, "the control block must fit its area");
+
+// How far a rank's Allreduce has got, in chunks counted over every call (the same
+// sequence on every rank), in its own segment after the barrier's area. Peers that
+// wait for it sleep on seq, which goes up at every step published.
+struct Progress {
+  alignas(64) std::atomic<int64_t> copied_in;   // chunks whose in slot is filled
+  std::atomic<int64_t> reduced;                 // chunks whose part is in the out slot
+  std::atomic<int64_t> copied_out;              // chunks copied into the outputs
+  alignas(64) std::atomic<int32_t> seq;         // a futex word
+  std::atomic<int32_t> sleepers;                // peers in (or about to be in) futex wait
+};
+constexpr int64_t kProgressOffset = 1024;
+static_assert(sizeof(Control) <= kProgressOffset, "the progress block follows the control block");
+static_assert(kProgressOffset + sizeof(Progress) <= ShmAllreduce::kControlBytes,
+              "the progress block must fit the control area");
+static_assert(std::atomic<int64_t>::is_always_lock_free,
+              "the progress counters need lock-free atomics to work across processes");
 static_assert(std::atomic<int32_t>::is_always_lock_free,
               "the barrier needs lock-free atomics to work across processes");
 
@@ -190,7 +206,38 @@ int ShmAllreduce::DeadPeer() const {
   return -1;
 }
 
-Status ShmAllreduce::Barrier(std::chrono::microseconds spin) {
+namespace {
+Progress* ProgressOf(uint8_t* segment) { return reinterpret_cast<Progress*>(segment + kProgressOffset); }
+}  // namespace
+
+void ShmAllreduce::Publish(int field, int64_t chunks) {
+  Progress* p = ProgressOf(segments_[rank_]);
+  std::atomic<int64_t>* f = field == 0 ? &p->copied_in : field == 1 ? &p->reduced : &p->copied_out;
+  f->store(chunks, std::memory_order_seq_cst);
+  p->seq.fetch_add(1, std::memory_order_seq_cst);
+  // Sequentially consistent with the waiters' increment, as in Barrier.
+  if (p->sleepers.load(std::memory_order_seq_cst) > 0) FutexWakeAll(&p->seq);
+}
+
+Status ShmAllreduce::WaitFor(int field, int64_t chunks) {
+  for (int k = 0; k < size_; ++k) {
+    if (k == rank_) continue;
+    Progress* p = ProgressOf(segments_[k]);
+    const std::atomic<int64_t>* f = field == 0 ? &p->copied_in : field == 1 ? &p->reduced : &p->copied_out;
+    while (f->load(std::memory_order_acquire) < chunks) {
+      p->sleepers.fetch_add(1, std::memory_order_seq_cst);
+      const int32_t seq = p->seq.load(std::memory_order_seq_cst);
+      if (f->load(std::memory_order_seq_cst) < chunks) FutexWait(&p->seq, seq, idle_ ? kIdleWakeUs : 100000);
+      p->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      if (f->load(std::memory_order_acquire) >= chunks) break;
+      Status s = AfterWait();
+      if (!s.ok()) return s;
+    }
+  }
+  return Status::OK();
+}
+
+Status ShmAllreduce::Barrier() {
   Control* c = reinterpret_cast<Control*>(segments_[0]);
   sense_ ^= 1;
   if (c->count.fetch_add(1, std::memory_order_acq_rel) == size_ - 1) {
@@ -201,36 +248,32 @@ Status ShmAllreduce::Barrier(std::chrono::microseconds spin) {
     if (c->sleepers.load(std::memory_order_seq_cst) > 0) FutexWakeAll(&c->sense);
     return Status::OK();
   }
-  using Clock = std::chrono::steady_clock;
-  const auto spin_end = Clock::now() + spin;
-  for (int i = 0;; ++i) {
-    if (c->sense.load(std::memory_order_acquire) == sense_) return Status::OK();
-    // A peer in step with us arrives within microseconds.
-    if (i % 16 == 15 && Clock::now() >= spin_end) break;
-    CpuRelax();
-  }
   const int32_t old_sense = sense_ ^ 1;
   while (true) {
     c->sleepers.fetch_add(1, std::memory_order_seq_cst);
     if (c->sense.load(std::memory_order_seq_cst) == old_sense) FutexWait(&c->sense, old_sense, idle_ ? kIdleWakeUs : 100000);
     c->sleepers.fetch_sub(1, std::memory_order_seq_cst);
     if (c->sense.load(std::memory_order_acquire) == sense_) return Status::OK();
-    if (idle_) {
-      Status s = idle_();
-      if (!s.ok()) return s;
-    }
-    int dead = DeadPeer();  // woken by the timeout (or a signal): is everyone still there?
-    if (dead >= 0) {
-      return Status(HVDLITE_ERR_RANK_FAILED,
-                    "rank " + std::to_string(dead) + " (pid " + std::to_string(pids_[dead]) +
-                        ") ended during a shared-memory allreduce");
-    }
+    Status s = AfterWait();
+    if (!s.ok()) return s;
   }
+}
+
+Status ShmAllreduce::AfterWait() {
+  if (idle_) {
+    Status s = idle_();
+    if (!s.ok()) return s;
+  }
+  int dead = DeadPeer();  // woken by the timeout (or a signal): is everyone still there?
+  if (dead < 0) return Status::OK();
+  return Status(HVDLITE_ERR_RANK_FAILED, "rank " + std::to_string(dead) + " (pid " +
+                                             std::to_string(pids_[dead]) +
+                                             ") ended during a shared-memory allreduce");
 }
 
 Status ShmAllreduce::AndBits(uint64_t* bits, int64_t words) {
   std::memcpy(Bits(rank_, bits_set_), bits, words * sizeof(uint64_t));
-  Status s = Barrier(kCoordinationSpin);
+  Status s = Barrier();
   if (!s.ok()) return s;
   for (int k = 0; k < size_; ++k) {
     if (k == rank_) continue;
@@ -269,7 +312,6 @@ Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, int32_t dtype, 
   for (const Piece& p : pieces) starts.push_back(starts.back() + p.count);
   const int64_t count = starts.back();
   const int64_t chunks = (count + per_chunk - 1) / per_chunk;
-  const int base_set = set_;
 
   // Chunk c: flat elements [done, done + n), rank k's part [k * part, (k + 1) * part)
   // of it (clipped to n), its slot set, and where the reduction reads this rank's own
@@ -288,7 +330,7 @@ Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, int32_t dtype, 
     k.part = ((k.n + size_ - 1) / size_ + align - 1) / align * align;
     k.lo = std::min(k.n, k.part * rank_);
     k.hi = std::min(k.n, k.lo + k.part);
-    k.set = (base_set + static_cast<int>(c % 2)) % 2;
+    k.set = static_cast<int>((issued_ + c) % 2);
     k.own_in_tensor = nullptr;
     if (prescale == 1.0 && k.hi > k.lo) {
       size_t i = std::upper_bound(starts.begin(), starts.end(), k.done + k.lo) - starts.begin() - 1;
@@ -337,19 +379,36 @@ Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, int32_t dtype, 
     }
   };
   if (chunks == 0) return Status::OK();
-  Chunk previous{}, current = chunk(0);
-  copy_in(current);
+  // Chunk c is chunk g = issued_ + c of every call so far. Each step waits only for
+  // what it reads or overwrites, from the peers' previous steps: a peer up to a chunk
+  // behind costs no wait, and a wait sleeps on that peer's progress futex.
+  //   copy in c + 1: chunk c - 1 (same slot set) reduced everywhere;
+  //   reduce c: chunk c copied in everywhere, chunk c - 2 copied out everywhere;
+  //   copy out c - 1: chunk c - 1 reduced everywhere.
+  // (Counts are of chunks done: chunk g reduced is reduced >= g + 1.)
+  const int64_t g0 = issued_;
+  Status s;
+  copy_in(chunk(0));
+  Publish(0, g0 + 1);
   for (int64_t c = 0; c <= chunks; ++c) {
-    Status s = Barrier(kChunkSpin);
-    if (!s.ok()) return s;
-    const Chunk next = c + 1 < chunks ? chunk(c + 1) : Chunk{};
-    if (c < chunks) reduce(current);
-    if (c > 0) copy_out(previous);
-    if (c + 1 < chunks) copy_in(next);
-    previous = current;
-    current = next;
+    const int64_t g = g0 + c;
+    if (c + 1 < chunks) {
+      if (!(s = WaitFor(1, g)).ok()) return s;
+      copy_in(chunk(c + 1));
+      Publish(0, g + 2);
+    }
+    if (c < chunks) {
+      if (!(s = WaitFor(0, g + 1)).ok() || !(s = WaitFor(2, g - 1)).ok()) return s;
+      reduce(chunk(c));
+      Publish(1, g + 1);
+    }
+    if (c > 0) {
+      if (!(s = WaitFor(1, g)).ok()) return s;
+      copy_out(chunk(c - 1));
+      Publish(2, g);
+    }
   }
-  set_ = (base_set + static_cast<int>(chunks % 2)) % 2;
+  issued_ = g0 + chunks;
   return Status::OK();
 }
 
@@ -429,18 +488,21 @@ Status ShmAllreduce::ReduceScatter(const std::vector<Piece>& pieces, int64_t fir
 Status ShmAllreduce::Rounds(int64_t rounds, const std::function<void(int64_t, int)>& fill,
                             const std::function<void(int64_t, int)>& drain) {
   if (rounds == 0) return Status::OK();
+  // The slots are free once every peer has copied out the last Allreduce's chunks, and
+  // a barrier at the end frees them for the next Allreduce, which passes none.
+  Status s = WaitFor(2, issued_);
+  if (!s.ok()) return s;
   const int base_set = set_;
   auto set_of = [&](int64_t r) { return (base_set + static_cast<int>(r % 2)) % 2; };
   fill(0, set_of(0));
   for (int64_t r = 0; r < rounds; ++r) {
-    Status s = Barrier(kChunkSpin);
-    if (!s.ok()) return s;
+    if (!(s = Barrier()).ok()) return s;
     drain(r, set_of(r));
     if (r + 1 < rounds) fill(r + 1, set_of(r + 1));
     if (idle_ && !(s = idle_()).ok()) return s;
   }
   set_ = (base_set + static_cast<int>(rounds % 2)) % 2;
-  return Status::OK();
+  return Barrier();
 }
 
 Status ShmAllreduce::Allgather(const void* shard, const std::vector<Piece>& pieces, int64_t first,

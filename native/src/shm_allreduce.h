@@ -21,23 +21,31 @@
 // moves less data (one copy in, one reduction pass, one copy out) and waits without
 // a blocked peer spinning on a core.
 //
-// The steps are pipelined over one barrier per chunk: after barrier k every rank has
-// copied chunk k in and reduced chunk k-1, so a rank reduces chunk k, copies chunk k-1
-// out and copies chunk k+1 in before the next. Two sets of slots alternate from chunk
-// to chunk (across calls too): chunk k+1's in slot was last read by the reduction of
-// chunk k-1, and chunk k's out slot by the copying out of chunk k-2, both finished by
-// every rank before barrier k. A call of n chunks passes n+1 barriers (two per chunk
-// without the pipeline), and each rank has a chunk's worth of copying to do between
-// them, which evens out a peer's late arrival.
+// The steps are pipelined without a barrier: each rank publishes, in its own segment,
+// how many chunks (counted over every call) it has copied in, reduced and copied out,
+// and before a step waits only for what that step reads or overwrites. Two sets of
+// slots alternate from chunk to chunk, so a rank copies chunk k+1 in once every rank
+// has reduced chunk k-1 (the last reader of that in slot), reduces chunk k once every
+// rank has copied it in and copied chunk k-2 out (the last readers of that out slot),
+// then copies chunk k-1 out once every rank has reduced it. Each wait is for a peer's
+// previous step, so a peer up to a chunk behind costs no wait at all; a rank that does
+// wait sleeps on the peer's progress futex and is woken when the peer publishes. (With
+// one barrier per chunk, every chunk cost a sleep and a wake-up on one rank or the
+// other: 33 of them for a 16 MB gradient, which took twice its CPU time.)
 //
-// The barrier (a counter and a sense flag in rank 0's segment) spins for a while (20 us
-// between chunks, where a peer in step is there at once; 50 us in the coordination,
-// where ranks arrive as their own threads submit), then sleeps on the sense flag as a
-// futex until the last rank to arrive wakes it: a waiting rank takes no CPU from the training threads that share
-// its cores (spinning or yielding there took up to half a core from them), and a wake
-// costs a few microseconds, not a timer's late tens. Every 100 ms of waiting it checks
-// that the peer processes still exist, so a dead rank ends the wait with an error that
-// names it rather than a hang.
+// ReduceScatter and Allgather go round by round over the barrier below; they start once
+// every peer has copied out the last Allreduce and end with a barrier, which frees the
+// slots for the next Allreduce.
+//
+// The barrier (a counter and a sense flag in rank 0's segment) does not spin: a rank
+// that arrives before its peers sleeps on the sense flag as a futex until the last
+// rank to arrive wakes it. A waiting rank takes no CPU from the training threads that
+// share its cores (a 20 us spin per chunk cost each rank ~0.7 ms of CPU per step of
+// the MLP benchmark's 23 MB), and a wake (the background thread asks for the kernel's
+// shortest slice, so it takes the core from a training thread at once) costs a few
+// microseconds, not a timer's late tens. Every 100 ms of waiting it checks that the
+// peer processes still exist, so a dead rank ends the wait with an error that names it
+// rather than a hang.
 //
 // The same segments carry the coordination's bit vector (AndBits): every rank writes
 // its vector to its segment, passes the barrier and ANDs all of them. A rank that gets
@@ -50,7 +58,6 @@
 #pragma once
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <vector>
@@ -77,8 +84,8 @@ class ShmAllreduce {
   static constexpr int64_t kHeaderBytes = kControlBytes + 2 * kMaxBitsWords * 8;
   static constexpr int64_t kSegmentBytes = kHeaderBytes + 4 * kChunkBytes;
 
-  // segments[k]: rank k's segment as mapped in this process (rank 0's zeroed by its
-  // owner before any rank uses it); pids[k]: rank k's process id.
+  // segments[k]: rank k's segment as mapped in this process (each one's control area
+  // zeroed by its owner before any rank uses it); pids[k]: rank k's process id.
   ShmAllreduce(int rank, std::vector<uint8_t*> segments, std::vector<int64_t> pids);
 
   // One tensor of an allreduce: count elements read from in (null: zeros, from a rank
@@ -113,8 +120,8 @@ class ShmAllreduce {
   // while a barrier sleeps (instead of every 100 ms), while set: the hierarchical
   // allreduce moves its network step on there. An error ends the call with it.
   void SetIdle(std::function<Status()> idle) { idle_ = std::move(idle); }
-  // The chunk Allreduce moves per barrier (autotune.h), at most kChunkBytes, which
-  // sizes the slots. Every rank sets the same before the same call.
+  // The chunk Allreduce moves per step of its pipeline (autotune.h), at most
+  // kChunkBytes, which sizes the slots. Every rank sets the same before the same call.
   void set_chunk_bytes(int64_t bytes) { chunk_bytes_ = std::max<int64_t>(4096, std::min(bytes, kChunkBytes)); }
 
   // bits[i] = AND over ranks of every rank's bits[i]; words <= kMaxBitsWords. Every
@@ -129,20 +136,27 @@ class ShmAllreduce {
   // after barrier r drain(r) and fill(r + 1), each given round r's slot set.
   Status Rounds(int64_t rounds, const std::function<void(int64_t, int)>& fill,
                 const std::function<void(int64_t, int)>& drain);
-  // Spins for `spin` before sleeping.
-  Status Barrier(std::chrono::microseconds spin);
-  static constexpr std::chrono::microseconds kChunkSpin{20};
-  static constexpr std::chrono::microseconds kCoordinationSpin{50};
+  // Every rank arrives before any leaves; a rank that waits sleeps.
+  Status Barrier();
+  // Allreduce's progress: field 0 copied in, 1 reduced, 2 copied out. Publish sets this
+  // rank's count (in chunks over all calls) and wakes peers that wait for it; WaitFor
+  // sleeps until every peer's count is at least `chunks`.
+  void Publish(int field, int64_t chunks);
+  Status WaitFor(int field, int64_t chunks);
   // How often a sleeping barrier wakes to call idle_: a ring step that ends while the
   // host waits is noticed within this, and the next one posted.
   static constexpr int64_t kIdleWakeUs = 200;
   // The first rank whose process has ended, or -1.
   int DeadPeer() const;
+  // After a futex wait that did not end the wait (a timeout, a signal): calls idle_ and
+  // returns an error naming a peer whose process has ended.
+  Status AfterWait();
 
   const int rank_, size_;
   const std::vector<uint8_t*> segments_;
   const std::vector<int64_t> pids_;
-  int set_ = 0;    // slot set of the next chunk
+  int set_ = 0;    // slot set of the next round of ReduceScatter or Allgather
+  int64_t issued_ = 0;  // Allreduce chunks of every call so far (chunk g uses slot set g % 2)
   int bits_set_ = 0;  // bit-vector area of the next AndBits
   int sense_ = 0;  // this rank's barrier sense
   int64_t chunk_bytes_ = kChunkBytes;

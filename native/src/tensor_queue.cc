@@ -5,9 +5,6 @@
 
 namespace hvdlite {
 
-// How long WaitForQuiet spins for a synchronous caller to block before sleeping.
-constexpr std::chrono::microseconds kSpin(15);
-
 static Status InFlight(const Request& q) {
   return Status(HVDLITE_ERR_DUPLICATE_NAME,
                 std::string("a tensor named '") + q.name + "' is already in flight (" +
@@ -34,7 +31,6 @@ Status TensorQueue::Add(std::vector<TensorEntry> entries) {
       pending_.push_back(&entries_.emplace(std::move(name), std::move(e)).first->second);
     }
     last_add_ = entries.front().enqueued;
-    adds_.fetch_add(1, std::memory_order_relaxed);
   }
   work_cv_.notify_one();
   return Status::OK();
@@ -126,19 +122,6 @@ void TensorQueue::WaitForQuiet(Clock::duration quiet, Clock::time_point deadline
   // wakes this wait (Hurry), or its blocked count is seen here (both sequentially
   // consistent).
   auto done = [&] { return blocked.load() > 0 || woken_; };
-  // A synchronous caller blocks a few microseconds after its request: wait for that
-  // without sleeping (a sleep and a wake-up cost more), unless more requests arrive.
-  const uint64_t adds = adds_.load(std::memory_order_relaxed);
-  lock.unlock();
-  const auto spin_end = Clock::now() + kSpin;
-  for (int i = 0; blocked.load() == 0; ++i) {
-    if (i % 16 == 15 &&
-        (adds_.load(std::memory_order_relaxed) != adds || Clock::now() >= spin_end)) {
-      break;
-    }
-    CpuRelax();
-  }
-  lock.lock();
   while (!done()) {
     const auto until = std::min(last_add_ + quiet, deadline);
     if (Clock::now() >= until) break;

@@ -82,7 +82,6 @@ class TensorQueue {
   bool woken_ = false;                                    // Guarded by mutex_.
   std::condition_variable quiet_cv_;                      // WaitForQuiet sleeps here
   Clock::time_point last_add_;                            // Guarded by mutex_.
-  std::atomic<uint64_t> adds_{0};  // Adds so far: WaitForQuiet's spin reads it unlocked
   std::atomic<bool> gathering_{false};                    // in WaitForQuiet
 };
 

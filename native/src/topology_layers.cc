@@ -139,7 +139,8 @@ std::unique_ptr<HostLayer> HostLayer::Open(void* comm) {
     MPI_Win_shared_query(*win, k, &bytes, &disp, &base);
     segments[k] = static_cast<uint8_t*>(base);
   }
-  if (layer->rank_ == 0) std::memset(segments[0], 0, ShmAllreduce::kControlBytes);  // the barrier's state
+  // Each rank's control area: the barrier's state (rank 0's) and its Allreduce progress.
+  std::memset(segments[layer->rank_], 0, ShmAllreduce::kControlBytes);
   int64_t pid = static_cast<int64_t>(getpid());
   std::vector<int64_t> pids(layer->size_);
   MPI_Allgather(&pid, 1, MPI_INT64_T, pids.data(), 1, MPI_INT64_T, local);  // also a barrier

@@ -71,3 +71,55 @@ def test_allreduce_every_dtype_and_size(np_, shm):
             assert shm_ops == res["cases"], res["stats"]
         else:
             assert shm_ops == 0, res["stats"]
+
+
+LAGGING_SCRIPT = r"""
+import json, threading
+import numpy as np
+import hvdlite as hvd
+
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+CHUNK = 1 << 19
+n = CHUNK * 7 // 2 // 4 + 3  # float32: three and a half chunks, and a few elements
+stop = threading.Event()
+
+def hog():
+    # Takes the cores from the background threads at random moments (numpy releases
+    # the GIL), so that ranks fall behind one another in the middle of an allreduce.
+    a = np.random.default_rng(rank).random((256, 256))
+    while not stop.is_set():
+        a = a @ a
+        a /= np.abs(a).max()
+
+hogs = [threading.Thread(target=hog) for _ in range(2)]
+for h in hogs:
+    h.start()
+base = np.arange(n, dtype=np.float32) % 1000
+wrong = []
+for it in range(40):
+    handles = [hvd.allreduce_async(base * (rank + 1) + it + k, name=f"lag.{it}.{k}", op=hvd.Sum)
+               for k in range(3)]
+    for k, h in enumerate(handles):
+        got = hvd.synchronize(h)
+        want = base * (size * (size + 1) // 2) + size * (it + k)
+        if not np.array_equal(got, want):
+            wrong.append(f"{it}.{k}: {int((got != want).sum())} elements differ")
+stop.set()
+for h in hogs:
+    h.join()
+print("HVDLITE_RESULT", json.dumps({"wrong": wrong, "stats": hvd.stats()}))
+hvd.shutdown()
+"""
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_allreduce_with_ranks_falling_behind_mid_call(np_):
+    # Chunks pipelined over per-rank progress counters: a rank may run a chunk ahead of
+    # a peer and must never overwrite a slot the peer still reads, across calls too.
+    env = {"HVDLITE_SHM_ALLREDUCE": "1", "HVDLITE_FUSION_THRESHOLD": None}
+    job = harness.assert_ok(harness.run_job(np_, LAGGING_SCRIPT, timeout=300, env=env))
+    for rank in range(np_):
+        res = job.result(rank)
+        assert not res["wrong"], f"rank {rank}: {res['wrong'][:10]}"
+        assert res["stats"]["shm_collectives"] >= 40, res["stats"]
