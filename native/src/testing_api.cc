@@ -20,6 +20,7 @@
 #include "mpi_fault_guard.h"
 #include "shm_allreduce.h"
 #include "tensor_queue.h"
+#include "timeline.h"
 
 #define HVDLITE_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -302,5 +303,52 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_test_knob_search(int32_t hierarchy, int3
     best->settled = *done;
     best->trials = search.trials();
     return hvdlite::Status::OK();
+  });
+}
+
+HVDLITE_EXPORT hvdlite_status_t hvdlite_test_timeline_steps(const char* path, int32_t tensors,
+                                                           int32_t steps, int64_t ring_words,
+                                                           int32_t hold_writer,
+                                                           int32_t drain_every, int64_t* asked,
+                                                           int64_t* dropped) {
+  using namespace hvdlite;
+  return Guard([&] {
+    if (!path || !asked || !dropped) return InvalidArgument("path, asked or dropped is NULL");
+    if (tensors <= 0 || steps < 0 || ring_words <= 0) {
+      return InvalidArgument("tensors and ring_words must be positive, steps not negative");
+    }
+    if (hold_writer && drain_every > 0) {
+      return InvalidArgument("a held writer never drains: hold_writer with drain_every > 0");
+    }
+    Timeline timeline(static_cast<size_t>(ring_words));
+    Status s = timeline.Start(path, false);
+    if (!s.ok()) return s;
+    timeline.HoldWriter(hold_writer != 0);
+    std::vector<std::string> names;
+    for (int32_t i = 0; i < tensors; ++i) names.push_back("t." + std::to_string(i));
+    std::vector<const std::string*> all;
+    for (const std::string& n : names) all.push_back(&n);
+    const std::string args = "\"dtype\": \"float32\", \"shape\": \"[4]\", \"bytes\": 16, "
+                             "\"fused\": " + std::to_string(tensors);
+    for (int32_t step = 0; step < steps; ++step) {
+      // SortFresh, Coordinate, Execute, ExecuteAllreduce: the loop's calls in its order.
+      timeline.BeginNegotiationAll(all, "NEGOTIATE_ALLREDUCE");
+      timeline.InstantAll(all, "rank 0 ready", "\"cached\": true");
+      timeline.InstantAll(all, "all ranks ready", "\"cached\": true");
+      timeline.EndAll(all);
+      timeline.BeginOps(all, "ALLREDUCE", [](size_t) { return uint64_t{1}; },
+                        [&](size_t) { return args; });
+      const int64_t queued = Timeline::Now();
+      std::vector<int> tids = timeline.OpenTracks(all);
+      const int64_t started = Timeline::Now();
+      timeline.Complete(tids, "QUEUE", queued, started);
+      timeline.Complete(tids, "SHM_ALLREDUCE", started, Timeline::Now());
+      timeline.EndAll(all);
+      if (drain_every > 0 && (step + 1) % drain_every == 0) timeline.WaitWritten();
+    }
+    *asked = int64_t{6} * tensors * steps;
+    *dropped = timeline.dropped();
+    timeline.Stop();
+    return Status::OK();
   });
 }

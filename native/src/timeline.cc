@@ -1,11 +1,15 @@
 #include "timeline.h"
 
+#include <sched.h>
+
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cstring>
 
 #ifdef __linux__
+#include <pthread.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -14,11 +18,12 @@
 namespace hvdlite {
 namespace {
 
-// Events waiting for the writer; beyond this, new spans and marks are dropped.
-constexpr size_t kMaxQueued = 1 << 16;
-// The writer wakes this often (or when the queue is half full) and flushes each batch,
-// so a crash loses at most this much of the end of the trace.
-constexpr auto kWriterPeriod = std::chrono::milliseconds(50);
+// The writer wakes this often (or when the ring is half full), writes the batch and
+// flushes it, so a crash loses at most this much of the end of the trace.
+constexpr auto kWriterPeriod = std::chrono::milliseconds(100);
+// The writer formats into a buffer this large and writes it whenever it fills: small
+// enough to stay in cache, large enough that the write calls cost nothing.
+constexpr size_t kOutBytes = size_t{1} << 17;
 
 std::string JsonEscape(const std::string& s) {
   std::string out;
@@ -37,7 +42,84 @@ std::string JsonEscape(const std::string& s) {
   return out;
 }
 
+size_t PowerOfTwoAtLeast(size_t n) {
+  size_t p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+
 }  // namespace
+
+// ---- InternTable ----
+
+uint32_t InternTable::Hash(std::string_view text) {
+  // A word at a time, multiply-xorshift mixing: tensor names are short.
+  uint64_t h = 0x9E3779B97F4A7C15ull ^ text.size();
+  const char* p = text.data();
+  size_t n = text.size();
+  auto mix = [&h](uint64_t w) {
+    h = (h ^ w) * 0xFF51AFD7ED558CCDull;
+    h ^= h >> 29;
+  };
+  for (; n >= 8; p += 8, n -= 8) {
+    uint64_t w;
+    std::memcpy(&w, p, 8);
+    mix(w);
+  }
+  if (n > 0) {
+    uint64_t w = 0;
+    if (text.size() >= 8) {
+      std::memcpy(&w, text.data() + text.size() - 8, 8);  // the last 8 bytes, overlapping
+    } else {
+      for (size_t i = 0; i < n; ++i) w |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
+    }
+    mix(w);
+  }
+  h *= 0xC4CEB9FE1A85EC53ull;
+  return static_cast<uint32_t>(h >> 32);
+}
+
+size_t InternTable::SlotOf(std::string_view text, uint32_t hash) const {
+  const size_t mask = slots_.size() - 1;
+  for (size_t i = hash & mask;; i = (i + 1) & mask) {
+    const Slot& s = slots_[i];
+    if (s.id < 0 || (s.hash == hash && texts_[s.id] == text)) return i;
+  }
+}
+
+int InternTable::Find(std::string_view text) const {
+  if (slots_.empty()) return -1;
+  return slots_[SlotOf(text, Hash(text))].id;
+}
+
+int InternTable::Add(std::string_view text) {
+  if (2 * (texts_.size() + 1) > slots_.size()) Grow();  // at most half full
+  const uint32_t hash = Hash(text);
+  Slot& s = slots_[SlotOf(text, hash)];
+  if (s.id < 0) {
+    s = {hash, static_cast<int32_t>(texts_.size())};
+    texts_.emplace_back(text);
+  }
+  return s.id;
+}
+
+void InternTable::Grow() {
+  slots_.assign(std::max<size_t>(64, 2 * slots_.size()), Slot{0, -1});
+  for (size_t id = 0; id < texts_.size(); ++id) {
+    const uint32_t hash = Hash(texts_[id]);
+    slots_[SlotOf(texts_[id], hash)] = {hash, static_cast<int32_t>(id)};
+  }
+}
+
+void InternTable::Clear() {
+  slots_.clear();
+  texts_.clear();
+}
+
+// ---- Timeline: start and stop ----
+
+Timeline::Timeline(size_t ring_words)
+    : ring_words_(PowerOfTwoAtLeast(std::max<size_t>(ring_words, 4 * kEndWords))) {}
 
 int64_t Timeline::Now() {
   return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -52,14 +134,28 @@ Status Timeline::Start(const std::string& path, bool mark_cycles) {
     return InvalidArgument("cannot write the timeline to '" + path + "': " + std::strerror(errno));
   }
   file_ = f;
+  if (!out_) out_.reset(new char[kOutBytes]);
+  out_len_ = 0;
+  track_names_.clear();
+  texts_.clear();
   depth_.assign(1, 0);
+  dropped_written_ = 0;
   start_us_ = Now();
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    stop_ = false;
+    if (ring_.empty()) {
+      // Touched now, so that recording never takes a page fault.
+      ring_.assign(ring_words_, 0);
+      mask_ = ring_words_ - 1;
+    }
+    head_ = tail_ = reserved_ = 0;
+    stop_ = hold_ = wake_ = false;
     dropped_ = 0;
-    queue_.clear();
-    tracks_.clear();
+    run_ = (run_ + 1) & ((1 << (31 - kRunShift)) - 1);
+    track_ids_.Clear();
+    strings_.Clear();
+    strings_.Add("");
+    tracks_.assign(1, Track());
   }
   // Every later event starts with ",\n", so the file is one event per line: a reader
   // can recover everything but a torn last line after a crash.
@@ -90,42 +186,28 @@ void Timeline::Stop() {
   file_ = nullptr;
 }
 
-Timeline::Track& Timeline::TrackOf(const std::string& tensor) {
-  auto it = tracks_.find(tensor);
-  if (it != tracks_.end()) return it->second;
-  int tid = static_cast<int>(tracks_.size()) + 1;
-  // The track's name travels with its first event, even when the queue is full:
-  // a track without a name would be unreadable.
-  queue_.push_back({'M', tid, tensor, "", 0, {}});
-  return tracks_.emplace(tensor, Track{tid, {}, false, 0, {}}).first->second;
+void Timeline::HoldWriter(bool hold) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    hold_ = hold;
+  }
+  cv_.notify_one();
 }
 
-int Timeline::Admit(const std::string& tensor, char phase, bool only_if_idle, Track** out) {
-  const bool full = queue_.size() >= kMaxQueued;
-  if (tensor.empty()) {  // a global mark
-    if (full) ++dropped_;
-    return full ? -1 : 0;
-  }
-  if (phase == 'E') {
-    auto it = tracks_.find(tensor);
-    if (it == tracks_.end() || it->second.open.empty()) return -1;  // its B was never recorded
-    bool queued = it->second.open.back();
-    it->second.open.pop_back();
-    // Queued even when the queue is full: its B is in the file.
-    return queued ? it->second.tid : -1;
-  }
-  Track& track = TrackOf(tensor);
-  if (out) *out = &track;
-  if (phase == 'B') {
-    if (only_if_idle && !track.open.empty()) return -1;
-    track.open.push_back(!full);
-  }
-  if (full) {
-    ++dropped_;
-    return -1;
-  }
-  return track.tid;
+void Timeline::WaitWritten() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const uint64_t target = head_;
+  wake_ = true;
+  cv_.notify_one();
+  written_.wait(lock, [&] { return tail_ >= target || stop_ || !writer_.joinable(); });
 }
+
+int64_t Timeline::dropped() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return dropped_;
+}
+
+// ---- Timeline: the producer (background loop) ----
 
 template <typename Make>
 void Timeline::Produce(Make make) {
@@ -133,33 +215,99 @@ void Timeline::Produce(Make make) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stop_) return;
-    const size_t before = queue_.size();
+    const uint64_t half = ring_words_ / 2;
+    const bool below = head_ - tail_ < half;
     make();
-    notify = before < kMaxQueued / 2 && queue_.size() >= kMaxQueued / 2;
+    notify = below && head_ - tail_ >= half;
   }
   if (notify) cv_.notify_one();
 }
 
-void Timeline::Push(const std::string& tensor, char phase, std::string name, std::string args,
-                    bool only_if_idle) {
-  int64_t ts = Now();
-  Produce([&] {
-    int tid = Admit(tensor, phase, only_if_idle);
-    if (tid >= 0) queue_.push_back({phase, tid, std::move(name), std::move(args), ts, {}});
-  });
+size_t Timeline::Room(size_t reserve) const {
+  const uint64_t taken = head_ - tail_ + reserved_ + kHeaderWords;
+  if (taken >= ring_words_) return 0;
+  return static_cast<size_t>((ring_words_ - taken) / (1 + reserve));
 }
 
-void Timeline::PushAll(const std::vector<const std::string*>& tensors, char phase,
-                       const char* name, const char* args, bool only_if_idle) {
-  int64_t ts = Now();
+int Timeline::TrackOf(std::string_view tensor) {
+  const int tid = track_ids_.Add(tensor) + 1;
+  if (static_cast<size_t>(tid) == tracks_.size()) tracks_.emplace_back();
+  return tid;
+}
+
+int Timeline::Follow(const std::string& tensor, int* prev, bool add) {
+  int tid = *prev > 0 ? tracks_[*prev].next : 0;
+  if (tid == 0 || track_ids_.text(tid - 1) != tensor) {
+    tid = add ? TrackOf(tensor) : track_ids_.Find(tensor) + 1;
+    if (tid == 0) return 0;
+    if (*prev > 0) tracks_[*prev].next = tid;
+  }
+  *prev = tid;
+  return tid;
+}
+
+bool Timeline::OpenSpan(Track& track, bool fits) {
+  if (track.depth >= 64) fits = false;
+  const uint64_t bit = uint64_t{1} << (track.depth & 63);
+  track.recorded = fits ? track.recorded | bit : track.recorded & ~bit;
+  ++track.depth;
+  if (!fits) {
+    ++dropped_;
+    return false;
+  }
+  reserved_ += kEndWords;
+  return true;
+}
+
+bool Timeline::CloseSpan(Track& track) {
+  if (track.depth == 0) return false;  // its B was never recorded
+  const bool recorded = track.top_recorded();
+  --track.depth;
+  // Recorded even when the ring is full: its B is in the file, and this is the room
+  // set aside for it (an E record of n tracks takes less than n records of one).
+  if (recorded) reserved_ -= kEndWords;
+  return recorded;
+}
+
+void Timeline::Commit(char phase, size_t count, int name, int args, int64_t ts_us,
+                      int64_t dur_us) {
+  if (count == 0) return;
+  auto put = [this](size_t word, uint32_t v) { ring_[(head_ + word) & mask_] = v; };
+  put(kPhase, static_cast<uint32_t>(phase));
+  put(kCount, static_cast<uint32_t>(count));
+  put(kName, static_cast<uint32_t>(name));
+  put(kArgs, static_cast<uint32_t>(args));
+  put(kTsLow, static_cast<uint32_t>(static_cast<uint64_t>(ts_us)));
+  put(kTsHigh, static_cast<uint32_t>(static_cast<uint64_t>(ts_us) >> 32));
+  put(kDurLow, static_cast<uint32_t>(static_cast<uint64_t>(dur_us)));
+  put(kDurHigh, static_cast<uint32_t>(static_cast<uint64_t>(dur_us) >> 32));
+  head_ += kHeaderWords + count;
+}
+
+void Timeline::PushAll(const std::string* const* tensors, size_t n, char phase,
+                       std::string_view name, std::string_view args, bool only_if_idle) {
+  const int64_t ts = Now();
   Produce([&] {
-    std::vector<int> tids;
-    tids.reserve(tensors.size());
-    for (const std::string* t : tensors) {
-      int tid = Admit(*t, phase, only_if_idle);
-      if (tid >= 0) tids.push_back(tid);
+    const size_t room = phase == 'E' ? SIZE_MAX : Room(phase == 'B' ? kEndWords : 0);
+    size_t k = 0;
+    int prev = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const int tid = Follow(*tensors[i], &prev, phase != 'E');
+      if (phase == 'E') {
+        if (tid == 0 || !CloseSpan(tracks_[tid])) continue;
+      } else {
+        if (phase == 'B') {
+          Track& track = tracks_[tid];
+          if (only_if_idle && track.depth > 0) continue;
+          if (!OpenSpan(track, k < room)) continue;
+        } else if (k >= room) {
+          ++dropped_;
+          continue;
+        }
+      }
+      PutTid(k++, tid);
     }
-    if (!tids.empty()) queue_.push_back({phase, 0, name ? name : "", args, ts, std::move(tids)});
+    Commit(phase, k, strings_.Add(name), strings_.Add(args), ts);
   });
 }
 
@@ -168,11 +316,15 @@ std::vector<int> Timeline::OpenTracks(const std::vector<const std::string*>& ten
   if (!active()) return tids;
   tids.reserve(tensors.size());
   std::lock_guard<std::mutex> lock(mutex_);
+  int prev = 0;
   for (const std::string* t : tensors) {
-    auto it = tracks_.find(*t);
-    if (it != tracks_.end() && !it->second.open.empty() && it->second.open.back()) {
-      tids.push_back(it->second.tid);
+    const int tid = Follow(*t, &prev, false);
+    if (tid <= 0 || tracks_[tid].depth == 0) continue;
+    if (tid >= 1 << kRunShift) {  // beyond 16M tracks: no room in the value
+      ++dropped_;
+      continue;
     }
+    tids.push_back(tid | run_ << kRunShift);
   }
   return tids;
 }
@@ -181,170 +333,267 @@ void Timeline::Complete(const std::vector<int>& tids, const char* activity, int6
                         int64_t end_us) {
   if (tids.empty() || !active()) return;
   Produce([&] {
-    if (queue_.size() >= kMaxQueued) {
-      ++dropped_;
-      return;
+    const size_t room = Room(0);
+    size_t k = 0;
+    for (int value : tids) {
+      // Tracks of an earlier run (restarted since OpenTracks) are not this file's.
+      if (value >> kRunShift != run_) continue;
+      const int tid = value & ((1 << kRunShift) - 1);
+      // In the span it belongs to, if that was recorded; else lost with it, and counted.
+      if (k < room && tracks_[tid].top_recorded()) {
+        PutTid(k++, tid);
+      } else {
+        ++dropped_;
+      }
     }
-    queue_.push_back({'X', 0, activity, "", start_us, tids, end_us - start_us});
+    Commit('X', k, strings_.Add(activity), 0, start_us, end_us - start_us);
   });
 }
 
 void Timeline::EndAll(const std::vector<const std::string*>& tensors) {
-  if (active()) PushAll(tensors, 'E', nullptr);
+  if (active()) PushAll(tensors.data(), tensors.size(), 'E', "", "");
 }
 
 void Timeline::BeginOps(const std::vector<const std::string*>& tensors, const char* activity,
                         const std::function<uint64_t(size_t)>& args_key,
                         const std::function<std::string(size_t)>& make_args) {
   if (!active() || tensors.empty()) return;
-  int64_t ts = Now();
+  const int64_t ts = Now();
   Produce([&] {
-    const std::string* run_args = nullptr;  // the args of the event being gathered
-    Event run{'B', 0, activity, "", ts, {}};
-    auto flush = [&] {
-      if (run.tids.empty()) return;
-      run.args = *run_args;
-      queue_.push_back(std::move(run));
-      run = Event{'B', 0, activity, "", ts, {}};
-    };
+    const int name = strings_.Add(activity);
+    size_t room = Room(kEndWords);
+    size_t k = 0;
+    int run_args = -1;  // the args of the record being gathered
+    int prev = 0;
     for (size_t i = 0; i < tensors.size(); ++i) {
-      Track* track = nullptr;
-      int tid = Admit(*tensors[i], 'B', false, &track);
-      if (tid < 0) continue;
+      const int tid = Follow(*tensors[i], &prev, true);
+      Track& track = tracks_[tid];
       const uint64_t key = args_key(i);
-      if (!track->has_args || track->args_key != key) {
-        track->args = make_args(i);
-        track->args_key = key;
-        track->has_args = true;
+      if (track.args < 0 || track.args_key != key) {
+        track.args = strings_.Add(make_args(i));
+        track.args_key = key;
       }
-      if (run_args && *run_args != track->args) flush();
-      run_args = &track->args;
-      run.tids.push_back(tid);
+      if (k > 0 && track.args != run_args) {
+        Commit('B', k, name, run_args, ts);
+        room = Room(kEndWords);
+        k = 0;
+      }
+      run_args = track.args;
+      if (OpenSpan(track, k < room)) PutTid(k++, tid);
     }
-    flush();
+    Commit('B', k, name, run_args, ts);
   });
 }
 
 void Timeline::BeginNegotiationAll(const std::vector<const std::string*>& tensors,
                                    const char* activity) {
-  if (active() && !tensors.empty()) PushAll(tensors, 'B', activity, "", /*only_if_idle=*/true);
+  if (active() && !tensors.empty()) {
+    PushAll(tensors.data(), tensors.size(), 'B', activity, "", /*only_if_idle=*/true);
+  }
 }
 
 void Timeline::InstantAll(const std::vector<const std::string*>& tensors, const char* what,
                           const char* args) {
-  if (active() && !tensors.empty()) PushAll(tensors, 'i', what, args);
+  if (active() && !tensors.empty()) PushAll(tensors.data(), tensors.size(), 'i', what, args);
 }
 
 void Timeline::BeginNegotiation(const std::string& tensor, const std::string& activity) {
-  if (active()) Push(tensor, 'B', activity, "", /*only_if_idle=*/true);
+  const std::string* t = &tensor;
+  if (active()) PushAll(&t, 1, 'B', activity, "", /*only_if_idle=*/true);
 }
 
 void Timeline::End(const std::string& tensor) {
-  if (active()) Push(tensor, 'E', "", "");
+  const std::string* t = &tensor;
+  if (active()) PushAll(&t, 1, 'E', "", "");
 }
 
 void Timeline::Instant(const std::string& tensor, const std::string& what, const std::string& args) {
-  if (active()) Push(tensor, 'i', what, args);
+  const std::string* t = &tensor;
+  if (active()) PushAll(&t, 1, 'i', what, args);
 }
 
 void Timeline::MarkCycle() {
-  if (active() && mark_cycles()) Push("", 'i', "CYCLE_START", "");
+  if (!active() || !mark_cycles()) return;
+  const int64_t ts = Now();
+  Produce([&] {
+    if (Room(0) == 0) {
+      ++dropped_;
+      return;
+    }
+    PutTid(0, 0);  // tid 0: a global mark
+    Commit('i', 1, strings_.Add("CYCLE_START"), 0, ts);
+  });
 }
 
-void Timeline::WriteLine(char phase, int tid, int64_t ts_us, const std::string& tail) {
-  if (phase == 'B') ++depth_[tid];
-  if (phase == 'E') --depth_[tid];
-  // Hand-formatted into the batch buffer: the writer shares the CPU with the ranks.
-  char num[24];
-  out_ += ",\n{\"ph\": \"";
-  out_ += phase;
-  out_ += "\", \"pid\": 0, \"tid\": ";
-  out_.append(num, std::to_chars(num, num + sizeof(num), tid).ptr);
-  out_ += ", \"ts\": ";
-  out_.append(num, std::to_chars(num, num + sizeof(num), ts_us - start_us_).ptr);
-  out_ += tail;
-}
+// ---- Timeline: the writer ----
 
-void Timeline::Write(const Event& e) {
-  if (e.phase == 'M') {
-    if (static_cast<size_t>(e.tid) >= depth_.size()) depth_.resize(e.tid + 1, 0);
-    std::string tid = std::to_string(e.tid);
-    out_ += ",\n{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": 0, \"tid\": " + tid +
-            ", \"args\": {\"name\": \"" + JsonEscape(e.name) + "\"}}";
-    out_ += ",\n{\"name\": \"thread_sort_index\", \"ph\": \"M\", \"pid\": 0, \"tid\": " + tid +
-            ", \"args\": {\"sort_index\": " + tid + "}}";
-    return;
+void Timeline::Append(const char* data, size_t n) {
+  if (out_len_ + n > kOutBytes) {
+    FlushOut();
+    if (n > kOutBytes) {  // a line longer than the buffer (huge args): straight out
+      std::fwrite(data, 1, n, file_);
+      return;
+    }
   }
-  // What follows the timestamp; shared by every line of a group event.
-  line_.clear();
-  if (!e.name.empty()) {
+  std::memcpy(out_.get() + out_len_, data, n);
+  out_len_ += n;
+}
+
+void Timeline::AppendNumber(int64_t v) {
+  char num[24];
+  Append(num, static_cast<size_t>(std::to_chars(num, num + sizeof(num), v).ptr - num));
+}
+
+void Timeline::FlushOut() {
+  std::fwrite(out_.get(), 1, out_len_, file_);
+  out_len_ = 0;
+}
+
+void Timeline::CopyNewTexts() {
+  for (size_t id = track_names_.size(); id < track_ids_.size(); ++id) {
+    track_names_.push_back(track_ids_.text(static_cast<int>(id)));
+  }
+  for (size_t id = texts_.size(); id < strings_.size(); ++id) {
+    texts_.push_back(strings_.text(static_cast<int>(id)));
+  }
+}
+
+void Timeline::NameNewTracks() {
+  // Before the batch that uses them: every tid in it was added before it was taken.
+  for (size_t tid = depth_.size(); tid <= track_names_.size(); ++tid) {
+    const std::string t = std::to_string(tid);
+    Append(",\n{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": 0, \"tid\": " + t +
+           ", \"args\": {\"name\": \"" + JsonEscape(track_names_[tid - 1]) + "\"}}");
+    Append(",\n{\"name\": \"thread_sort_index\", \"ph\": \"M\", \"pid\": 0, \"tid\": " + t +
+           ", \"args\": {\"sort_index\": " + t + "}}");
+  }
+  depth_.resize(track_names_.size() + 1, 0);
+}
+
+uint64_t Timeline::WriteRecord(uint64_t pos) {
+  auto word = [&](size_t i) { return ring_[(pos + i) & mask_]; };
+  const char phase = static_cast<char>(word(kPhase));
+  const size_t count = word(kCount);
+  const std::string& name = texts_[word(kName)];
+  const std::string& args = texts_[word(kArgs)];
+  const int64_t ts = static_cast<int64_t>(word(kTsLow) | static_cast<uint64_t>(word(kTsHigh)) << 32);
+  const int64_t dur =
+      static_cast<int64_t>(word(kDurLow) | static_cast<uint64_t>(word(kDurHigh)) << 32);
+  const bool global = phase == 'i' && count == 1 && word(kHeaderWords) == 0;
+
+  // What every line of the record shares: its start up to the tid, and the rest.
+  char head[] = ",\n{\"ph\": \"?\", \"pid\": 0, \"tid\": ";
+  constexpr size_t kHeadLen = sizeof(head) - 1;
+  head[10] = phase;
+  char num[24];
+  line_.assign(", \"ts\": ");
+  line_.append(num, std::to_chars(num, num + sizeof(num), ts - start_us_).ptr);
+  if (!name.empty()) {
     line_ += ", \"name\": \"";
-    line_ += JsonEscape(e.name);
+    line_ += JsonEscape(name);
     line_ += '"';
   }
-  if (e.phase == 'i') line_ += e.tid == 0 && e.tids.empty() ? ", \"s\": \"g\"" : ", \"s\": \"t\"";
-  if (e.phase == 'X') {
-    char num[24];
+  if (phase == 'i') line_ += global ? ", \"s\": \"g\"" : ", \"s\": \"t\"";
+  if (phase == 'X') {
     line_ += ", \"dur\": ";
-    line_.append(num, std::to_chars(num, num + sizeof(num), e.dur_us).ptr);
+    line_.append(num, std::to_chars(num, num + sizeof(num), dur).ptr);
   }
-  if (!e.args.empty()) {
+  if (!args.empty()) {
     line_ += ", \"args\": {";
-    line_ += e.args;
+    line_ += args;
     line_ += '}';
   }
   line_ += '}';
-  if (e.tids.empty()) {
-    WriteLine(e.phase, e.tid, e.ts_us, line_);
-  } else {
-    for (int tid : e.tids) WriteLine(e.phase, tid, e.ts_us, line_);
+
+  const size_t line_max = kHeadLen + 10 + line_.size();  // 10: the digits of a tid
+  for (size_t k = 0; k < count; ++k) {
+    const uint32_t tid = word(kHeaderWords + k);
+    if (phase == 'B') ++depth_[tid];
+    if (phase == 'E') --depth_[tid];
+    if (out_len_ + line_max > kOutBytes) FlushOut();
+    if (line_max > kOutBytes) {  // a line longer than the buffer (huge args)
+      Append(head, kHeadLen);
+      AppendNumber(tid);
+      Append(line_);
+      continue;
+    }
+    // The common case: straight copies into the buffer, with its room checked once.
+    char* p = out_.get() + out_len_;
+    std::memcpy(p, head, kHeadLen);
+    p = std::to_chars(p + kHeadLen, p + kHeadLen + 10, tid).ptr;
+    std::memcpy(p, line_.data(), line_.size());
+    out_len_ = static_cast<size_t>(p + line_.size() - out_.get());
   }
+  return pos + kHeaderWords + count;
 }
 
 void Timeline::WriterLoop() {
 #ifdef __linux__
-  // Lower this thread's priority (Linux nice values are per thread): the trace can wait
-  // a few ms, the ranks' threads on a busy machine should not.
+  // Out of the ranks' way: SCHED_BATCH (a wake-up never preempts a running thread) at
+  // nice +10 (Linux nice values are per thread). The trace can wait a little; the
+  // ring holds seconds of events.
+  sched_param param{};
+  pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
   setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 10);
 #endif
-  std::deque<Event> batch;
   while (true) {
+    uint64_t from, to;
     bool stopping;
     int64_t dropped;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait_for(lock, kWriterPeriod,
-                   [&] { return stop_ || queue_.size() >= kMaxQueued / 2; });
-      batch.swap(queue_);
+      cv_.wait_for(lock, kWriterPeriod, [&] {
+        return stop_ || (!hold_ && (wake_ || head_ - tail_ >= ring_words_ / 2));
+      });
+      if (hold_ && !stop_) continue;
+      wake_ = false;
+      from = tail_;
+      to = head_;
       stopping = stop_;
       dropped = dropped_;
+      CopyNewTexts();
     }
-    for (const Event& e : batch) Write(e);
-    batch.clear();
-    std::fwrite(out_.data(), 1, out_.size(), file_);
-    out_.clear();
+    // The records in [from, to) are the writer's until tail_ moves past them.
+    NameNewTracks();
+    for (uint64_t pos = from; pos < to;) pos = WriteRecord(pos);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      tail_ = to;
+    }
+    written_.notify_all();
+    const int64_t now = Now() - start_us_;
     if (stopping) {
       // Spans still open now (the timeline stops in the middle of an operation) end
       // here, so every B in the file has its E.
-      int64_t now = Now();
       for (size_t tid = 1; tid < depth_.size(); ++tid) {
         for (; depth_[tid] > 0; --depth_[tid]) {
-          std::fprintf(file_, ",\n{\"ph\": \"E\", \"pid\": 0, \"tid\": %zu, \"ts\": %lld}", tid,
-                       static_cast<long long>(now - start_us_));
+          Append(",\n{\"ph\": \"E\", \"pid\": 0, \"tid\": ");
+          AppendNumber(static_cast<int64_t>(tid));
+          Append(", \"ts\": ");
+          AppendNumber(now);
+          Append("}");
         }
       }
+    }
+    if (dropped > dropped_written_) {
+      // The lines lost since the last count; the file's counts add up to the total.
+      Append(",\n{\"ph\": \"i\", \"pid\": 0, \"tid\": 0, \"ts\": ");
+      AppendNumber(now);
+      Append(", \"s\": \"g\", \"name\": \"EVENTS_DROPPED\", \"args\": {\"count\": ");
+      AppendNumber(dropped - dropped_written_);
+      Append("}}");
+      dropped_written_ = dropped;
+    }
+    // Flushed every batch: what was written survives a crash.
+    FlushOut();
+    std::fflush(file_);
+    if (stopping) {
       if (dropped > 0) {
-        std::fprintf(file_,
-                     ",\n{\"ph\": \"i\", \"pid\": 0, \"tid\": 0, \"ts\": %lld, \"s\": \"g\", "
-                     "\"name\": \"EVENTS_DROPPED\", \"args\": {\"count\": %lld}}",
-                     static_cast<long long>(now - start_us_), static_cast<long long>(dropped));
         HVDLITE_LOG(WARNING) << "timeline: " << dropped
                              << " events were dropped because the writer fell behind";
       }
+      break;
     }
-    // Flushed every batch: what was written survives a crash.
-    std::fflush(file_);
-    if (stopping) break;
   }
 }
 

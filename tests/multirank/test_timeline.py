@@ -1,4 +1,5 @@
-"""Timeline: real 2-rank runs with the timeline on, the file it writes, and the summary tool.
+"""Timeline: real 2-rank runs with the timeline on, the file it writes, and the summary tool;
+and the recorder's ring alone (testing.h, in this process), wrapping and overflowing.
 
 Every figure the summary prints is recomputed here from the raw events, independently of
 hvdlite.timeline_summary (which only the subprocess running ``python -m hvdlite`` uses).
@@ -410,7 +411,7 @@ def test_summary_after_a_rank_crashed(tmp_path):
         for i in range(20):
             hvd.allreduce(np.ones(64, np.float32), name=f"t.{i % 4}")
         if hvd.rank() == 0:
-            # The writer flushes every 50 ms, at a low priority: wait until the file
+            # The writer flushes every 100 ms, at a low priority: wait until the file
             # holds the 20 operations and their ends (a crash keeps what was flushed).
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
@@ -480,3 +481,85 @@ def test_unwritable_path_is_an_error_at_the_call(tmp_path):
     assert set(errors) == {f"init.{r}" for r in range(NP)}, (errors, result.stderr)
     assert str(bad) in errors["init.0"]
     assert "rank 0 cannot write the timeline" in errors["init.1"]
+
+
+# -- the ring between the background loop and the writer, driven through testing.h ----
+
+def record_steps(path, tensors, steps, ring_words, hold_writer=False, drain_every=0):
+    """Runs hvdlite_test_timeline_steps; returns (lines asked for other than E, dropped)."""
+    from hvdlite._native import ffi, lib
+    asked, dropped = ffi.new("int64_t *"), ffi.new("int64_t *")
+    status = lib.hvdlite_test_timeline_steps(str(path).encode(), tensors, steps, ring_words,
+                                             int(hold_writer), drain_every, asked, dropped)
+    assert status == lib.HVDLITE_OK, ffi.string(lib.hvdlite_last_error()).decode()
+    return asked[0], dropped[0]
+
+
+def check_named_before_use(events):
+    """Every track's name line comes before the track's first event."""
+    named = {0}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            named.add(e["tid"])
+        elif "tid" in e:
+            assert e["tid"] in named, f"track {e['tid']} used before it was named: {e}"
+
+
+def check_step(negotiate, op, tensors):
+    """One step of hvdlite_test_timeline_steps on one track, recorded in full."""
+    assert negotiate["name"] == "NEGOTIATE_ALLREDUCE" and op["name"] == "ALLREDUCE"
+    assert [m["name"] for m in negotiate["marks"]] == ["rank 0 ready", "all ranks ready"]
+    assert [c["name"] for c in op["children"]] == ["QUEUE", "SHM_ALLREDUCE"]
+    assert op["args"] == {"dtype": "float32", "shape": "[4]", "bytes": 16, "fused": tensors}
+
+
+def test_every_event_survives_a_ring_that_wraps(tmp_path):
+    # 7 tracks x 40 steps x 8 lines through a ring of 512 words, drained every 2 steps:
+    # the ring wraps many times, and the writer always keeps up, so nothing may be lost.
+    path, tensors, steps, ring_words = tmp_path / "wrap.json", 7, 40, 512
+    asked, dropped = record_steps(path, tensors, steps, ring_words, drain_every=2)
+    assert (asked, dropped) == (6 * tensors * steps, 0)
+    events = read_trace(path)
+    timed = [e for e in events if "ts" in e]
+    assert len(timed) > ring_words  # at least a word a line: the ring wrapped
+    assert not [e for e in events if e.get("name") == "EVENTS_DROPPED"]
+    check_named_before_use(events)
+    tid_of = {name: tid for tid, name in track_names(events).items() if tid != 0}
+    assert set(tid_of) == {f"t.{i}" for i in range(tensors)}
+    by_track = spans_by_track(events)
+    for i in range(tensors):
+        tid = tid_of[f"t.{i}"]
+        ts = [e["ts"] for e in timed if e["tid"] == tid]
+        assert ts == sorted(ts), f"t.{i}: timestamps go backwards"
+        spans = by_track[tid]
+        assert len(spans) == 2 * steps, f"t.{i}: {len(spans) // 2} of {steps} steps"
+        for negotiate, op in zip(spans[::2], spans[1::2]):
+            check_step(negotiate, op, tensors)
+
+
+@pytest.mark.parametrize("tensors,ring_words", [(5, 256), (200, 4096)])
+def test_a_full_ring_drops_whole_spans_and_counts_every_lost_line(tmp_path, tensors, ring_words):
+    # The writer is held while 60 steps are recorded: the ring fills in the first steps.
+    # (200 tracks: a fused record is cut part way through its tracks.)
+    path, steps = tmp_path / "full.json", 60
+    asked, dropped = record_steps(path, tensors, steps, ring_words, hold_writer=True)
+    assert asked == 6 * tensors * steps
+    assert 0 < dropped < asked
+    events = read_trace(path)  # still valid JSON
+    counts = [e["args"]["count"] for e in events if e.get("name") == "EVENTS_DROPPED"]
+    assert sum(counts) == dropped
+    written = [e for e in events if e.get("ph") in ("B", "i", "X") and e.get("tid", 0) != 0]
+    assert len(written) + dropped == asked  # nothing lost without being counted
+    check_named_before_use(events)
+    by_track = spans_by_track(events)  # every recorded B has its E
+    # What fit is what came first: both rings hold the whole first step.
+    tid_of = {name: tid for tid, name in track_names(events).items() if tid != 0}
+    assert set(tid_of) == {f"t.{i}" for i in range(tensors)}
+    for tid in tid_of.values():
+        check_step(*by_track[tid][:2], tensors)
+    for spans in by_track.values():
+        for s in spans:
+            if s["name"] == "ALLREDUCE":
+                # An activity is only ever written inside its recorded span.
+                assert [c["name"] for c in s["children"]] in (
+                    [], ["QUEUE"], ["QUEUE", "SHM_ALLREDUCE"]), s

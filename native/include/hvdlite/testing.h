@@ -91,6 +91,21 @@ hvdlite_status_t hvdlite_test_knob_search(int32_t hierarchy, int32_t fixed, int6
                                           hvdlite_autotune_t* candidates, int64_t cap,
                                           int64_t* count, int32_t* done, hvdlite_autotune_t* best);
 
+/* The timeline alone (no MPI, no background loop): records `steps` steps of a fused
+ * allreduce over `tensors` tracks named "t.<i>" on the response-cache path, with the
+ * calls the loop makes (per track and step: a NEGOTIATE_ALLREDUCE span with its "rank 0
+ * ready" and "all ranks ready" marks, then an ALLREDUCE span holding QUEUE and
+ * SHM_ALLREDUCE activities) into a ring of ring_words 32-bit words, and writes them to
+ * path. hold_writer != 0: the writer takes nothing until every step is recorded, so a
+ * ring smaller than the steps overflows. drain_every > 0: after that many steps, waits
+ * until the writer has written everything so far (the ring then wraps without loss).
+ * *asked receives the per-track lines the steps asked for other than E (an E follows
+ * its B), *dropped those the timeline dropped. */
+hvdlite_status_t hvdlite_test_timeline_steps(const char* path, int32_t tensors, int32_t steps,
+                                             int64_t ring_words, int32_t hold_writer,
+                                             int32_t drain_every, int64_t* asked,
+                                             int64_t* dropped);
+
 /* CDEF-END */
 
 #ifdef __cplusplus
