@@ -20,7 +20,7 @@ _LAZY = {
     **{name: "hvdlite.runtime" for name in (
         "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
         "cross_size", "cross_rank", "mpi_threads_supported", "stats", "start_timeline",
-        "stop_timeline")},
+        "stop_timeline", "autotune_state")},
     **{name: "hvdlite.ops" for name in (
         "Average", "Sum", "Min", "Max", "Product", "Adasum",
         "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",

@@ -193,6 +193,27 @@ def stats():
     return {name: int(getattr(out, name)) for name, _ in ffi.typeof("hvdlite_stats_t").fields}
 
 
+def autotune_state():
+    """Returns what autotune (``HVDLITE_AUTOTUNE=1``) uses now on this rank, as a dict.
+
+    Keys: enabled, settled (the search ended and the values stay), trials (measured so
+    far), fusion_threshold (bytes), cycle_time_ms, shm_chunk_bytes, hierarchical (the
+    hierarchical allreduce is used where there are several hosts). Every rank holds the
+    same values from one cycle to the next; with autotune off they are the defaults (or
+    what ``HVDLITE_*`` set). README, "Autotune".
+
+    Returns:
+        The dict; cycle_time_ms is a float, the rest ints (enabled, settled and
+        hierarchical as bools).
+    """
+    out = ffi.new("hvdlite_autotune_t *")
+    check(lib.hvdlite_autotune_state(out))
+    state = {name: getattr(out, name) for name, _ in ffi.typeof("hvdlite_autotune_t").fields}
+    for flag in ("enabled", "settled", "hierarchical"):
+        state[flag] = bool(state[flag])
+    return state
+
+
 def start_timeline(path, mark_cycles=False):
     """Starts writing a Chrome-trace timeline (rank 0 writes it; elsewhere a no-op).
 

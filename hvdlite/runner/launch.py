@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     tuning.add_argument("--stall-check-time", type=float, metavar="S",
                         help="seconds before a stalled tensor is reported "
                              "(HVDLITE_STALL_CHECK_TIME)")
+    tuning.add_argument("--autotune", action="store_true",
+                        help="tune fusion threshold, cycle time and the shared-memory chunk "
+                             "online (HVDLITE_AUTOTUNE=1)")
+    tuning.add_argument("--autotune-log-file", metavar="FILE",
+                        help="CSV of autotune's trials, written by rank 0 "
+                             "(HVDLITE_AUTOTUNE_LOG)")
     launch = parser.add_argument_group("launch")
     launch.add_argument("--output-filename", metavar="DIR",
                         help="also write each rank's output to DIR/rank.<rank>.log")
@@ -201,6 +207,12 @@ def tuning_env(args: argparse.Namespace) -> Dict[str, str]:
     if args.stall_check_time is not None:
         check("--stall-check-time", args.stall_check_time, 0)
         env["HVDLITE_STALL_CHECK_TIME"] = _number(args.stall_check_time)
+    if args.autotune:
+        env["HVDLITE_AUTOTUNE"] = "1"
+    if args.autotune_log_file is not None:
+        if not args.autotune_log_file.strip():
+            raise UsageError("--autotune-log-file must not be empty")
+        env["HVDLITE_AUTOTUNE_LOG"] = args.autotune_log_file
     return env
 
 

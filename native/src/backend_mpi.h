@@ -75,6 +75,10 @@ class MpiBackend {
                          int32_t reduce_op, double prescale, double postscale, int64_t divisor) {
     return host_->shm().Allreduce(pieces, dtype, reduce_op, prescale, postscale, divisor);
   }
+  // The chunk of SharedAllreduce (ShmAllreduce::set_chunk_bytes); autotune sets it.
+  void SetShmChunkBytes(int64_t bytes) {
+    if (host_) host_->shm().set_chunk_bytes(bytes);
+  }
   // The hierarchical allreduce over the layers, or null when allreduce goes flat.
   LayeredAllreduce* hierarchical() { return hierarchical_.get(); }
   // Whether allgather (Allgatherv) and broadcast (Bcast) go through the hosts' leaders.

@@ -52,7 +52,7 @@ constexpr std::chrono::milliseconds kIdleCycle(20);
 constexpr std::chrono::milliseconds kElsewhereLinger(200);
 
 // values holds kSettings values per rank; the one at `index` must be equal on every rank.
-constexpr int kSettings = 3;
+constexpr int kSettings = 4;
 Status SameOnEveryRank(const std::vector<int64_t>& values, int index, const char* setting) {
   std::vector<std::string> per_rank;
   for (size_t r = index; r < values.size(); r += kSettings) {
@@ -213,6 +213,10 @@ Status Core::Init(int64_t comm_f2c) {
       if (topo.rank == 0 && !config_.timeline_path.empty()) {
         st = timeline_.Start(config_.timeline_path, config_.timeline_mark_cycles);
       }
+      if (st.ok()) {
+        st = autotune_.Start(config_.autotune, config_, topo.rank, world->shared_memory(),
+                             world->hierarchical() != nullptr);
+      }
       // Every rank learns whether rank 0 could open the timeline, so a bad path fails
       // init everywhere instead of leaving the others waiting for rank 0. Done
       // whatever the local config says: HVDLITE_TIMELINE may be set on rank 0 only.
@@ -220,18 +224,22 @@ Status Core::Init(int64_t comm_f2c) {
       // bit vectors of different lengths or plan different fusions: a hang or wrong
       // results later, a clear error now.
       const int64_t mine[kSettings] = {st.ok() ? 1 : 0, config_.cache_capacity,
-                                       config_.fusion_threshold};
+                                       config_.fusion_threshold, config_.autotune.enabled ? 1 : 0};
       std::vector<int64_t> all(kSettings * topo.size);
       Status agree = world->Allgatherv(mine, sizeof(mine), all.data(),
                                        std::vector<int64_t>(topo.size, sizeof(mine)));
       if (st.ok() && !agree.ok()) st = agree;
       if (st.ok() && all[0] == 0) {
-        st = InvalidArgument("rank 0 cannot write the timeline (HVDLITE_TIMELINE); its error says why");
+        st = InvalidArgument("rank 0 cannot write the timeline (HVDLITE_TIMELINE) or the autotune log "
+                             "(HVDLITE_AUTOTUNE_LOG); its error says why");
       }
       if (st.ok()) st = SameOnEveryRank(all, 1, "HVDLITE_CACHE_CAPACITY");
       if (st.ok()) st = SameOnEveryRank(all, 2, "HVDLITE_FUSION_THRESHOLD");
+      // Autotune adds words to every coordination round (autotune.h).
+      if (st.ok()) st = SameOnEveryRank(all, 3, "HVDLITE_AUTOTUNE");
       if (!st.ok()) {
         timeline_.Stop();
+        autotune_.Stop();
         world->Shutdown(true);
       }
     }
@@ -243,7 +251,7 @@ Status Core::Init(int64_t comm_f2c) {
       auto members = std::make_shared<const ProcessSetMembers>(0, everyone, topo.rank);
       sets_.Insert(std::unique_ptr<ProcessSetState>(new ProcessSetState(
           members, std::move(world),
-          CoreParts{config_, queue_, handles_, counters_, timeline_, sets_,
+          CoreParts{config_, queue_, handles_, counters_, timeline_, sets_, autotune_,
                     [this](const Status& failure) { EndLoop(failure); }})));
     }
     started.set_value(st);
@@ -272,6 +280,7 @@ Status Core::Shutdown() {
   queue_.Wake();
   thread_.join();
   running_ = false;
+  autotune_.Stop();
   std::lock_guard<std::mutex> tl(timeline_mutex_);
   timeline_.Stop();
   return Status::OK();
@@ -606,8 +615,6 @@ void Core::FailEverything(const Status& s) {
 }
 
 void Core::Loop() {
-  auto cycle = std::chrono::duration_cast<Clock::duration>(
-      std::chrono::duration<double, std::milli>(config_.cycle_time_ms));
   auto last_start = Clock::now();
   Status end = Status(HVDLITE_ERR_SHUTDOWN, "hvdlite was shut down");
   // With nothing in flight on this rank there is nothing to negotiate, so the loop
@@ -615,8 +622,11 @@ void Core::Loop() {
   // coordination only every kIdleCycle, to hear of a peer's shutdown. Idle cycles at
   // the cycle time would cost CPU and, worse, a peer whose first request meets our
   // idle coordination round (its bit set, ours not yet) would wait a whole cycle.
-  const auto idle_cycle = std::max<Clock::duration>(cycle, kIdleCycle);
   while (true) {
+    // The cycle time in force (autotune may change it between cycles).
+    const auto cycle = std::chrono::duration_cast<Clock::duration>(
+        std::chrono::duration<double, std::milli>(autotune_.knobs().cycle_time_ms));
+    const auto idle_cycle = std::max<Clock::duration>(cycle, kIdleCycle);
     bool idle = queue_.Size() == 0 && !HasRefusals() && Clock::now() - elsewhere_heard_ > kElsewhereLinger;
     for (ProcessSetState* set = sets_.NextMember(-1); set && idle; set = sets_.NextMember(set->id())) {
       idle = !set->Busy();
@@ -671,11 +681,13 @@ bool Core::RunCycle() {
   queue_.PopPending(&fresh_);
   Distribute();
   RoundFlags heard;
+  const int64_t bytes_before = counters_.bytes;
   for (ProcessSetState* set = sets_.NextMember(-1); set; set = sets_.NextMember(set->id())) {
     auto here = in_flight_by_set_.find(set->id());
     mine.elsewhere = in_flight_ > (here == in_flight_by_set_.end() ? 0 : here->second);
     if (!set->RunCycle(now, mine, &heard)) return false;
   }
+  autotune_.EndCycle(Clock::now(), counters_.bytes - bytes_before);
   if (heard.elsewhere) elsewhere_heard_ = now;
   return !heard.shutdown;
 }
@@ -767,7 +779,9 @@ void ProcessSetState::SortFresh(Clock::time_point now) {
 bool ProcessSetState::Coordinate(Clock::time_point now, const RoundFlags& mine, bool* any_uncached,
                                  RoundFlags* heard, std::vector<Response>* ready) {
   const size_t words = cache_ ? (cache_->capacity() + 63) / 64 : 0;
-  std::vector<uint64_t> bits(1 + 2 * words, 0);
+  // The global set's round also carries rank 0's autotune decision (autotune.h says why).
+  const size_t tuned = id() == 0 ? autotune_.Words() : 0;
+  std::vector<uint64_t> bits(1 + 2 * words + tuned, 0);
   uint64_t flags = 0;
   bool wants_round = controller_ && controller_->WantsRound(now);
   if (!uncached_.empty() || wants_round) flags |= 1;
@@ -782,9 +796,11 @@ bool ProcessSetState::Coordinate(Clock::time_point now, const RoundFlags& mine, 
   for (size_t i = 0; i < words; ++i) bits[1 + words + i] = ~0ull;
   for (int64_t slot : invalid_slots_) bits[1 + words + slot / 64] &= ~(1ull << (slot % 64));
   invalid_slots_.clear();
+  if (tuned) autotune_.Publish(&bits[1 + 2 * words]);
 
   Status s = mpi_->AndBits(&bits);
   if (!s.ok()) return EndLoop(s);
+  if (tuned) autotune_.Adopt(&bits[1 + 2 * words], now);
   flags = ~bits[0];
   bool any_joined = flags & 4;
   *any_uncached = flags & 1;
@@ -898,7 +914,9 @@ void ProcessSetState::FinishAll(const std::vector<TensorEntry*>& entries, const 
 void ProcessSetState::Execute(const std::vector<Response>& ready) {
   // Plan: ready[begin, ends[n]) is one collective, a run of compatible allreduces fused
   // under the threshold or one other response. Every field used here comes from the
-  // responses, which are identical on all ranks.
+  // responses, which are identical on all ranks, and the threshold in force (autotune
+  // changes it only between cycles, on every rank alike).
+  const int64_t threshold = autotune_.knobs().fusion_threshold;
   std::vector<size_t> ends;
   for (size_t i = 0; i < ready.size();) {
     const Response& r = ready[i];
@@ -907,22 +925,22 @@ void ProcessSetState::Execute(const std::vector<Response>& ready) {
     if (r.op == HVDLITE_OP_ALLGATHER && r.error.empty()) {
       // Allgathers fuse by bytes alone: every rank's pieces travel in one Allgatherv.
       int64_t gathered = AllgatherBytes(r);
-      while (config_.fusion_threshold > 0 && gathered < kFuseAloneBytes && j < ready.size()) {
+      while (threshold > 0 && gathered < kFuseAloneBytes && j < ready.size()) {
         const Response& c = ready[j];
         if (c.op != HVDLITE_OP_ALLGATHER || !c.error.empty()) break;
         int64_t b = AllgatherBytes(c);
-        if (b >= kFuseAloneBytes || gathered + b > config_.fusion_threshold) break;
+        if (b >= kFuseAloneBytes || gathered + b > threshold) break;
         gathered += b;
         ++j;
       }
     } else if (r.op == HVDLITE_OP_ALLREDUCE && r.error.empty() && bytes < kFuseAloneBytes) {
-      while (config_.fusion_threshold > 0 && j < ready.size()) {
+      while (threshold > 0 && j < ready.size()) {
         const Response& c = ready[j];
         int64_t b = NumElements(c.shape) * ElementSize(c.dtype);
         if (c.op != HVDLITE_OP_ALLREDUCE || !c.error.empty() || b >= kFuseAloneBytes || c.dtype != r.dtype ||
             c.reduce_op != r.reduce_op || !SameFactor(c.prescale, r.prescale) ||
             !SameFactor(c.postscale, r.postscale) ||
-            c.contributors != r.contributors || bytes + b > config_.fusion_threshold) {
+            c.contributors != r.contributors || bytes + b > threshold) {
           break;
         }
         bytes += b;
@@ -1000,7 +1018,8 @@ void ProcessSetState::ExecuteAllreduce(const std::vector<const Response*>& fused
   Activities activities(timeline_, names, queue_start_us_);
   activities.Done("QUEUE");
   Status s;
-  LayeredAllreduce* hierarchical = mpi_->hierarchical();
+  LayeredAllreduce* hierarchical =
+      autotune_.knobs().hierarchical ? mpi_->hierarchical() : nullptr;
   if (mpi_->shared_memory() || hierarchical) {
     // Straight from the inputs through shared memory into the outputs, scaled on the
     // way: no fusion buffer and no separate scaling pass.
@@ -1015,6 +1034,7 @@ void ProcessSetState::ExecuteAllreduce(const std::vector<const Response*>& fused
       s = hierarchical->Allreduce(pieces, dtype, mpi_op, first.prescale, first.postscale, divisor,
                                   [&](const char* step) { activities.Done(step); });
     } else {
+      mpi_->SetShmChunkBytes(autotune_.knobs().shm_chunk_bytes);
       s = mpi_->SharedAllreduce(pieces, dtype, mpi_op, first.prescale, first.postscale, divisor);
       activities.Done("SHM_ALLREDUCE");
     }

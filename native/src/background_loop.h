@@ -32,6 +32,7 @@ class Core {
   Status Refuse(int32_t op, const char* name, int32_t process_set, const std::string& reason);
   HandleTable& handles() { return handles_; }
   const Counters& counters() const { return counters_; }
+  const Autotuner& autotune() const { return autotune_; }
   Status StartTimeline(const std::string& path, bool mark_cycles);
   Status StopTimeline();
   // Process sets (see c_api.h): the changes are collective over all ranks and block.
@@ -86,6 +87,7 @@ class Core {
   Timeline timeline_;  // used by the background thread; Start/Stop under timeline_mutex_
   std::mutex timeline_mutex_;
   ProcessSetTable sets_;
+  Autotuner autotune_;  // started by the background thread at init; View() any thread
 
   // Background thread only.
   std::vector<TensorEntry*> fresh_;  // this cycle's new entries (TensorQueue::PopPending)

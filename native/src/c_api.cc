@@ -176,6 +176,21 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_stats(hvdlite_stats_t* out) {
   });
 }
 
+HVDLITE_EXPORT hvdlite_status_t hvdlite_autotune_state(hvdlite_autotune_t* out) {
+  return Guard([&] {
+    if (!out) return NullOut();
+    const hvdlite::AutotuneView v = hvdlite::Core::Get().autotune().View();
+    out->enabled = v.enabled;
+    out->settled = v.settled;
+    out->trials = v.trials;
+    out->fusion_threshold = v.knobs.fusion_threshold;
+    out->cycle_time_ms = v.knobs.cycle_time_ms;
+    out->shm_chunk_bytes = v.knobs.shm_chunk_bytes;
+    out->hierarchical = v.knobs.hierarchical;
+    return hvdlite::Status::OK();
+  });
+}
+
 HVDLITE_EXPORT hvdlite_status_t hvdlite_add_process_set(const int32_t* ranks, int32_t n, int32_t* id) {
   return Guard([&] {
     if (!id) return NullOut();

@@ -50,6 +50,22 @@ Status ReadSwitch(const char* var, const char* horovod_var, int* out) {
   return Status::OK();
 }
 
+bool IsSet(const char* var) { return std::getenv(var) && *std::getenv(var); }
+
+Status LoadAutotune(AutotuneSettings* a) {
+  Status s;
+  if (const char* m = std::getenv("HVDLITE_AUTOTUNE")) a->enabled = std::string(m) == "1" || std::string(m) == "true";
+  if (const char* l = std::getenv("HVDLITE_AUTOTUNE_LOG")) a->log_path = l;
+  if (!(s = ReadInt("HVDLITE_AUTOTUNE_WARMUP_SAMPLES", 0, &a->warmup_samples)).ok()) return s;
+  if (!(s = ReadInt("HVDLITE_AUTOTUNE_STEPS_PER_SAMPLE", 1, &a->steps_per_sample)).ok()) return s;
+  if (!(s = ReadInt("HVDLITE_AUTOTUNE_MAX_SAMPLES", 1, &a->max_samples)).ok()) return s;
+  if (!(s = ReadDouble("HVDLITE_AUTOTUNE_SAMPLE_SECONDS", 0.0, &a->sample_seconds)).ok()) return s;
+  a->fixed_fusion_threshold = IsSet("HVDLITE_FUSION_THRESHOLD");
+  a->fixed_cycle_time = IsSet("HVDLITE_CYCLE_TIME");
+  a->fixed_hierarchical = IsSet("HVDLITE_HIERARCHICAL_ALLREDUCE") || IsSet("HOROVOD_HIERARCHICAL_ALLREDUCE");
+  return Status::OK();
+}
+
 }  // namespace
 
 Status LoadConfig(Config* c) {
@@ -81,7 +97,7 @@ Status LoadConfig(Config* c) {
   if (const char* m = std::getenv("HVDLITE_MPI_THREAD_FUNNELED")) {
     c->mpi_thread_multiple = !(std::string(m) == "1" || std::string(m) == "true");
   }
-  return Status::OK();
+  return LoadAutotune(&c->autotune);
 }
 
 }  // namespace hvdlite

@@ -8,6 +8,20 @@
 
 namespace hvdlite {
 
+// HVDLITE_AUTOTUNE* (autotune.h; Python maps Horovod's HOROVOD_AUTOTUNE* onto them).
+struct AutotuneSettings {
+  bool enabled = false;           // HVDLITE_AUTOTUNE
+  std::string log_path;           // HVDLITE_AUTOTUNE_LOG: CSV of the trials (rank 0)
+  int64_t warmup_samples = 3;     // HVDLITE_AUTOTUNE_WARMUP_SAMPLES, thrown away
+  int64_t steps_per_sample = 10;  // HVDLITE_AUTOTUNE_STEPS_PER_SAMPLE: cycles that moved data
+  int64_t max_samples = 20;       // HVDLITE_AUTOTUNE_MAX_SAMPLES: trials at most
+  // HVDLITE_AUTOTUNE_SAMPLE_SECONDS: a sample also lasts at least this long. A cycle is
+  // a fraction of a training step, so a few cycles alone would score a step's edges.
+  double sample_seconds = 0.25;
+  // Knobs whose variable the user set are kept as set, as Horovod's autotune does.
+  bool fixed_fusion_threshold = false, fixed_cycle_time = false, fixed_hierarchical = false;
+};
+
 struct Config {
   int64_t fusion_threshold = 128LL * 1024 * 1024;  // HVDLITE_FUSION_THRESHOLD, bytes; 0: off
   double cycle_time_ms = 1.0;                      // HVDLITE_CYCLE_TIME
@@ -37,6 +51,7 @@ struct Config {
   int hierarchical_broadcast = -1;
   // HVDLITE_HOST_ID: ranks with equal ids count as one host (testing, advanced).
   std::string host_id;
+  AutotuneSettings autotune;
 };
 
 // Reads the environment; a malformed value is an error naming the variable.

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "autotune.h"
 #include "backend_mpi.h"
 #include "config.h"
 #include "controller.h"
@@ -82,6 +83,7 @@ struct CoreParts {
   Counters& counters;
   Timeline& timeline;
   ProcessSetTable& sets;
+  Autotuner& autotune;  // the knobs in force; the global set's round carries them
   std::function<void(const Status&)> end_loop;  // a transport failure ends the loop
 };
 
@@ -144,6 +146,7 @@ class ProcessSetState {
   Counters& counters_;
   Timeline& timeline_;
   ProcessSetTable& sets_;
+  Autotuner& autotune_;
   std::function<void(const Status&)> end_loop_;
 
   std::unique_ptr<MpiBackend> mpi_;

@@ -305,7 +305,7 @@ void ForEachPiece(const std::vector<ShmAllreduce::Piece>& pieces, const std::vec
 Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, int32_t dtype, int32_t reduce_op,
                                double prescale, double postscale, int64_t divisor) {
   const int64_t elem = ElementSize(dtype);
-  const int64_t per_chunk = kChunkBytes / elem;
+  const int64_t per_chunk = chunk_bytes_ / elem;
   // Parts start on 64-byte boundaries, for the vectorized loops.
   const int64_t align = std::max<int64_t>(1, 64 / elem);
   std::vector<int64_t> starts(1, 0);

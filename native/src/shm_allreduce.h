@@ -57,6 +57,7 @@
 // Background thread only.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <vector>
@@ -119,6 +120,9 @@ class ShmAllreduce {
   // while a barrier sleeps (instead of every 100 ms), while set: the hierarchical
   // allreduce moves its network step on there. An error ends the call with it.
   void SetIdle(std::function<Status()> idle) { idle_ = std::move(idle); }
+  // The chunk Allreduce moves per step of its pipeline (autotune.h), at most
+  // kChunkBytes, which sizes the slots. Every rank sets the same before the same call.
+  void set_chunk_bytes(int64_t bytes) { chunk_bytes_ = std::max<int64_t>(4096, std::min(bytes, kChunkBytes)); }
 
   // bits[i] = AND over ranks of every rank's bits[i]; words <= kMaxBitsWords. Every
   // rank calls it with the same length, in the same order relative to Allreduce.
@@ -155,6 +159,7 @@ class ShmAllreduce {
   int64_t issued_ = 0;  // Allreduce chunks of every call so far (chunk g uses slot set g % 2)
   int bits_set_ = 0;  // bit-vector area of the next AndBits
   int sense_ = 0;  // this rank's barrier sense
+  int64_t chunk_bytes_ = kChunkBytes;
   std::function<Status()> idle_;
 };
 

@@ -14,9 +14,11 @@
 #include <string>
 #include <vector>
 
+#include "autotune.h"
 #include "controller.h"
 #include "message.h"
 #include "mpi_fault_guard.h"
+#include "shm_allreduce.h"
 #include "tensor_queue.h"
 #include "timeline.h"
 
@@ -259,6 +261,49 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_test_queue_remove_pending(int64_t* pendi
 HVDLITE_EXPORT hvdlite_status_t hvdlite_test_fault_in_mpi(void) {
   hvdlite::RequestFaultInMpiForTest();
   return HVDLITE_OK;
+}
+
+HVDLITE_EXPORT hvdlite_status_t hvdlite_test_knob_search(int32_t hierarchy, int32_t fixed, int64_t max_trials,
+                                                         const double* scores, int64_t n_scores,
+                                                         hvdlite_autotune_t* candidates, int64_t cap,
+                                                         int64_t* count, int32_t* done, hvdlite_autotune_t* best) {
+  return hvdlite::Guard([&] {
+    using hvdlite::TunedKnobs;
+    if (!count || !done || !best || (n_scores > 0 && !scores) || (cap > 0 && !candidates)) {
+      return hvdlite::InvalidArgument("knob search: NULL argument");
+    }
+    hvdlite::Config config;
+    hvdlite::AutotuneSettings settings;
+    settings.enabled = true;
+    settings.max_samples = max_trials;
+    settings.fixed_fusion_threshold = fixed & 1;
+    settings.fixed_cycle_time = fixed & 2;
+    settings.fixed_hierarchical = fixed & 4;
+    TunedKnobs start;
+    start.fusion_threshold = config.fusion_threshold;
+    start.cycle_time_ms = config.cycle_time_ms;
+    start.shm_chunk_bytes = hvdlite::ShmAllreduce::kChunkBytes;
+    hvdlite::KnobSearch search(start, settings, !(fixed & 8), hierarchy != 0, hvdlite::ShmAllreduce::kChunkBytes);
+    auto put = [](const TunedKnobs& k, hvdlite_autotune_t* out) {
+      *out = hvdlite_autotune_t();
+      out->enabled = 1;
+      out->fusion_threshold = k.fusion_threshold;
+      out->cycle_time_ms = k.cycle_time_ms;
+      out->shm_chunk_bytes = k.shm_chunk_bytes;
+      out->hierarchical = k.hierarchical;
+    };
+    *count = 0;
+    for (int64_t i = 0; i <= n_scores && !search.done(); ++i) {
+      if (*count >= cap) return hvdlite::InvalidArgument("knob search: candidates too small");
+      put(search.candidate(), &candidates[(*count)++]);
+      if (i < n_scores) search.Record(scores[i]);
+    }
+    *done = search.done();
+    put(search.best(), best);
+    best->settled = *done;
+    best->trials = search.trials();
+    return hvdlite::Status::OK();
+  });
 }
 
 HVDLITE_EXPORT hvdlite_status_t hvdlite_test_timeline_steps(const char* path, int32_t tensors,

@@ -107,6 +107,11 @@ def test_tuning_flags_become_environment():
     }
 
 
+def test_autotune_flags_become_environment():
+    cfg = config("-np", "2", "--autotune", "--autotune-log-file", "/tmp/at.csv", "prog")
+    assert cfg.tuning_env == {"HVDLITE_AUTOTUNE": "1", "HVDLITE_AUTOTUNE_LOG": "/tmp/at.csv"}
+
+
 def test_no_tuning_flags_sets_nothing():
     assert config("-np", "1", "prog").tuning_env == {}
 

@@ -249,6 +249,21 @@ hvdlite_status_t hvdlite_release(hvdlite_handle_t handle);
 
 hvdlite_status_t hvdlite_stats(hvdlite_stats_t* out);
 
+/* Autotune (HVDLITE_AUTOTUNE=1): the knob values in force on this rank, the same on
+ * every rank from cycle to cycle, and how far the search is. */
+typedef struct {
+  int32_t enabled;            /* HVDLITE_AUTOTUNE was on at init */
+  int32_t settled;            /* the search ended: the values below stay */
+  int64_t trials;             /* trials measured so far (rank 0's count, known everywhere) */
+  int64_t fusion_threshold;   /* bytes */
+  double cycle_time_ms;
+  int64_t shm_chunk_bytes;    /* shared-memory allreduce chunk */
+  int32_t hierarchical;       /* 1: the hierarchical allreduce is used where there is one */
+} hvdlite_autotune_t;
+
+/* Fills *out; answers at any time (after shutdown: the last values). */
+hvdlite_status_t hvdlite_autotune_state(hvdlite_autotune_t* out);
+
 /* Process sets: groups of ranks that negotiate and run collectives of their own,
  * concurrently with other sets (each has its own communicator, response cache,
  * coordinator and fusion). Set 0 is every rank and always exists.

@@ -78,6 +78,19 @@ hvdlite_status_t hvdlite_test_queue_remove_pending(int64_t* pending_after);
  * must be parked with a message on stderr, and the process must live on. */
 hvdlite_status_t hvdlite_test_fault_in_mpi(void);
 
+/* Autotune's search alone (KnobSearch: no clocks, no MPI), replayed from the start:
+ * starting at the defaults (fusion threshold 128 MiB, cycle time 1 ms, the largest
+ * shared-memory chunk, hierarchical on), with a hierarchy to switch off if `hierarchy`,
+ * the knobs in `fixed` kept (bits: 1 fusion threshold, 2 cycle time, 4 hierarchical, 8
+ * the chunk, as where allreduces do not go through shared memory),
+ * at most max_trials trials, it gives scores[i] to its i-th trial. candidates (capacity
+ * cap) receives the trials scored, then the next one to measure unless the search
+ * ended; *count their number; *done whether it ended; *best the best so far. */
+hvdlite_status_t hvdlite_test_knob_search(int32_t hierarchy, int32_t fixed, int64_t max_trials,
+                                          const double* scores, int64_t n_scores,
+                                          hvdlite_autotune_t* candidates, int64_t cap,
+                                          int64_t* count, int32_t* done, hvdlite_autotune_t* best);
+
 /* The timeline alone (no MPI, no background loop): records `steps` steps of a fused
  * allreduce over `tensors` tracks named "t.<i>" on the response-cache path, with the
  * calls the loop makes (per track and step: a NEGOTIATE_ALLREDUCE span with its "rank 0
