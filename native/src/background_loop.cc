@@ -26,6 +26,7 @@
 #include <sys/prctl.h>
 
 #include <algorithm>
+#include <limits>
 #include <cmath>
 #include <cstring>
 #include <future>
@@ -201,6 +202,8 @@ Status Core::Init(int64_t comm_f2c) {
     // Short sleeps in the loop (backoff while a peer catches up) should last what they
     // ask for, not the default 50 us timer slack on top.
     prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+    // Its own name in top, perf and /proc/PID/task (the training threads are "python").
+    prctl(PR_SET_NAME, "hvdlite-loop", 0, 0, 0);
     // Wakes take the core from a training thread at once rather than after its slice:
     // each chunk of a shared-memory allreduce waits for the peers' background threads.
     RequestShortSlice(kBackgroundSliceNs);
@@ -917,6 +920,12 @@ void ProcessSetState::Execute(const std::vector<Response>& ready) {
   // responses, which are identical on all ranks, and the threshold in force (autotune
   // changes it only between cycles, on every rank alike).
   const int64_t threshold = autotune_.knobs().fusion_threshold;
+  // Through shared memory (flat or hierarchical) an allreduce reads its tensors in
+  // place, so large ones fuse for free and save a round each; over MPI alone they go by
+  // themselves (the fusion buffer's copies would cost more than the round).
+  const bool in_place_pieces =
+      mpi_->shared_memory() || (autotune_.knobs().hierarchical && mpi_->hierarchical());
+  const int64_t fuse_alone_bytes = in_place_pieces ? std::numeric_limits<int64_t>::max() : kFuseAloneBytes;
   std::vector<size_t> ends;
   for (size_t i = 0; i < ready.size();) {
     const Response& r = ready[i];
@@ -933,11 +942,11 @@ void ProcessSetState::Execute(const std::vector<Response>& ready) {
         gathered += b;
         ++j;
       }
-    } else if (r.op == HVDLITE_OP_ALLREDUCE && r.error.empty() && bytes < kFuseAloneBytes) {
+    } else if (r.op == HVDLITE_OP_ALLREDUCE && r.error.empty() && bytes < fuse_alone_bytes) {
       while (threshold > 0 && j < ready.size()) {
         const Response& c = ready[j];
         int64_t b = NumElements(c.shape) * ElementSize(c.dtype);
-        if (c.op != HVDLITE_OP_ALLREDUCE || !c.error.empty() || b >= kFuseAloneBytes || c.dtype != r.dtype ||
+        if (c.op != HVDLITE_OP_ALLREDUCE || !c.error.empty() || b >= fuse_alone_bytes || c.dtype != r.dtype ||
             c.reduce_op != r.reduce_op || !SameFactor(c.prescale, r.prescale) ||
             !SameFactor(c.postscale, r.postscale) ||
             c.contributors != r.contributors || bytes + b > threshold) {

@@ -535,6 +535,7 @@ void Timeline::WriterLoop() {
   sched_param param{};
   pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
   setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 10);
+  pthread_setname_np(pthread_self(), "hvdlite-trace");
 #endif
   while (true) {
     uint64_t from, to;

@@ -123,3 +123,42 @@ def test_allreduce_with_ranks_falling_behind_mid_call(np_):
         res = job.result(rank)
         assert not res["wrong"], f"rank {rank}: {res['wrong'][:10]}"
         assert res["stats"]["shm_collectives"] >= 40, res["stats"]
+
+
+FUSED_SCRIPT = r"""
+import json
+import numpy as np
+import hvdlite as hvd
+
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+CHUNK = 1 << 19
+# Small and large (over 1 MiB, several chunks) tensors of one group, in place.
+counts = (3, CHUNK * 5 // 4 + 5, 7, CHUNK * 3 // 4, 1)
+wrong, collectives = [], []
+for it in range(3):
+    tensors = [np.arange(n, dtype=np.float32) % 97 * (rank + 1) + it + k
+               for k, n in enumerate(counts)]
+    before = hvd.stats()["shm_collectives"]
+    got = hvd.grouped_allreduce(tensors, name=f"mixed.{it}", op=hvd.Sum)
+    collectives.append(hvd.stats()["shm_collectives"] - before)
+    for k, (n, g) in enumerate(zip(counts, got)):
+        want = np.arange(n, dtype=np.float32) % 97 * (size * (size + 1) // 2) + size * (it + k)
+        if not np.array_equal(g, want):
+            wrong.append(f"{it}.{k}: {int((g != want).sum())} of {n} elements differ")
+print("HVDLITE_RESULT", json.dumps({"wrong": wrong, "collectives": collectives}))
+hvd.shutdown()
+"""
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_large_tensors_fuse_with_small_ones_through_shared_memory(np_):
+    # Through shared memory a fused allreduce reads every tensor in place, so tensors
+    # over 1 MiB (which go alone over MPI, to spare the fusion buffer's copies) join
+    # the others: one collective per group.
+    env = {"HVDLITE_SHM_ALLREDUCE": "1", "HVDLITE_FUSION_THRESHOLD": None}
+    job = harness.assert_ok(harness.run_job(np_, FUSED_SCRIPT, timeout=300, env=env))
+    for rank in range(np_):
+        res = job.result(rank)
+        assert not res["wrong"], f"rank {rank}: {res['wrong'][:10]}"
+        assert res["collectives"] == [1, 1, 1], res
