@@ -347,7 +347,7 @@ class _DistributedOptimizer:
         gradient and state alone (so updating the parameters in batches gives the very
         same values), with no step hooks (they would run once per batch) and no closure;
         the gradients must come from the plain (cast-compressed) allreduce."""
-        return (closure is None and len(self._units) > 1
+        return (closure is None and bool(self._hook_handles) and len(self._units) > 1
                 and self._hvd_base in _PER_PARAMETER_OPTIMIZERS
                 and isinstance(self._reducer, _CompressedAllreduce)
                 and not self._optimizer_step_pre_hooks
@@ -360,7 +360,10 @@ class _DistributedOptimizer:
         are updated while the rest are still being reduced (the last gradients of
         backward are the last reduced; their wait overlaps the update of the others).
         Units are taken in the order they were enqueued, which is the order their
-        allreduces end; a batch is stepped when the next unit is not done yet."""
+        allreduces end; a batch is stepped when the next unit is not done yet. If an
+        allreduce fails, the exception comes as from ``synchronize()``, but the
+        parameters of the batches before it may have been updated already (elastic
+        training restores the last commit anyway)."""
         self._submit_the_rest()
         stepped = set()
         batch = []
