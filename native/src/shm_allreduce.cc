@@ -364,17 +364,19 @@ Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, int32_t dtype, 
     if (k.hi <= k.lo) return;
     for (int r = 0; r < size_; ++r) parts[r] = In(r, k.set) + k.lo * elem;
     if (k.own_in_tensor) parts[rank_] = k.own_in_tensor;
-    ReduceElements(Out(rank_, k.set) + k.lo * elem, parts, k.hi - k.lo, dtype, reduce_op);
+    uint8_t* out = Out(rank_, k.set) + k.lo * elem;
+    ReduceElements(out, parts, k.hi - k.lo, dtype, reduce_op);
+    // Scaled here, once, while the part is in this core's cache: every rank then copies
+    // it out with a plain memcpy, which writes whole cache lines without reading them
+    // first (a scaling loop into the outputs ran ~3x slower than memcpy).
+    ScaledCopy(out, out, k.hi - k.lo, dtype, postscale, divisor);
   };
   auto copy_out = [&](const Chunk& k) {
     for (int r = 0; r < size_; ++r) {
       const int64_t rlo = std::min(k.n, k.part * r), rhi = std::min(k.n, rlo + k.part);
       const uint8_t* from = Out(r, k.set);
       ForEachPiece(pieces, starts, k.done + rlo, k.done + rhi, [&](const Piece& p, int64_t at, int64_t flat, int64_t len) {
-        if (p.out) {
-          ScaledCopy(static_cast<uint8_t*>(p.out) + at * elem, from + (flat - k.done) * elem, len,
-                     dtype, postscale, divisor);
-        }
+        if (p.out) std::memcpy(static_cast<uint8_t*>(p.out) + at * elem, from + (flat - k.done) * elem, len * elem);
       });
     }
   };

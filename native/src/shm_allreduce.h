@@ -9,9 +9,10 @@
 //      own "in" slot (all but its own part, when the reduction can read that part
 //      from the tensor itself);
 //   2. rank r reduces the r-th part of the chunk, reading every rank's in slot in rank
-//      order, into the same part of its own "out" slot;
+//      order, into the same part of its own "out" slot, and postscales it there (and
+//      divides it, for Average) while it is in cache;
 //   3. every rank copies each part from its owner's out slot into its tensors'
-//      outputs, postscaled (and divided, for Average) on the way.
+//      outputs, with memcpy.
 //
 // So there is no fusion buffer: packing, unpacking and scaling ride on the copies that
 // move data in and out of shared memory anyway.
