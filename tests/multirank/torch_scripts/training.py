@@ -295,6 +295,7 @@ if wanted("early_update"):
         calls = []
         if early:
             opt._unit_done = lambda token, sparse: False
+            opt._early_step_elements = 1  # this model's tensors are small
             step_only = opt._step_only
             opt._step_only = lambda params: (calls.append(len(params)), step_only(params))[1]
         else:
