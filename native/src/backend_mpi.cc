@@ -7,10 +7,10 @@
 #include <chrono>
 #include <climits>
 #include <cstring>
-#include <thread>
 
 #include "half.h"
 #include "mpi_fault_guard.h"
+#include "poll_backoff.h"
 
 namespace hvdlite {
 namespace {
@@ -268,22 +268,13 @@ void MpiBackend::Shutdown(bool finalize) {
 Status MpiBackend::WaitBackoff(void* request, const char* what) {
   InMpiCall in_mpi(what);
   MPI_Request* req = static_cast<MPI_Request*>(request);
-  // Spin for up to 50 us (a peer in step with us is usually there by then), then sleep
-  // 20 us doubling to 1 ms: a peer that is still computing costs us almost no CPU.
-  int flag = 0;
-  auto spin_end = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
-  do {
-    int rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE);
-    if (rc != MPI_SUCCESS) return Check(rc, what);
-    if (flag) return Status::OK();
-  } while (std::chrono::steady_clock::now() < spin_end);
-  auto sleep = std::chrono::microseconds(20);
+  PollBackoff backoff;  // a peer that is still computing costs us almost no CPU
   while (true) {
-    std::this_thread::sleep_for(sleep);
+    int flag = 0;
     int rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE);
     if (rc != MPI_SUCCESS) return Check(rc, what);
     if (flag) return Status::OK();
-    sleep = std::min(sleep * 2, std::chrono::microseconds(1000));
+    backoff.Pause();
   }
 }
 
