@@ -289,10 +289,8 @@ Status CrossLayer::Progress() {
 }
 
 Status CrossLayer::Wait(int slot) {
-  // A step moves megabytes at network speed: between polls at most 200 us (each poll
-  // lets MPI push more into the socket, whose buffer holds far more than the link
-  // carries in 200 us).
-  PollBackoff backoff(std::chrono::microseconds(200));
+  // A step moves megabytes at network speed, and MPI moves it on only in the polls.
+  PollBackoff backoff(PollBackoff::kDataMaxSleep);
   while (!done(slot)) {
     const int steps = rings_[0].step + rings_[1].step;
     Status st = Progress();
@@ -407,9 +405,8 @@ Status RunPipeline(int64_t chunks, const std::vector<PipelineStage>& stages) {
   std::vector<int> started(chunks, 0), finished(chunks, 0);
   std::vector<Pending> pending(chunks);
   int64_t first = 0;  // chunks before it are through every stage
-  // MPI moves data on in the polls, and a socket buffer holds far more than the link
-  // carries in 200 us: at most that between polls.
-  PollBackoff backoff(std::chrono::microseconds(200));
+  // MPI moves data on only in the polls.
+  PollBackoff backoff(PollBackoff::kDataMaxSleep);
   while (first < chunks) {
     bool progressed = false;
     for (int64_t k = first; k < chunks; ++k) {
