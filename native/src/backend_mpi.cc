@@ -7,10 +7,10 @@
 #include <chrono>
 #include <climits>
 #include <cstring>
-#include <thread>
 
 #include "half.h"
 #include "mpi_fault_guard.h"
+#include "poll_backoff.h"
 
 namespace hvdlite {
 namespace {
@@ -179,6 +179,8 @@ Status MpiBackend::SetUpLayers(const LayerSettings& settings, const MpiTopology&
     places[r] = RankPlace{f[0], f[1], f[2], f[3], f[4], f[5], f[6]};
   }
   LayerPlan plan = PlanLayers(places);
+  spans_hosts_ = std::count_if(places.begin(), places.end(),
+                               [](const RankPlace& p) { return p.local_rank == 0; }) > 1;
   if (s.ok() && !plan.error.empty()) {
     // Every rank found the same disagreement: end MPI together, as a failed init must.
     for (void* c : {local, cross}) MPI_Comm_free(static_cast<MPI_Comm*>(c));
@@ -265,26 +267,25 @@ void MpiBackend::Shutdown(bool finalize) {
   comm_ = nullptr;
 }
 
-Status MpiBackend::WaitBackoff(void* request, const char* what) {
+Status MpiBackend::WaitBackoff(void* request, const char* what, std::chrono::microseconds max_sleep) {
   InMpiCall in_mpi(what);
   MPI_Request* req = static_cast<MPI_Request*>(request);
-  // Spin for up to 50 us (a peer in step with us is usually there by then), then sleep
-  // 20 us doubling to 1 ms: a peer that is still computing costs us almost no CPU.
-  int flag = 0;
-  auto spin_end = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
-  do {
-    int rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE);
-    if (rc != MPI_SUCCESS) return Check(rc, what);
-    if (flag) return Status::OK();
-  } while (std::chrono::steady_clock::now() < spin_end);
-  auto sleep = std::chrono::microseconds(20);
+  PollBackoff backoff(max_sleep);
   while (true) {
-    std::this_thread::sleep_for(sleep);
+    int flag = 0;
     int rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE);
     if (rc != MPI_SUCCESS) return Check(rc, what);
     if (flag) return Status::OK();
-    sleep = std::min(sleep * 2, std::chrono::microseconds(1000));
+    backoff.Pause();
   }
+}
+
+Status MpiBackend::Collective(const char* what, const std::function<int(void*)>& call) {
+  InMpiCall in_mpi(what);
+  if (!spans_hosts_) return Check(call(nullptr), what);
+  MPI_Request req;
+  Status s = Check(call(&req), what);
+  return s.ok() ? WaitBackoff(&req, what, PollBackoff::kDataMaxSleep) : s;
 }
 
 Status MpiBackend::AndBits(std::vector<uint64_t>* bits) {
@@ -350,7 +351,6 @@ Status MpiBackend::BroadcastBlob(std::vector<uint8_t>* blob) {
 
 Status MpiBackend::Allreduce(const void* in, void* out, int64_t count, int32_t dtype,
                              int32_t reduce_op) {
-  InMpiCall in_mpi("MPI_Allreduce");
   MPI_Datatype type = MpiType(dtype);
   MPI_Op op = StandardOp(reduce_op);
   if (dtype == HVDLITE_FLOAT16 || dtype == HVDLITE_BFLOAT16) {
@@ -362,8 +362,11 @@ Status MpiBackend::Allreduce(const void* in, void* out, int64_t count, int32_t d
   for (int64_t done = 0; done < count;) {
     int64_t n = std::min(kMaxChunk, count - done);
     const void* send = in == out ? MPI_IN_PLACE : src + done * elem;
-    Status s = Check(MPI_Allreduce(send, dst + done * elem, static_cast<int>(n), type, op, Comm(comm_)),
-                     "MPI_Allreduce");
+    void* recv = dst + done * elem;
+    Status s = Collective("MPI_Allreduce", [&](void* r) {
+      return r ? MPI_Iallreduce(send, recv, static_cast<int>(n), type, op, Comm(comm_), static_cast<MPI_Request*>(r))
+               : MPI_Allreduce(send, recv, static_cast<int>(n), type, op, Comm(comm_));
+    });
     if (!s.ok()) return s;
     done += n;
   }
@@ -392,23 +395,26 @@ static Status ToIntCounts(const std::vector<int64_t>& in, std::vector<int>* coun
 Status MpiBackend::Allgatherv(const void* in, int64_t in_bytes, void* out,
                               const std::vector<int64_t>& bytes_per_rank) {
   if (hierarchical_allgather_) return hierarchical_allgather_->Allgatherv(in, in_bytes, out, bytes_per_rank);
-  InMpiCall in_mpi("MPI_Allgatherv");
   std::vector<int> counts, displs;
   Status s = ToIntCounts(bytes_per_rank, &counts, &displs, "allgather");
   if (!s.ok()) return s;
-  return Check(MPI_Allgatherv(in, static_cast<int>(in_bytes), MPI_BYTE, out, counts.data(),
-                              displs.data(), MPI_BYTE, Comm(comm_)),
-               "MPI_Allgatherv");
+  return Collective("MPI_Allgatherv", [&](void* r) {
+    return r ? MPI_Iallgatherv(in, static_cast<int>(in_bytes), MPI_BYTE, out, counts.data(), displs.data(),
+                               MPI_BYTE, Comm(comm_), static_cast<MPI_Request*>(r))
+             : MPI_Allgatherv(in, static_cast<int>(in_bytes), MPI_BYTE, out, counts.data(), displs.data(),
+                              MPI_BYTE, Comm(comm_));
+  });
 }
 
 Status MpiBackend::Bcast(void* buf, int64_t nbytes, int root) {
   if (hierarchical_broadcast_) return hierarchical_broadcast_->Bcast(buf, nbytes, root);
-  InMpiCall in_mpi("MPI_Bcast");
   char* p = static_cast<char*>(buf);
   for (int64_t done = 0; done < nbytes;) {
     int64_t n = std::min(kMaxChunk, nbytes - done);
-    Status s = Check(MPI_Bcast(p + done, static_cast<int>(n), MPI_BYTE, root, Comm(comm_)),
-                     "MPI_Bcast");
+    Status s = Collective("MPI_Bcast", [&](void* r) {
+      return r ? MPI_Ibcast(p + done, static_cast<int>(n), MPI_BYTE, root, Comm(comm_), static_cast<MPI_Request*>(r))
+               : MPI_Bcast(p + done, static_cast<int>(n), MPI_BYTE, root, Comm(comm_));
+    });
     if (!s.ok()) return s;
     done += n;
   }
@@ -417,18 +423,19 @@ Status MpiBackend::Bcast(void* buf, int64_t nbytes, int root) {
 
 Status MpiBackend::Alltoallv(const void* in, const std::vector<int64_t>& send_bytes, void* out,
                              const std::vector<int64_t>& recv_bytes) {
-  InMpiCall in_mpi("MPI_Alltoallv");
   std::vector<int> sc, sd, rc, rd;
   Status s = ToIntCounts(send_bytes, &sc, &sd, "alltoall");
   if (!s.ok() || !(s = ToIntCounts(recv_bytes, &rc, &rd, "alltoall")).ok()) return s;
-  return Check(MPI_Alltoallv(in, sc.data(), sd.data(), MPI_BYTE, out, rc.data(), rd.data(),
-                             MPI_BYTE, Comm(comm_)),
-               "MPI_Alltoallv");
+  return Collective("MPI_Alltoallv", [&](void* r) {
+    return r ? MPI_Ialltoallv(in, sc.data(), sd.data(), MPI_BYTE, out, rc.data(), rd.data(), MPI_BYTE,
+                              Comm(comm_), static_cast<MPI_Request*>(r))
+             : MPI_Alltoallv(in, sc.data(), sd.data(), MPI_BYTE, out, rc.data(), rd.data(), MPI_BYTE,
+                             Comm(comm_));
+  });
 }
 
 Status MpiBackend::ReduceScatter(const void* in, void* out, const std::vector<int64_t>& counts,
                                  int32_t dtype, int32_t reduce_op) {
-  InMpiCall in_mpi("MPI_Reduce_scatter");
   std::vector<int> c, d;
   Status s = ToIntCounts(counts, &c, &d, "reducescatter");
   if (!s.ok()) return s;
@@ -436,8 +443,10 @@ Status MpiBackend::ReduceScatter(const void* in, void* out, const std::vector<in
   if (dtype == HVDLITE_FLOAT16 || dtype == HVDLITE_BFLOAT16) {
     op = *static_cast<MPI_Op*>(ops_[(dtype == HVDLITE_BFLOAT16 ? 5 : 0) + reduce_op]);
   }
-  return Check(MPI_Reduce_scatter(in, out, c.data(), MpiType(dtype), op, Comm(comm_)),
-               "MPI_Reduce_scatter");
+  return Collective("MPI_Reduce_scatter", [&](void* r) {
+    return r ? MPI_Ireduce_scatter(in, out, c.data(), MpiType(dtype), op, Comm(comm_), static_cast<MPI_Request*>(r))
+             : MPI_Reduce_scatter(in, out, c.data(), MpiType(dtype), op, Comm(comm_));
+  });
 }
 
 Status MpiBackend::Barrier() {

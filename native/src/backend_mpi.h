@@ -1,13 +1,17 @@
 // Every MPI call of the core, over one communicator: the world's (Init) or a process
 // set's (InitSubset). Background thread only (see background_loop.cc).
 //
-// Negotiation uses nonblocking collectives polled with a growing sleep, because a
-// peer may still be computing and a rank blocked in MPICH busy-polls a core. Data
-// collectives run after every rank agreed to run them now, so they use the blocking
-// calls, which progress fastest.
+// Negotiation uses nonblocking collectives polled with a growing sleep (PollBackoff),
+// because a peer may still be computing and a rank blocked in MPICH busy-polls a core.
+// Data collectives run after every rank agreed to run them now: on one host they use
+// the blocking calls, which progress fastest (MPI's shared memory is done in moments);
+// across hosts, where one waits on the network for as long as the link takes, the
+// nonblocking ones, polled with short sleeps.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -17,6 +21,7 @@
 #include "hierarchical_allreduce.h"
 #include "hierarchical_broadcast.h"
 #include "leader_allreduce.h"
+#include "poll_backoff.h"
 #include "shm_allreduce.h"
 #include "topology_layers.h"
 
@@ -89,7 +94,12 @@ class MpiBackend {
 
  private:
   Status Check(int rc, const char* what);
-  Status WaitBackoff(void* request, const char* what);
+  Status WaitBackoff(void* request, const char* what,
+                     std::chrono::microseconds max_sleep = PollBackoff::kWaitMaxSleep);
+  // Runs a data collective: call(nullptr) makes the blocking MPI call, call(request)
+  // (an MPI_Request*) posts the nonblocking one; returns an MPI error code. Blocking on
+  // one host; across hosts posted and waited on with WaitBackoff.
+  Status Collective(const char* what, const std::function<int(void*)>& call);
   // After comm_ is set: errors as codes, the 16-bit reductions, the topology of comm_
   // and its layers (SetUpLayers). Collective over comm_.
   Status Attach(const LayerSettings& layers, MpiTopology* topo);
@@ -99,6 +109,7 @@ class MpiBackend {
 
   void* comm_ = nullptr;  // MPI_Comm*, kept opaque so mpi.h stays in one file
   bool initialized_mpi_ = false;
+  bool spans_hosts_ = false;  // this communicator's ranks are on more than one host
   std::vector<void*> ops_;  // user-defined reductions for 16-bit floats
   // The layers in use: host_ alone (every rank on one host, shared memory), all three
   // (hierarchical allreduce), or none (flat MPI).

@@ -7,11 +7,10 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#include <chrono>
 #include <cstring>
-#include <thread>
 
 #include "mpi_fault_guard.h"
+#include "poll_backoff.h"
 
 namespace hvdlite {
 namespace {
@@ -290,20 +289,16 @@ Status CrossLayer::Progress() {
 }
 
 Status CrossLayer::Wait(int slot) {
-  // A step moves megabytes at network speed: poll briefly, then sleep between polls
-  // (20 us doubling to 200 us; each poll lets MPI push more into the socket, whose
-  // buffer holds far more than the link carries in 200 us).
-  auto sleep = std::chrono::microseconds(20);
-  const auto spin_end = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
+  // A step moves megabytes at network speed, and MPI moves it on only in the polls.
+  PollBackoff backoff(PollBackoff::kDataMaxSleep);
   while (!done(slot)) {
     const int steps = rings_[0].step + rings_[1].step;
     Status st = Progress();
     if (!st.ok()) return st;
     if (rings_[0].step + rings_[1].step != steps) {
-      sleep = std::chrono::microseconds(20);
-    } else if (std::chrono::steady_clock::now() >= spin_end) {
-      std::this_thread::sleep_for(sleep);
-      sleep = std::min(sleep * 2, std::chrono::microseconds(200));
+      backoff.Progressed();
+    } else {
+      backoff.Pause();
     }
   }
   return Status::OK();
@@ -410,11 +405,8 @@ Status RunPipeline(int64_t chunks, const std::vector<PipelineStage>& stages) {
   std::vector<int> started(chunks, 0), finished(chunks, 0);
   std::vector<Pending> pending(chunks);
   int64_t first = 0;  // chunks before it are through every stage
-  // Polls briefly, then sleeps between polls (20 us doubling to 200 us, back to 20 us
-  // after any progress): MPI moves data on in the polls, and a socket buffer holds far
-  // more than the link carries in 200 us.
-  auto sleep = std::chrono::microseconds(20);
-  auto spin_end = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
+  // MPI moves data on only in the polls.
+  PollBackoff backoff(PollBackoff::kDataMaxSleep);
   while (first < chunks) {
     bool progressed = false;
     for (int64_t k = first; k < chunks; ++k) {
@@ -442,10 +434,9 @@ Status RunPipeline(int64_t chunks, const std::vector<PipelineStage>& stages) {
     while (first < chunks && finished[first] == count) ++first;
     if (first >= chunks) break;
     if (progressed) {
-      sleep = std::chrono::microseconds(20);
-    } else if (std::chrono::steady_clock::now() >= spin_end) {
-      std::this_thread::sleep_for(sleep);
-      sleep = std::min(sleep * 2, std::chrono::microseconds(200));
+      backoff.Progressed();
+    } else {
+      backoff.Pause();
     }
   }
   return Status::OK();

@@ -159,11 +159,12 @@ def test_uneven_hosts_reduce_through_the_leaders(tmp_path):
             job.result(rank)["stats"]
 
 
-def test_one_rank_per_host_goes_flat(tmp_path):
-    # 2 x 1: the hierarchy would be the flat allreduce. Forced on, right results
-    # through MPI.
-    job, _ = _run("AB", "1", tmp_path)
-    for rank in range(2):
+@pytest.mark.parametrize("layout", ["AB", "ABC"])
+def test_one_rank_per_host_goes_flat(layout, tmp_path):
+    # 2 x 1 and 3 x 1: the hierarchy would be the flat allreduce. Forced on, right
+    # results through MPI (nonblocking across hosts: MpiBackend::Collective).
+    job, _ = _run(layout, "1", tmp_path)
+    for rank in range(len(layout)):
         assert _hierarchical_count(job, rank) == 0, job.result(rank)["stats"]
 
 
