@@ -77,13 +77,13 @@ def _thread_stats():
 
 
 class Phases:
-    """--phases: per-step milliseconds of forward, backward and step (waiting for the
-    gradients' allreduces and the update, which overlap in hvdlite), and per thread (the training thread; all others, i.e.
+    """--phases: per-step milliseconds of forward, backward, waiting for the gradients'
+    allreduce and the update, and per thread (the training thread; all others, i.e.
     hvdlite's background thread) CPU and run-queue ms, minor page faults and
     involuntary context switches per step."""
 
     def __init__(self):
-        self.ms = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        self.ms = {"forward": 0.0, "backward": 0.0, "wait": 0.0, "update": 0.0}
         self.steps = 0
 
     def start(self):
@@ -125,11 +125,16 @@ def timed_loop(args, model, opt, x, y, before=None, after=None):
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
-        # hvdlite: waiting for the allreduces and the update, which overlap (step()
-        # updates each parameter once its own gradient is averaged).
-        opt.step()
-        t3 = time.perf_counter()
-        for name, dt in zip(phases.ms, (t1 - t0, t2 - t1, t3 - t2)):
+        if hasattr(opt, "skip_synchronize"):  # hvdlite: the wait apart from the update
+            opt.synchronize()
+            t3 = time.perf_counter()
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            t3 = t2
+            opt.step()
+        t4 = time.perf_counter()
+        for name, dt in zip(phases.ms, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             phases.ms[name] += dt * 1e3
         phases.steps += 1
 
@@ -186,8 +191,6 @@ def worker_hvdlite(args):
     model, x, y = build(args)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
-    if args.late_update:  # every parameter after the last allreduce, as Horovod does
-        opt._updates_as_gradients_arrive = lambda closure: False
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     rate, phases = timed_loop(args, model, opt, x, y)
     rates = hvd.allgather_object(rate)
@@ -235,11 +238,9 @@ def _parse(text):
 
 
 def _worker_args(args, kind):
-    worker = "hvdlite" if kind == "hvdlite-late" else kind
-    return [sys.executable, os.path.abspath(__file__), "--worker", worker,
+    return [sys.executable, os.path.abspath(__file__), "--worker", kind,
             "--layers", args.layers, "--batch", str(args.batch), "--steps", str(args.steps),
-            "--warmup", str(args.warmup)] + (["--phases"] if args.phases else []) + (
-                ["--late-update"] if kind == "hvdlite-late" else [])
+            "--warmup", str(args.warmup)] + (["--phases"] if args.phases else [])
 
 
 def run_single(args):
@@ -264,9 +265,9 @@ def run_ceiling(args):
     return [r["rate"] for r in results], [r["phases"] for r in results]
 
 
-def run_hvdlite(args, kind="hvdlite"):
+def run_hvdlite(args):
     cmd = [sys.executable, "-m", "hvdlite.runner", "-np", str(args.np)] + _worker_args(
-        args, kind)
+        args, "hvdlite")
     out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=args.timeout)
     if out.returncode:
         raise RuntimeError(f"hvdlite run failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
@@ -310,13 +311,9 @@ def main():
     parser.add_argument("--timeout", type=int, default=300)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--phases", action="store_true",
-                        help="also print, per process, ms per step of forward, backward "
-                             "and step (allreduce wait and update), and per thread CPU "
+                        help="also print, per process, ms per step of forward, backward, "
+                             "waiting for the allreduce and the update, and per thread CPU "
                              "and run-queue ms, page faults and involuntary switches")
-    parser.add_argument("--late-update", action="store_true",
-                        help="also run hvdlite with every parameter updated after the last "
-                             "allreduce (as Horovod does) instead of each one as soon as its "
-                             "own gradient is averaged, and print the ratio")
     parser.add_argument("--sync-dir", help=argparse.SUPPRESS)
     parser.add_argument("--sync-id", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--sync-count", type=int, default=1, help=argparse.SUPPRESS)
@@ -327,8 +324,6 @@ def main():
 
     kinds = (("ceiling", run_ceiling), ("hvdlite", run_hvdlite), ("ddp", run_ddp),
              ("single", run_single))
-    if args.late_update:
-        kinds += (("hvdlite-late", lambda a: run_hvdlite(a, "hvdlite-late")),)
     runs = {kind: [] for kind, _ in kinds}
     ratios = {"hvdlite": [], "ddp": []}
     for round_ in range(args.rounds):
@@ -372,13 +367,6 @@ def main():
         r = ratios[kind]
         print(f"  {label}   median {statistics.median(r):.3f}, range {min(r):.3f}-{max(r):.3f}"
               + ("  (target: median >= 0.85, none below 0.75)" if kind == "hvdlite" else ""))
-    if args.late_update:
-        early_late = [e / l for e, l in zip(runs["hvdlite"], runs["hvdlite-late"])]
-        summary["hvdlite_early_over_late_update_per_round"] = early_late
-        print(f"  hvdlite, update after the last allreduce {median['hvdlite-late']:9.1f} "
-              f"samples/sec per rank; early/late update median "
-              f"{statistics.median(early_late):.3f}, range {min(early_late):.3f}-"
-              f"{max(early_late):.3f}")
     print(f"  hvdlite / DDP     {summary['hvdlite_over_ddp']:.2f}x")
     print(f"  scaling vs 1 process: hvdlite {summary['hvdlite_scaling_efficiency']:.0%}, "
           f"DDP {summary['ddp_scaling_efficiency']:.0%}")

@@ -3,10 +3,8 @@
 Each parameter gets a post-accumulate-grad hook. The moment autograd has finished a
 parameter's gradient, the hook enqueues that gradient's in-place allreduce with the core
 and returns: the background thread negotiates and fuses it with the others while
-backward goes on (wait-free backprop). ``step()`` waits for the handles in the order
-they were enqueued and, with torch's own optimizers, updates the parameters whose
-gradients are averaged while the last ones (those backward produced last) are still
-being reduced; otherwise it waits for every handle and then steps the wrapped optimizer.
+backward goes on (wait-free backprop). ``step()`` waits for every handle, decompresses
+and then steps the wrapped optimizer.
 
 Gradient tensors are named ``"allreduce.<parameter name>"`` (the names of
 ``named_parameters``, else ``"allreduce.grad.noname.<i>"`` in parameter-group order), so
@@ -16,7 +14,6 @@ import contextlib
 import warnings
 
 import torch
-from torch.optim import optimizer as _torch_optimizer
 
 from hvdlite import ops, runtime
 from hvdlite.reducers import Reducer
@@ -99,15 +96,6 @@ def _sparse_op(op, name):
                          "gradients with op Sum or Average only (or pass "
                          "sparse_as_dense=True)")
     return op
-
-
-# torch's optimizers whose update of a parameter reads only that parameter's gradient,
-# state and group settings: stepping them on the parameters in batches gives the same
-# values as one step on all of them.
-_PER_PARAMETER_OPTIMIZERS = tuple(
-    getattr(torch.optim, name) for name in (
-        "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta",
-        "RMSprop", "Rprop", "ASGD") if hasattr(torch.optim, name))
 
 
 class _DistributedOptimizer:
@@ -303,110 +291,31 @@ class _DistributedOptimizer:
         if runtime.size() == 1 and not self._hook_handles:
             self._synchronized = True
             return
-        self._submit_the_rest()
+        for index in range(len(self._units)):
+            if index not in self._handles:
+                self._handles[index] = self._allreduce_unit_async(index)
         try:
             pending = list(self._handles.values())
             started = [(token, params) for token, params, _ in pending if params]
             updates = self._reducer.finish_all([token for token, _ in started])
             for (_, params), results in zip(started, updates):
-                self._write_back(params, results)
+                for p, result in zip(params, results):
+                    if p.grad.is_sparse:
+                        # sparse_as_dense: back to sparse rows for optimizers such as
+                        # SparseAdam that take sparse gradients only.
+                        p.grad = result.to_sparse(p.grad.sparse_dim())
+                    elif result is not p.grad:
+                        p.grad.copy_(result)
             for _, _, sparse in pending:
                 for p, handle in sparse:
                     p.grad = mpi_ops.synchronize(handle)
         finally:
-            self._end_of_reduction()
+            for p in self._requires_update:
+                self._delay[p] = self.backward_passes_per_step
+            self._handles.clear()
+            self._ready.clear()
+            self._accumulating = False
         self._synchronized = True
-
-    def _submit_the_rest(self):
-        """Enqueues the units no hook enqueued this step (see ``synchronize``)."""
-        for index in range(len(self._units)):
-            if index not in self._handles:
-                self._handles[index] = self._allreduce_unit_async(index)
-
-    @staticmethod
-    def _write_back(params, results):
-        for p, result in zip(params, results):
-            if p.grad.is_sparse:
-                # sparse_as_dense: back to sparse rows for optimizers such as
-                # SparseAdam that take sparse gradients only.
-                p.grad = result.to_sparse(p.grad.sparse_dim())
-            elif result is not p.grad:
-                p.grad.copy_(result)
-
-    def _end_of_reduction(self):
-        for p in self._requires_update:
-            self._delay[p] = self.backward_passes_per_step
-        self._handles.clear()
-        self._ready.clear()
-        self._accumulating = False
-
-    # A batch is stepped early only from this many elements on: each call of the wrapped
-    # step() costs tens of microseconds, worth it where the update it moves off the
-    # critical path takes longer (1M float32 elements: ~0.5 ms on a CPU core).
-    _early_step_elements = 1 << 20
-
-    def _updates_as_gradients_arrive(self, closure):
-        """Whether ``step()`` may update each parameter as soon as its own gradient is
-        averaged, rather than all of them after the last allreduce: the wrapped optimizer
-        must be one of torch's, whose update of a parameter reads that parameter's
-        gradient and state alone (so updating the parameters in batches gives the very
-        same values), with no step hooks (they would run once per batch) and no closure;
-        the gradients must come from the plain (cast-compressed) allreduce."""
-        return (closure is None and bool(self._hook_handles) and len(self._units) > 1
-                and self._hvd_base in _PER_PARAMETER_OPTIMIZERS
-                and isinstance(self._reducer, _CompressedAllreduce)
-                and not self._optimizer_step_pre_hooks
-                and not self._optimizer_step_post_hooks
-                and not _torch_optimizer._global_optimizer_pre_hooks
-                and not _torch_optimizer._global_optimizer_post_hooks)
-
-    def _step_as_gradients_arrive(self):
-        """Synchronizes and steps in batches: the parameters whose allreduce has ended
-        are updated while the rest are still being reduced (the last gradients of
-        backward are the last reduced; their wait overlaps the update of the others).
-        Units are taken in the order they were enqueued, which is the order their
-        allreduces end; a batch is stepped when the next unit is not done yet. If an
-        allreduce fails, the exception comes as from ``synchronize()``, but the
-        parameters of the batches before it may have been updated already (elastic
-        training restores the last commit anyway)."""
-        self._submit_the_rest()
-        stepped = set()
-        batch, elements = [], 0
-        try:
-            for token, params, sparse in list(self._handles.values()):
-                if elements >= self._early_step_elements and not self._unit_done(token, sparse):
-                    self._step_only(batch)
-                    stepped.update(batch)
-                    batch, elements = [], 0
-                if params:
-                    self._write_back(params, self._reducer.finish(token))
-                for p, handle in sparse:
-                    p.grad = mpi_ops.synchronize(handle)
-                batch += list(params) + [p for p, _ in sparse]
-                elements += sum(p.numel() for p in params)
-        finally:
-            self._end_of_reduction()
-        self._synchronized = False
-        rest = [p for group in self.param_groups for p in group["params"] if p not in stepped]
-        return self._step_only(rest)
-
-    @staticmethod
-    def _unit_done(token, sparse):
-        return ((token is None or mpi_ops.poll(token[0]))
-                and all(handle.poll() for _, handle in sparse))
-
-    def _step_only(self, params):
-        """Steps the wrapped optimizer on ``params`` alone (the parameter groups keep
-        their settings; the other parameters are hidden from it for this call)."""
-        wanted = set(params)
-        groups = [group["params"] for group in self.param_groups]
-        try:
-            for group in self.param_groups:
-                group["params"] = [p for p in group["params"] if p in wanted]
-            return self._hvd_base.step(self)
-        finally:
-            for group, params_of_group in zip(self.param_groups, groups):
-                group["params"] = params_of_group
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -433,8 +342,6 @@ class _DistributedOptimizer:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
                               "after optimizer.synchronize(); the gradients are "
                               "synchronized again, which is slow and, for Sum, wrong")
-            if self._updates_as_gradients_arrive(closure):
-                return self._step_as_gradients_arrive()
             self.synchronize()
         self._synchronized = False
         return self._hvd_base.step(self, closure)

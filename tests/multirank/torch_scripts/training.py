@@ -282,59 +282,6 @@ if wanted("overlap"):
         failures.append("overlap: no collective ran before the last gradient was ready "
                         f"({info['overlap']})")
 
-if wanted("early_update"):
-    # step() updates the parameters whose allreduce has ended while the rest are still
-    # reduced. Forced here to step every unit on its own (as if each next one were never
-    # done in time), it must give bit for bit what one step after synchronize() gives,
-    # parameters and optimizer state, for every optimizer it is used with.
-    def run(make_opt, early, hook=False):
-        model = make_model(0)
-        model[2].bias.requires_grad_(False)  # a frozen parameter in a group
-        opt = hvd.DistributedOptimizer(make_opt(model.parameters()),
-                                       named_parameters=model.named_parameters())
-        calls = []
-        if early:
-            opt._unit_done = lambda token, sparse: False
-            opt._early_step_elements = 1  # this model's tensors are small
-            step_only = opt._step_only
-            opt._step_only = lambda params: (calls.append(len(params)), step_only(params))[1]
-        else:
-            opt._updates_as_gradients_arrive = lambda closure: False
-        if hook:
-            opt.register_step_pre_hook(lambda *a: calls.append("hook"))
-        for step in range(5):
-            x, y = batch(step, B)
-            x, y = x[R * B:(R + 1) * B], y[R * B:(R + 1) * B]
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-        state = [v for p in model.parameters() for _, v in sorted(opt.state[p].items())
-                 if torch.is_tensor(v)]
-        return [p.detach().clone() for p in model.parameters()] + state, calls
-
-    units = sum(1 for p in make_model(0).parameters()) - 1  # one frozen
-    for label, make in (
-            ("sgd", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-3,
-                                               nesterov=True)),
-            ("adam", lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=1e-3)),
-            ("adamw", lambda p: torch.optim.AdamW(p, lr=0.01, amsgrad=True)),
-            ("rmsprop", lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5)),
-            ("adagrad", lambda p: torch.optim.Adagrad(p, lr=0.1))):
-        early, calls = run(make, early=True)
-        once, _ = run(make, early=False)
-        # Each unit stepped alone, the last with the frozen parameter.
-        if calls != ([1] * (units - 1) + [2]) * 5:
-            failures.append(f"early_update {label}: stepped in batches {calls}")
-        same = len(early) == len(once) and all(torch.equal(a, b) for a, b in zip(early, once))
-        if not same:
-            failures.append(f"early_update {label}: parameters or state differ from one step "
-                            "after synchronize()")
-    # With a step hook the optimizer is stepped once per step (the hook runs once).
-    _, calls = run(lambda p: torch.optim.SGD(p, lr=0.1), early=True, hook=True)
-    if calls != ["hook"] * 5:
-        failures.append(f"early_update with a step hook: calls {calls}")
-    info["early_update_units"] = units
-
 if wanted("mismatch"):
     # Ranks whose models differ: step() raises on every rank, no rank hangs.
     model = torch.nn.Linear(4, 3 + R)
