@@ -113,15 +113,22 @@ hvd.shutdown()
 """
 
 
+def shm_results(np_, script):
+    """Runs script on np_ ranks through shared memory; every rank's result, each checked
+    to have nothing in its "wrong" list."""
+    env = {"HVDLITE_SHM_ALLREDUCE": "1", "HVDLITE_FUSION_THRESHOLD": None}
+    job = harness.assert_ok(harness.run_job(np_, script, timeout=300, env=env))
+    results = [job.result(rank) for rank in range(np_)]
+    for rank, res in enumerate(results):
+        assert not res["wrong"], f"rank {rank}: {res['wrong'][:10]}"
+    return results
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_allreduce_with_ranks_falling_behind_mid_call(np_):
     # Chunks pipelined over per-rank progress counters: a rank may run a chunk ahead of
     # a peer and must never overwrite a slot the peer still reads, across calls too.
-    env = {"HVDLITE_SHM_ALLREDUCE": "1", "HVDLITE_FUSION_THRESHOLD": None}
-    job = harness.assert_ok(harness.run_job(np_, LAGGING_SCRIPT, timeout=300, env=env))
-    for rank in range(np_):
-        res = job.result(rank)
-        assert not res["wrong"], f"rank {rank}: {res['wrong'][:10]}"
+    for res in shm_results(np_, LAGGING_SCRIPT):
         assert res["stats"]["shm_collectives"] >= 40, res["stats"]
 
 
@@ -156,9 +163,5 @@ def test_large_tensors_fuse_with_small_ones_through_shared_memory(np_):
     # Through shared memory a fused allreduce reads every tensor in place, so tensors
     # over 1 MiB (which go alone over MPI, to spare the fusion buffer's copies) join
     # the others: one collective per group.
-    env = {"HVDLITE_SHM_ALLREDUCE": "1", "HVDLITE_FUSION_THRESHOLD": None}
-    job = harness.assert_ok(harness.run_job(np_, FUSED_SCRIPT, timeout=300, env=env))
-    for rank in range(np_):
-        res = job.result(rank)
-        assert not res["wrong"], f"rank {rank}: {res['wrong'][:10]}"
+    for res in shm_results(np_, FUSED_SCRIPT):
         assert res["collectives"] == [1, 1, 1], res
