@@ -37,8 +37,9 @@ namespace hvdlite {
 namespace {
 
 constexpr const char* kJoinName = "__join__";
-// Tensors this large are reduced alone, in place: copying them into and out of the
-// fusion buffer costs more than the collective's fixed latency that fusion saves.
+// Over MPI, tensors this large are reduced alone, in place: copying them into and out
+// of the fusion buffer costs more than the collective's fixed latency that fusion
+// saves. (Through shared memory every tensor is read in place, so any size fuses.)
 constexpr int64_t kFuseAloneBytes = 1 << 20;
 // A burst of requests is gathered until none arrived for this long (a submitting
 // thread adds one every few microseconds, but may lose its core for a while on a
