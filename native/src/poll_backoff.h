@@ -14,8 +14,15 @@
 // While data is in flight the cap is lower (kDataMaxSleep): MPI moves a transfer on
 // only in the polls (each rendezvous handshake, the next fragments into the socket),
 // so every poll interval can leave the link idle. On the namespace cluster at 1 Gbit/s
-// a 1 MiB collective took ~0.5 ms longer with 200 us than with 50 us between polls,
-// and 50 us still costs a waiting rank only 0.1-0.2 of a core.
+// a 1 MiB collective took ~0.5 ms longer with 200 us than with 50 us between polls.
+// But 50 us all along costs a long transfer 0.1-0.26 of a core (20,000 polls a
+// second; a 16 MiB flat allreduce at 100 Mbit/s), so that cap rises with the wait too,
+// to 1/kDataCapDivisor of it, up to kDataLongMaxSleep: unchanged for the first 10 ms
+// (a 1 MiB collective at 1 Gbit/s is ~8 ms), 500 us from 100 ms on, where a poll
+// interval is a small part of the transfer (measured on the namespace cluster, one
+// rank per host: rising to 1 ms cost 16-64 MiB flat collectives 0.5-1.3% at 1 Gbit/s
+// and left a waiting rank 0.01-0.10 of a core at 100 Mbit/s; to 250 us, no loss and
+// 0.04-0.17 of a core).
 //
 // Background thread only (each wait has its own).
 #pragma once
@@ -34,16 +41,23 @@ class PollBackoff {
   // Something moved (a step of a collective completed): the wait starts over, short.
   void Progressed() { since_ = Clock::now(); }
   // After a poll that found nothing done: polls again at once during the first
-  // kSpin of the wait, else sleeps 1/8 of the wait so far, within [kMinSleep, max_sleep].
+  // kSpin of the wait, else sleeps 1/8 of the wait so far, within [kMinSleep, the cap]:
+  // max_sleep, or 1/kDataCapDivisor of the wait when that is longer (up to
+  // kDataLongMaxSleep; a longer max_sleep is never lowered).
   void Pause() {
     const auto waited = Clock::now() - since_;
     if (waited < kSpin) return;
     const auto sleep = std::chrono::duration_cast<std::chrono::microseconds>(waited / 8);
-    std::this_thread::sleep_for(std::min(max_sleep_, std::max(kMinSleep, sleep)));
+    const auto cap = std::max(
+        max_sleep_, std::min(kDataLongMaxSleep, std::chrono::duration_cast<std::chrono::microseconds>(
+                                                    waited / kDataCapDivisor)));
+    std::this_thread::sleep_for(std::min(cap, std::max(kMinSleep, sleep)));
   }
 
   static constexpr std::chrono::microseconds kWaitMaxSleep{1000};
   static constexpr std::chrono::microseconds kDataMaxSleep{50};
+  static constexpr int kDataCapDivisor = 200;
+  static constexpr std::chrono::microseconds kDataLongMaxSleep{500};
   static constexpr std::chrono::microseconds kSpin{10};
   static constexpr std::chrono::microseconds kMinSleep{10};
 
