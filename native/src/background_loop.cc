@@ -26,10 +26,10 @@
 #include <sys/prctl.h>
 
 #include <algorithm>
-#include <limits>
 #include <cmath>
 #include <cstring>
 #include <future>
+#include <limits>
 
 #include "thread_sched.h"
 

@@ -22,7 +22,7 @@
 // interval is a small part of the transfer (measured on the namespace cluster, one
 // rank per host: rising to 1 ms cost 16-64 MiB flat collectives 0.5-1.3% at 1 Gbit/s
 // and left a waiting rank 0.01-0.10 of a core at 100 Mbit/s; to 250 us, no loss and
-// 0.04-0.17 of a core).
+// 0.04-0.17 of a core; to 500 us, no loss and 0.03-0.12).
 //
 // Background thread only (each wait has its own).
 #pragma once
