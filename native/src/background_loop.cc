@@ -924,9 +924,8 @@ void ProcessSetState::Execute(const std::vector<Response>& ready) {
   // Through shared memory (flat or hierarchical) an allreduce reads its tensors in
   // place, so large ones fuse for free and save a round each; over MPI alone they go by
   // themselves (the fusion buffer's copies would cost more than the round).
-  const bool in_place_pieces =
-      mpi_->shared_memory() || (autotune_.knobs().hierarchical && mpi_->hierarchical());
-  const int64_t fuse_alone_bytes = in_place_pieces ? std::numeric_limits<int64_t>::max() : kFuseAloneBytes;
+  const int64_t fuse_alone_bytes =
+      mpi_->shared_memory() || Hierarchical() ? std::numeric_limits<int64_t>::max() : kFuseAloneBytes;
   std::vector<size_t> ends;
   for (size_t i = 0; i < ready.size();) {
     const Response& r = ready[i];
@@ -1009,6 +1008,10 @@ void ProcessSetState::Execute(const std::vector<Response>& ready) {
   }
 }
 
+LayeredAllreduce* ProcessSetState::Hierarchical() const {
+  return autotune_.knobs().hierarchical ? mpi_->hierarchical() : nullptr;
+}
+
 void ProcessSetState::ExecuteAllreduce(const std::vector<const Response*>& fused) {
   const Response& first = *fused[0];
   const int32_t dtype = first.dtype;
@@ -1028,8 +1031,7 @@ void ProcessSetState::ExecuteAllreduce(const std::vector<const Response*>& fused
   Activities activities(timeline_, names, queue_start_us_);
   activities.Done("QUEUE");
   Status s;
-  LayeredAllreduce* hierarchical =
-      autotune_.knobs().hierarchical ? mpi_->hierarchical() : nullptr;
+  LayeredAllreduce* hierarchical = Hierarchical();
   if (mpi_->shared_memory() || hierarchical) {
     // Straight from the inputs through shared memory into the outputs, scaled on the
     // way: no fusion buffer and no separate scaling pass.

@@ -125,6 +125,9 @@ class ProcessSetState {
   void Execute(const std::vector<Response>& ready);
 
   void ExecuteAllreduce(const std::vector<const Response*>& fused);
+  // The layered (hierarchical) allreduce when it is on for this cycle, else null. With
+  // it, or with shared memory, an allreduce reads its tensors in place (no fusion buffer).
+  LayeredAllreduce* Hierarchical() const;
   void ExecuteAllgather(const std::vector<const Response*>& fused);
   static int64_t AllgatherBytes(const Response& r);
   void ExecuteOne(const Response& r);
