@@ -3,13 +3,16 @@
     python benchmarks/train_throughput.py [--rounds 8] [--steps 60] [--np 2] [--phases]
 
 Same model (an MLP 784-2048-2048-10 by default), same batch per rank (64), synthetic
-data, SGD. Four configurations run interleaved, round after round, so that drift in the
+data, SGD. Five configurations run interleaved, round after round, so that drift in the
 machine's load hits all of them alike:
 
   ceiling   N independent single-process trainings side by side, at the same time, with
             no communication: what N ranks could reach if the allreduce were free (the
             contention for cores and memory alone);
   hvdlite   N ranks through hvdlite.torch.DistributedOptimizer;
+  bound     the same with ``hvdliterun --bind-to core`` (each rank's threads on its
+            share of the cores; the ceiling's processes are left unbound, which is
+            their faster way: bound they ran ~2% slower);
   DDP       N ranks of torch DDP over gloo;
   single    one process alone.
 
@@ -18,6 +21,7 @@ start their timed steps together (a file barrier) and keep training untimed unti
 one of them is done, so none is timed alone. Every worker uses one compute thread
 (``torch.set_num_threads(1)``). Each round prints hvdlite/ceiling and DDP/ceiling (per
 rank against per process); the summary gives their median and range over the rounds.
+``--no-bound`` leaves the bound configuration out.
 
 Target of issue 19: hvdlite/ceiling median >= 0.85, no round below 0.75.
 """
@@ -34,6 +38,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = "THROUGHPUT "
+LABELS = {"hvdlite": "hvdlite", "bound": "hvdlite --bind-to core", "ddp": "DDP"}
 
 
 def build(args):
@@ -58,8 +63,8 @@ def _wait_for_files(paths):
 
 
 def _thread_stats():
-    """tid -> (CPU ns, run-queue ns, minor faults, involuntary switches) of this
-    process's threads, from /proc (Linux)."""
+    """tid -> (CPU ns, run-queue ns, minor faults, involuntary switches, voluntary
+    switches, i.e. sleeps) of this process's threads, from /proc (Linux)."""
     stats = {}
     for tid in os.listdir("/proc/self/task"):
         try:
@@ -68,19 +73,20 @@ def _thread_stats():
             with open(f"/proc/self/task/{tid}/schedstat") as f:
                 run, queued, _ = (int(v) for v in f.read().split())
             with open(f"/proc/self/task/{tid}/status") as f:
-                nvcsw = next(int(line.split()[1]) for line in f
-                             if line.startswith("nonvoluntary_ctxt_switches"))
-        except (OSError, StopIteration):
+                switches = {k: int(v) for k, v in (line.split(":") for line in f
+                                                   if "ctxt_switches" in line)}
+        except (OSError, ValueError):
             continue
-        stats[int(tid)] = (run, queued, int(fields[7]), nvcsw)
+        stats[int(tid)] = (run, queued, int(fields[7]), switches["nonvoluntary_ctxt_switches"],
+                           switches["voluntary_ctxt_switches"])
     return stats
 
 
 class Phases:
     """--phases: per-step milliseconds of forward, backward, waiting for the gradients'
     allreduce and the update, and per thread (the training thread; all others, i.e.
-    hvdlite's background thread) CPU and run-queue ms, minor page faults and
-    involuntary context switches per step."""
+    hvdlite's background thread) CPU and run-queue ms, minor page faults, involuntary
+    context switches and sleeps (voluntary switches) per step."""
 
     def __init__(self):
         self.ms = {"forward": 0.0, "backward": 0.0, "wait": 0.0, "update": 0.0}
@@ -91,17 +97,18 @@ class Phases:
 
     def stop(self):
         after, main = _thread_stats(), threading.get_native_id()
-        per = {"main": [0, 0, 0, 0], "other": [0, 0, 0, 0]}
+        per = {"main": [0] * 5, "other": [0] * 5}
         for tid, now in after.items():
-            was = self.before.get(tid, (0, 0, 0, 0))
-            for i in range(4):
+            was = self.before.get(tid, (0,) * 5)
+            for i in range(5):
                 per["main" if tid == main else "other"][i] += now[i] - was[i]
         out = {k: round(v / self.steps, 2) for k, v in self.ms.items()}
-        for who, (run, queued, faults, nvcsw) in per.items():
+        for who, (run, queued, faults, nvcsw, vcsw) in per.items():
             out[who] = {"cpu_ms": round(run / 1e6 / self.steps, 2),
                         "runq_ms": round(queued / 1e6 / self.steps, 2),
                         "minflt": round(faults / self.steps, 1),
-                        "nvcsw": round(nvcsw / self.steps, 1)}
+                        "nvcsw": round(nvcsw / self.steps, 1),
+                        "sleeps": round(vcsw / self.steps, 1)}
         return out
 
 
@@ -265,14 +272,18 @@ def run_ceiling(args):
     return [r["rate"] for r in results], [r["phases"] for r in results]
 
 
-def run_hvdlite(args):
-    cmd = [sys.executable, "-m", "hvdlite.runner", "-np", str(args.np)] + _worker_args(
-        args, "hvdlite")
+def run_hvdlite(args, launcher_flags=()):
+    cmd = [sys.executable, "-m", "hvdlite.runner", "-np", str(args.np), *launcher_flags] + \
+        _worker_args(args, "hvdlite")
     out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=args.timeout)
     if out.returncode:
         raise RuntimeError(f"hvdlite run failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
     res = _parse(out.stdout)
     return res["rates"], res["phases"]
+
+
+def run_bound(args):
+    return run_hvdlite(args, ["--bind-to", "core"])
 
 
 def run_ddp(args):
@@ -310,10 +321,12 @@ def main():
     parser.add_argument("--layers", default="784-2048-2048-10")
     parser.add_argument("--timeout", type=int, default=300)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--no-bound", action="store_true",
+                        help="leave out hvdlite with --bind-to core")
     parser.add_argument("--phases", action="store_true",
                         help="also print, per process, ms per step of forward, backward, "
                              "waiting for the allreduce and the update, and per thread CPU "
-                             "and run-queue ms, page faults and involuntary switches")
+                             "and run-queue ms, page faults, involuntary switches and sleeps")
     parser.add_argument("--sync-dir", help=argparse.SUPPRESS)
     parser.add_argument("--sync-id", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--sync-count", type=int, default=1, help=argparse.SUPPRESS)
@@ -322,10 +335,12 @@ def main():
         {"single": worker_single, "hvdlite": worker_hvdlite, "ddp": worker_ddp}[args.worker](args)
         return
 
-    kinds = (("ceiling", run_ceiling), ("hvdlite", run_hvdlite), ("ddp", run_ddp),
-             ("single", run_single))
+    kinds = (("ceiling", run_ceiling), ("hvdlite", run_hvdlite), ("bound", run_bound),
+             ("ddp", run_ddp), ("single", run_single))
+    if args.no_bound:
+        kinds = tuple(k for k in kinds if k[0] != "bound")
     runs = {kind: [] for kind, _ in kinds}
-    ratios = {"hvdlite": [], "ddp": []}
+    ratios = {kind: [] for kind in ("hvdlite", "bound", "ddp") if kind in runs}
     for round_ in range(args.rounds):
         for kind, fn in kinds:
             rates, phases = fn(args)
@@ -336,8 +351,9 @@ def main():
                 print(f"    {kind} process {k}: " + json.dumps(p), flush=True)
         for kind in ratios:
             ratios[kind].append(runs[kind][-1] / runs["ceiling"][-1])
-        print(f"round {round_ + 1}/{args.rounds} hvdlite/ceiling {ratios['hvdlite'][-1]:.3f}  "
-              f"DDP/ceiling {ratios['ddp'][-1]:.3f}", flush=True)
+        print(f"round {round_ + 1}/{args.rounds} "
+              + "  ".join(f"{LABELS[kind]}/ceiling {r[-1]:.3f}" for kind, r in ratios.items()),
+              flush=True)
 
     median = {kind: statistics.median(rates) for kind, rates in runs.items()}
     summary = {
@@ -357,16 +373,29 @@ def main():
         "hvdlite_scaling_efficiency": median["hvdlite"] / median["single"],
         "ddp_scaling_efficiency": median["ddp"] / median["single"],
     }
+    if "bound" in runs:
+        summary.update({
+            "bound_samples_per_sec_per_rank": median["bound"],
+            "bound_over_ceiling_per_round": ratios["bound"],
+            "bound_over_ceiling_median": statistics.median(ratios["bound"]),
+            "bound_over_hvdlite_per_round": [b / h for b, h in zip(runs["bound"], runs["hvdlite"])],
+        })
     print(f"\nmodel {args.layers}, batch {args.batch} per rank, {args.np} ranks, "
           f"{args.steps} timed steps, medians of {args.rounds} interleaved rounds")
     print(f"  ceiling ({args.np} independent) {median['ceiling']:9.1f} samples/sec per process")
     print(f"  hvdlite {args.np} ranks         {median['hvdlite']:9.1f} samples/sec per rank")
+    if "bound" in runs:
+        print(f"  hvdlite --bind-to core  {median['bound']:9.1f} samples/sec per rank")
     print(f"  DDP gloo {args.np} ranks        {median['ddp']:9.1f} samples/sec per rank")
     print(f"  1 process alone         {median['single']:9.1f} samples/sec")
-    for kind, label in (("hvdlite", "hvdlite/ceiling"), ("ddp", "DDP/ceiling    ")):
-        r = ratios[kind]
-        print(f"  {label}   median {statistics.median(r):.3f}, range {min(r):.3f}-{max(r):.3f}"
+    for kind, r in ratios.items():
+        label = f"{LABELS[kind]}/ceiling"
+        print(f"  {label:31s} median {statistics.median(r):.3f}, range {min(r):.3f}-{max(r):.3f}"
               + ("  (target: median >= 0.85, none below 0.75)" if kind == "hvdlite" else ""))
+    if "bound" in runs:
+        b = summary["bound_over_hvdlite_per_round"]
+        print(f"  bound/unbound hvdlite           median {statistics.median(b):.3f}, "
+              f"range {min(b):.3f}-{max(b):.3f}")
     print(f"  hvdlite / DDP     {summary['hvdlite_over_ddp']:.2f}x")
     print(f"  scaling vs 1 process: hvdlite {summary['hvdlite_scaling_efficiency']:.0%}, "
           f"DDP {summary['ddp_scaling_efficiency']:.0%}")

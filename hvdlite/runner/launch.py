@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     tuning.add_argument("--stall-check-time", type=float, metavar="S",
                         help="seconds before a stalled tensor is reported "
                              "(HVDLITE_STALL_CHECK_TIME)")
+    tuning.add_argument("--bind-to", choices=["none", "core"],
+                        help="core: bind each rank's threads to its share of the host's "
+                             "cores, as MPI's --bind-to core (HVDLITE_BIND_TO)")
     tuning.add_argument("--autotune", action="store_true",
                         help="tune fusion threshold, cycle time and the shared-memory chunk "
                              "online (HVDLITE_AUTOTUNE=1)")
@@ -207,6 +210,8 @@ def tuning_env(args: argparse.Namespace) -> Dict[str, str]:
     if args.stall_check_time is not None:
         check("--stall-check-time", args.stall_check_time, 0)
         env["HVDLITE_STALL_CHECK_TIME"] = _number(args.stall_check_time)
+    if args.bind_to is not None:
+        env["HVDLITE_BIND_TO"] = args.bind_to
     if args.autotune:
         env["HVDLITE_AUTOTUNE"] = "1"
     if args.autotune_log_file is not None:

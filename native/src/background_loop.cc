@@ -159,6 +159,19 @@ uint64_t TimelineArgsKey(const Response& r, size_t fused) {
   return h;
 }
 
+// HVDLITE_BIND_TO=core: this rank's threads on its share of the host's cores.
+void BindThisRank(const MpiTopology& topo) {
+  std::string why;
+  const std::vector<int> cores = BindToCoreShare(topo.local_rank, topo.local_size, &why);
+  if (cores.empty()) {
+    HVDLITE_LOG(WARNING) << "HVDLITE_BIND_TO=core: not binding local rank " << topo.local_rank << ": " << why;
+    return;
+  }
+  std::string list;
+  for (int c : cores) list += (list.empty() ? "" : ",") + std::to_string(c);
+  HVDLITE_LOG(INFO) << "local rank " << topo.local_rank << " of " << topo.local_size << " bound to cores " << list;
+}
+
 }  // namespace
 
 Core& Core::Get() {
@@ -214,6 +227,7 @@ Status Core::Init(int64_t comm_f2c) {
     if (st.ok()) {
       topo_ = topo;
       SetLogRank(topo.rank);
+      if (config_.bind_to_core) BindThisRank(topo);
       if (topo.rank == 0 && !config_.timeline_path.empty()) {
         st = timeline_.Start(config_.timeline_path, config_.timeline_mark_cycles);
       }

@@ -93,6 +93,13 @@ Status LoadConfig(Config* c) {
                        &c->hierarchical_broadcast)).ok()) {
     return s;
   }
+  if (const char* b = std::getenv("HVDLITE_BIND_TO"); b && *b) {
+    const std::string v = b;
+    if (v != "core" && v != "none") {
+      return InvalidArgument("HVDLITE_BIND_TO='" + v + "' must be core or none");
+    }
+    c->bind_to_core = v == "core";
+  }
   if (const char* h = std::getenv("HVDLITE_HOST_ID")) c->host_id = h;
   if (const char* m = std::getenv("HVDLITE_MPI_THREAD_FUNNELED")) {
     c->mpi_thread_multiple = !(std::string(m) == "1" || std::string(m) == "true");

@@ -49,6 +49,10 @@ struct Config {
   // through the hosts' leaders (hierarchical_allgather.h, hierarchical_broadcast.h).
   int hierarchical_allgather = -1;
   int hierarchical_broadcast = -1;
+  // HVDLITE_BIND_TO=core: every thread of local rank r of n on a host is bound to the
+  // r-th of n equal blocks of the cores the process may use (thread_sched.h); "none"
+  // (the default) binds nothing.
+  bool bind_to_core = false;
   // HVDLITE_HOST_ID: ranks with equal ids count as one host (testing, advanced).
   std::string host_id;
   AutotuneSettings autotune;

@@ -1,5 +1,6 @@
 #include "thread_sched.h"
 
+#include <dirent.h>
 #include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
@@ -7,6 +8,8 @@
 
 #include <cerrno>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 namespace hvdlite {
 namespace {
@@ -41,6 +44,64 @@ bool RequestShortSlice(long slice_ns) {
   (void)slice_ns;
   return false;
 #endif
+}
+
+namespace {
+
+// The cores this process could use before it bound anything: a later init (elastic
+// training starts the core again) shares out the same cores, not its own share.
+std::vector<int> CoresAtStart(std::string* why) {
+  static const std::vector<int> cores = [] {
+    std::vector<int> all;
+    cpu_set_t allowed;
+    CPU_ZERO(&allowed);
+    if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return all;
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      if (CPU_ISSET(c, &allowed)) all.push_back(c);
+    }
+    return all;
+  }();
+  if (cores.empty()) *why = "cannot read which cores this process may use";
+  return cores;
+}
+
+}  // namespace
+
+std::vector<int> BindToCoreShare(int local_rank, int local_size, std::string* why) {
+  const std::vector<int> cores = CoresAtStart(why);
+  if (cores.empty()) return {};
+  const int share = local_size > 0 ? static_cast<int>(cores.size()) / local_size : 0;
+  const bool fits = share > 0 && local_rank >= 0 && local_rank < local_size;
+  // When it does not fit, every thread goes back to all the cores (an earlier init of an
+  // elastic job may have bound them to a share of fewer ranks).
+  const std::vector<int> mine = fits ? std::vector<int>(cores.begin() + local_rank * share,
+                                                         cores.begin() + (local_rank + 1) * share)
+                                     : cores;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int c : mine) CPU_SET(c, &set);
+  DIR* dir = opendir("/proc/self/task");
+  if (!dir) {
+    *why = std::string("cannot list this process's threads: ") + std::strerror(errno);
+    return {};
+  }
+  while (dirent* entry = readdir(dir)) {
+    if (entry->d_name[0] == '.') continue;
+    const pid_t tid = static_cast<pid_t>(std::atoi(entry->d_name));
+    // A thread that ended meanwhile (ESRCH) needs no binding.
+    if (sched_setaffinity(tid, sizeof(set), &set) != 0 && errno != ESRCH) {
+      *why = "sched_setaffinity of thread " + std::to_string(tid) + " failed: " + std::strerror(errno);
+      closedir(dir);
+      return {};
+    }
+  }
+  closedir(dir);
+  if (!fits) {
+    *why = std::to_string(local_size) + " ranks on this host and " + std::to_string(cores.size()) +
+           " cores to share among them";
+    return {};
+  }
+  return mine;
 }
 
 }  // namespace hvdlite
