@@ -10,9 +10,10 @@
 //      from the tensor itself);
 //   2. rank r reduces the r-th part of the chunk, reading every rank's in slot in rank
 //      order, into the same part of its own "out" slot, and postscales it there (and
-//      divides it, for Average) while it is in cache;
-//   3. every rank copies each part from its owner's out slot into its tensors'
-//      outputs, with memcpy.
+//      divides it, for Average) while it is in cache; a float Sum or Average does
+//      that in one pass that also writes the part into r's own output tensor;
+//   3. every rank copies each part (but its own, where step 2 wrote it) from its
+//      owner's out slot into its tensors' outputs, with memcpy.
 //
 // So there is no fusion buffer: packing, unpacking and scaling ride on the copies that
 // move data in and out of shared memory anyway.

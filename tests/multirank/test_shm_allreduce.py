@@ -165,3 +165,52 @@ def test_large_tensors_fuse_with_small_ones_through_shared_memory(np_):
     # the others: one collective per group.
     for res in shm_results(np_, FUSED_SCRIPT):
         assert res["collectives"] == [1, 1, 1], res
+
+
+ORDER_SCRIPT = r"""
+import json
+import numpy as np
+import hvdlite as hvd
+
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+CHUNK = 1 << 19
+# Tensors fused into one collective: parts of chunks that lie in one tensor (reduced
+# and written in one pass) and parts that straddle two tensors (reduced in the slot
+# and copied out).
+counts = (CHUNK // 4 * 3 + 11, 5, CHUNK // 8 + 3, CHUNK // 4 + 1)
+wrong = []
+for dtype in (np.float32, np.float64):
+    for op in ("Sum", "Average"):
+        for in_place in (False, True):
+            name = f"{np.dtype(dtype).name}.{op}.{'in_place' if in_place else 'out'}"
+            # Every rank's values, of mixed magnitudes, so that another order of the sum
+            # or another way of scaling would round differently.
+            contribs = [[(np.random.default_rng(100 * r + k).standard_normal(n) *
+                          10.0 ** np.random.default_rng(7 * r + k).integers(-3, 4, n)).astype(dtype)
+                         for k, n in enumerate(counts)] for r in range(size)]
+            mine = [t.copy() for t in contribs[rank]]
+            hvd_op = hvd.Sum if op == "Sum" else hvd.Average
+            # Submitted back to back: one fused collective.
+            handles = [hvd.allreduce_async(t, name=f"{name}.{k}", op=hvd_op,
+                                           out=t if in_place else None)
+                       for k, t in enumerate(mine)]
+            got = [hvd.synchronize(h) for h in handles]
+            for k in range(len(counts)):
+                want = contribs[0][k].copy()
+                for r in range(1, size):
+                    want = want + contribs[r][k]  # rank order
+                if op == "Average":
+                    want = want * dtype(1.0 / size)
+                if got[k].tobytes() != want.tobytes():
+                    wrong.append(f"{name}.{k}: {int((got[k] != want).sum())} of {counts[k]} differ")
+print("HVDLITE_RESULT", json.dumps({"wrong": wrong}))
+hvd.shutdown()
+"""
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_float_sums_are_the_rank_order_sum_bit_for_bit(np_):
+    # Each part is summed in rank order and scaled by 1/size, whether its owner
+    # writes it straight into its tensor or it goes through the slot.
+    shm_results(np_, ORDER_SCRIPT)
