@@ -22,6 +22,7 @@ void ScaleInt(T* dst, const T* src, int64_t n, double factor, int64_t divisor) {
 // In blocks of a fixed 64 bytes, which -O2 vectorizes (a loop of unknown length it
 // leaves scalar). dst may equal src, so no restrict.
 template <typename T>
+HVDLITE_VECTOR_CLONES
 void ScaleFloat(T* dst, const T* src, int64_t n, double scale) {
   const T s = static_cast<T>(scale);
   constexpr int64_t kBlock = 64 / sizeof(T);

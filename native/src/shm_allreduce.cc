@@ -88,6 +88,7 @@ struct MaxOp {
 constexpr int64_t kBlockBytes = 64;
 
 template <typename T, typename Op>
+HVDLITE_VECTOR_CLONES
 void Combine(T* __restrict out, const T* __restrict a, const T* __restrict b, int64_t n, Op op) {
   constexpr int64_t kBlock = kBlockBytes / sizeof(T);
   int64_t i = 0;
@@ -98,6 +99,7 @@ void Combine(T* __restrict out, const T* __restrict a, const T* __restrict b, in
 }
 
 template <typename T, typename Op>
+HVDLITE_VECTOR_CLONES
 void Accumulate(T* __restrict out, const T* __restrict b, int64_t n, Op op) {
   constexpr int64_t kBlock = kBlockBytes / sizeof(T);
   int64_t i = 0;
@@ -125,6 +127,7 @@ void ReduceParts(void* out, const std::vector<const uint8_t*>& parts, int64_t n,
 // scale, copy out, this saves two passes over the part (~10% of the background
 // thread's CPU on the MLP benchmark's 23 MB).
 template <typename T>
+HVDLITE_VECTOR_CLONES
 void SumScaledInto(T* slot, T* tensor, const std::vector<const uint8_t*>& parts, int64_t n, T scale,
                    bool scaled) {
   constexpr int64_t kBlock = kBlockBytes / sizeof(T);
