@@ -21,7 +21,8 @@ constexpr long kBackgroundSliceNs = 100000;
 // started later by a bound thread inherit the binding. A rank's training thread and its
 // background thread then share cores: the gradients one hands the other stay in that
 // core's cache, and neither migrates to the other rank's core (the MLP benchmark on 2
-// ranks and 2 cores: +2-4%; README "Binding ranks to cores").
+// ranks and 2 cores: bound/unbound 1.014 median over 40 interleaved rounds; README
+// "Binding ranks to cores").
 // Returns the cores bound to; none, with *why set, when it could not bind (more ranks
 // on the host than cores: every thread may then use all of them; or the kernel refused).
 std::vector<int> BindToCoreShare(int local_rank, int local_size, std::string* why);

@@ -179,7 +179,7 @@ CHUNK = 1 << 19
 # and written in one pass) and parts that straddle two tensors (reduced in the slot
 # and copied out).
 counts = (CHUNK // 4 * 3 + 11, 5, CHUNK // 8 + 3, CHUNK // 4 + 1)
-wrong = []
+wrong, collectives = [], []
 for dtype in (np.float32, np.float64):
     for op in ("Sum", "Average"):
         for in_place in (False, True):
@@ -191,11 +191,12 @@ for dtype in (np.float32, np.float64):
                          for k, n in enumerate(counts)] for r in range(size)]
             mine = [t.copy() for t in contribs[rank]]
             hvd_op = hvd.Sum if op == "Sum" else hvd.Average
-            # Submitted back to back: one fused collective.
-            handles = [hvd.allreduce_async(t, name=f"{name}.{k}", op=hvd_op,
-                                           out=t if in_place else None)
-                       for k, t in enumerate(mine)]
-            got = [hvd.synchronize(h) for h in handles]
+            # One group: one fused collective (checked below), so that some parts
+            # straddle tensors.
+            before = hvd.stats()["shm_collectives"]
+            got = hvd.grouped_allreduce(mine, name=name, op=hvd_op,
+                                        outs=mine if in_place else None)
+            collectives.append(hvd.stats()["shm_collectives"] - before)
             for k in range(len(counts)):
                 want = contribs[0][k].copy()
                 for r in range(1, size):
@@ -204,7 +205,7 @@ for dtype in (np.float32, np.float64):
                     want = want * dtype(1.0 / size)
                 if got[k].tobytes() != want.tobytes():
                     wrong.append(f"{name}.{k}: {int((got[k] != want).sum())} of {counts[k]} differ")
-print("HVDLITE_RESULT", json.dumps({"wrong": wrong}))
+print("HVDLITE_RESULT", json.dumps({"wrong": wrong, "collectives": collectives}))
 hvd.shutdown()
 """
 
@@ -213,4 +214,5 @@ hvd.shutdown()
 def test_float_sums_are_the_rank_order_sum_bit_for_bit(np_):
     # Each part is summed in rank order and scaled by 1/size, whether its owner
     # writes it straight into its tensor or it goes through the slot.
-    shm_results(np_, ORDER_SCRIPT)
+    for res in shm_results(np_, ORDER_SCRIPT):
+        assert res["collectives"] == [1] * 8, res
