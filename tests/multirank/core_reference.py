@@ -199,3 +199,11 @@ def allreduce_case(hvd, case, rank, in_place):
         hvd.allreduce(got, out=got, **kwargs)
         return got
     return hvd.allreduce(mine, **kwargs)
+
+
+def grouped_allreduce_counted(hvd, arrays, **kwargs):
+    """``hvd.grouped_allreduce(arrays, **kwargs)``'s results and how many collectives
+    went through shared memory for it (one, when the group fused)."""
+    before = hvd.stats()["shm_collectives"]
+    got = hvd.grouped_allreduce(arrays, **kwargs)
+    return got, hvd.stats()["shm_collectives"] - before

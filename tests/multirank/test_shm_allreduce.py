@@ -136,6 +136,7 @@ FUSED_SCRIPT = r"""
 import json
 import numpy as np
 import hvdlite as hvd
+from core_reference import grouped_allreduce_counted
 
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
@@ -146,9 +147,8 @@ wrong, collectives = [], []
 for it in range(3):
     tensors = [np.arange(n, dtype=np.float32) % 97 * (rank + 1) + it + k
                for k, n in enumerate(counts)]
-    before = hvd.stats()["shm_collectives"]
-    got = hvd.grouped_allreduce(tensors, name=f"mixed.{it}", op=hvd.Sum)
-    collectives.append(hvd.stats()["shm_collectives"] - before)
+    got, used = grouped_allreduce_counted(hvd, tensors, name=f"mixed.{it}", op=hvd.Sum)
+    collectives.append(used)
     for k, (n, g) in enumerate(zip(counts, got)):
         want = np.arange(n, dtype=np.float32) % 97 * (size * (size + 1) // 2) + size * (it + k)
         if not np.array_equal(g, want):
@@ -171,6 +171,7 @@ ORDER_SCRIPT = r"""
 import json
 import numpy as np
 import hvdlite as hvd
+from core_reference import grouped_allreduce_counted
 
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
@@ -193,10 +194,9 @@ for dtype in (np.float32, np.float64):
             hvd_op = hvd.Sum if op == "Sum" else hvd.Average
             # One group: one fused collective (checked below), so that some parts
             # straddle tensors.
-            before = hvd.stats()["shm_collectives"]
-            got = hvd.grouped_allreduce(mine, name=name, op=hvd_op,
-                                        outs=mine if in_place else None)
-            collectives.append(hvd.stats()["shm_collectives"] - before)
+            got, used = grouped_allreduce_counted(hvd, mine, name=name, op=hvd_op,
+                                                  outs=mine if in_place else None)
+            collectives.append(used)
             for k in range(len(counts)):
                 want = contribs[0][k].copy()
                 for r in range(1, size):
