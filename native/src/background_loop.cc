@@ -172,6 +172,21 @@ void BindThisRank(const MpiTopology& topo) {
   HVDLITE_LOG(INFO) << "local rank " << topo.local_rank << " of " << topo.local_size << " bound to cores " << list;
 }
 
+// Once init's collectives are done (they may wait seconds for a peer still importing
+// its framework, inside MPI calls that poll), the background thread goes real-time
+// unless HVDLITE_BACKGROUND_REALTIME=0 (thread_sched.h).
+void MakeBackgroundRealtime(const Config& config, const MpiTopology& topo) {
+  if (config.background_realtime == 0) return;
+  std::string why;
+  if (RequestRealtime(topo.local_size, &why)) {
+    HVDLITE_LOG(DEBUG) << "background thread real-time (SCHED_FIFO)";
+  } else if (config.background_realtime == 1) {
+    HVDLITE_LOG(WARNING) << "HVDLITE_BACKGROUND_REALTIME=1: the background thread stays at normal priority: " << why;
+  } else {
+    HVDLITE_LOG(DEBUG) << "background thread at normal priority: " << why;
+  }
+}
+
 }  // namespace
 
 Core& Core::Get() {
@@ -272,6 +287,7 @@ Status Core::Init(int64_t comm_f2c) {
           CoreParts{config_, queue_, handles_, counters_, timeline_, sets_, autotune_,
                     [this](const Status& failure) { EndLoop(failure); }})));
     }
+    if (ok) MakeBackgroundRealtime(config_, topo);
     started.set_value(st);
     if (ok) Loop();
   });
@@ -682,6 +698,8 @@ void Core::Loop() {
     loop_ended_ = true;
     FailEverything(end);
   }
+  // Closing may wait in MPI for peers that are still training.
+  LeaveRealtime();
   sets_.Clear(transport_ok);
 }
 

@@ -90,7 +90,9 @@ Status LoadConfig(Config* c) {
       !(s = ReadSwitch("HVDLITE_HIERARCHICAL_ALLGATHER", "HVDLITE_HIERARCHICAL_ALLGATHER",
                        &c->hierarchical_allgather)).ok() ||
       !(s = ReadSwitch("HVDLITE_HIERARCHICAL_BROADCAST", "HVDLITE_HIERARCHICAL_BROADCAST",
-                       &c->hierarchical_broadcast)).ok()) {
+                       &c->hierarchical_broadcast)).ok() ||
+      !(s = ReadSwitch("HVDLITE_BACKGROUND_REALTIME", "HVDLITE_BACKGROUND_REALTIME",
+                       &c->background_realtime)).ok()) {
     return s;
   }
   if (const char* b = std::getenv("HVDLITE_BIND_TO"); b && *b) {

@@ -53,6 +53,10 @@ struct Config {
   // r-th of n equal blocks of the cores the process may use (thread_sched.h); "none"
   // (the default) binds nothing.
   bool bind_to_core = false;
+  // HVDLITE_BACKGROUND_REALTIME=0/1: the background thread real-time (thread_sched.h).
+  // Unset (-1): real-time where the kernel permits it, silently normal where not; 1:
+  // the same, but a refusal is a warning that says why; 0: normal priority.
+  int background_realtime = -1;
   // HVDLITE_HOST_ID: ranks with equal ids count as one host (testing, advanced).
   std::string host_id;
   AutotuneSettings autotune;

@@ -1,0 +1,155 @@
+"""How a rank's threads are scheduled (native/src/thread_sched.h), in real jobs.
+
+hvdliterun --bind-to core (HVDLITE_BIND_TO=core): every thread of local rank r, the
+background thread included, and the threads it starts afterwards run on the r-th of
+local_size equal blocks of the cores the job may use; with more ranks than cores nothing
+is bound and every rank says why. Expected cores come from this process's own affinity,
+which the job inherits.
+
+The background thread is real-time (SCHED_FIFO) where the kernel permits it and every
+local rank can have a core, unless HVDLITE_BACKGROUND_REALTIME=0; no other thread is.
+Whether the kernel permits it is asked of the kernel here, by a process of our own.
+
+A bad value of either variable fails init with an error naming it.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness import assert_ok, describe, run_job
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("native")]
+
+SCRIPT = r"""
+import json, os, threading
+import numpy as np
+import hvdlite as hvd
+
+def cores_of(tid):
+    return sorted(os.sched_getaffinity(tid))
+
+hvd.init()
+threads, policies = {}, {}
+for tid in os.listdir("/proc/self/task"):
+    with open(f"/proc/self/task/{tid}/comm") as f:
+        name = f.read().strip() + ":" + tid
+    threads[name] = cores_of(int(tid))
+    policies[name] = os.sched_getscheduler(int(tid)) & ~os.SCHED_RESET_ON_FORK
+later = []
+t = threading.Thread(target=lambda: later.append(cores_of(0)))
+t.start(); t.join()
+# The job still reduces right, bound or real-time.
+total = hvd.allreduce(np.arange(4.0) + hvd.rank(), op=hvd.Sum, name="bound.sum")
+print("HVDLITE_RESULT", json.dumps({"local_rank": hvd.local_rank(), "threads": threads,
+                                    "policies": policies, "later": later[0],
+                                    "sum": total.tolist()}))
+"""
+
+
+def expected_share(local_rank, local_size):
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // local_size
+    if share == 0:
+        return None  # more ranks than cores: not bound
+    return cores[local_rank * share:(local_rank + 1) * share]
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_bind_to_core_gives_each_rank_its_share(np_):
+    result = assert_ok(run_job(np_, SCRIPT, launcher_args=["--bind-to", "core"]))
+    everything = sorted(os.sched_getaffinity(0))
+    for rank in range(np_):
+        got = result.result(rank)
+        assert got["sum"] == [sum(k + i for k in range(np_)) for i in range(4)]
+        want = expected_share(got["local_rank"], np_)
+        if want is None:
+            assert "ranks on this host and" in result.stderr_text(rank), describe(result)
+            want = everything
+        assert any(name.startswith("hvdlite-loop:") for name in got["threads"])
+        for name, cores in got["threads"].items():
+            assert cores == want, f"rank {rank} thread {name}: cores {cores}, expected {want}"
+        assert got["later"] == want, f"rank {rank}: a thread started after init got {got['later']}"
+    if expected_share(0, np_) is not None:
+        shares = [set(result.result(r)["threads"][next(iter(result.result(r)["threads"]))])
+                  for r in range(np_)]
+        assert all(not (a & b) for i, a in enumerate(shares) for b in shares[i + 1:])
+
+
+def test_unbound_by_default():
+    result = assert_ok(run_job(2, SCRIPT))
+    everything = sorted(os.sched_getaffinity(0))
+    for rank in range(2):
+        for name, cores in result.result(rank)["threads"].items():
+            assert cores == everything, f"rank {rank} thread {name} bound to {cores}"
+
+
+def realtime_permitted():
+    """Whether the kernel lets a process of ours make a thread SCHED_FIFO."""
+    probe = "import os; os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))"
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+
+
+def loop_and_others(result, rank):
+    policies = result.result(rank)["policies"]
+    loop = [p for name, p in policies.items() if name.startswith("hvdlite-loop:")]
+    assert len(loop) == 1, f"rank {rank}: threads {sorted(policies)}"
+    return loop[0], {name: p for name, p in policies.items() if not name.startswith("hvdlite-loop:")}
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_background_thread_is_realtime_where_permitted(np_):
+    result = assert_ok(run_job(np_, SCRIPT))
+    fits = np_ <= len(os.sched_getaffinity(0))
+    want = os.SCHED_FIFO if fits and realtime_permitted() else os.SCHED_OTHER
+    for rank in range(np_):
+        assert result.result(rank)["sum"] == [sum(k + i for k in range(np_)) for i in range(4)]
+        loop, others = loop_and_others(result, rank)
+        assert loop == want, f"rank {rank}: background thread policy {loop}, expected {want}"
+        assert set(others.values()) == {os.SCHED_OTHER}, f"rank {rank}: {others}"
+        # Unasked, normal priority is no news.
+        assert "HVDLITE_BACKGROUND_REALTIME" not in result.stderr_text(rank), describe(result)
+
+
+def test_background_realtime_off():
+    result = assert_ok(run_job(2, SCRIPT, env={"HVDLITE_BACKGROUND_REALTIME": "0"}))
+    for rank in range(2):
+        loop, others = loop_and_others(result, rank)
+        assert loop == os.SCHED_OTHER and set(others.values()) == {os.SCHED_OTHER}
+
+
+def test_background_realtime_asked_with_more_ranks_than_cores_warns():
+    # The job inherits this process's affinity: one core for two ranks.
+    everything = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(everything)})
+    try:
+        result = assert_ok(run_job(2, SCRIPT, env={"HVDLITE_BACKGROUND_REALTIME": "1"}))
+    finally:
+        os.sched_setaffinity(0, everything)
+    for rank in range(2):
+        loop, _ = loop_and_others(result, rank)
+        assert loop == os.SCHED_OTHER
+        assert result.result(rank)["sum"] == [sum(k + i for k in range(2)) for i in range(4)]
+        stderr = result.stderr_text(rank)
+        assert "HVDLITE_BACKGROUND_REALTIME=1" in stderr and "more ranks on this host (2) than cores (1)" in stderr, \
+            describe(result)
+
+
+@pytest.mark.parametrize("var,value,says", [
+    ("HVDLITE_BIND_TO", "socket", "HVDLITE_BIND_TO='socket'"),
+    ("HVDLITE_BACKGROUND_REALTIME", "yes", "HVDLITE_BACKGROUND_REALTIME='yes' must be 0 or 1"),
+])
+def test_bad_value_fails_init_naming_it(var, value, says):
+    result = run_job(2, """
+        import json
+        import hvdlite as hvd
+        try:
+            hvd.init()
+            print("HVDLITE_RESULT", json.dumps({"error": None}))
+        except hvd.errors.InvalidArgumentError as e:
+            print("HVDLITE_RESULT", json.dumps({"error": str(e)}))
+    """, env={var: value})
+    for rank in range(2):
+        error = result.result(rank)["error"]
+        assert error is not None and says in error, describe(result)
