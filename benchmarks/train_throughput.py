@@ -9,7 +9,8 @@ machine's load hits all of them alike:
   ceiling   N independent single-process trainings side by side, at the same time, with
             no communication: what N ranks could reach if the allreduce were free (the
             contention for cores and memory alone);
-  hvdlite   N ranks through hvdlite.torch.DistributedOptimizer;
+  hvdlite   N ranks through hvdlite.torch.DistributedOptimizer (its background thread
+            real-time where the kernel permits it: the summary says whether it was);
   bound     the same with ``hvdliterun --bind-to core`` (each rank's threads on its
             share of the cores; the ceiling's processes are left unbound, which is
             their faster way: bound they ran ~2% slower);
@@ -188,6 +189,15 @@ def worker_single(args):
     print(RESULT + json.dumps({"rate": rate, "phases": phases}), flush=True)
 
 
+def background_realtime():
+    """Whether this process's hvdlite background thread runs real-time (SCHED_FIFO)."""
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            if f.read().strip() == "hvdlite-loop":
+                return os.sched_getscheduler(int(tid)) & ~os.SCHED_RESET_ON_FORK == os.SCHED_FIFO
+    return False
+
+
 def worker_hvdlite(args):
     import torch
 
@@ -202,8 +212,9 @@ def worker_hvdlite(args):
     rate, phases = timed_loop(args, model, opt, x, y)
     rates = hvd.allgather_object(rate)
     phases = hvd.allgather_object(phases)
+    realtime = all(hvd.allgather_object(background_realtime()))
     if hvd.rank() == 0:
-        print(RESULT + json.dumps({"rates": rates, "phases": phases}), flush=True)
+        print(RESULT + json.dumps({"rates": rates, "phases": phases, "realtime": realtime}), flush=True)
 
 
 def worker_ddp(args):
@@ -272,6 +283,9 @@ def run_ceiling(args):
     return [r["rate"] for r in results], [r["phases"] for r in results]
 
 
+hvdlite_realtime = []  # per hvdlite run: whether every rank's background thread was real-time
+
+
 def run_hvdlite(args, launcher_flags=()):
     cmd = [sys.executable, "-m", "hvdlite.runner", "-np", str(args.np), *launcher_flags] + \
         _worker_args(args, "hvdlite")
@@ -279,6 +293,7 @@ def run_hvdlite(args, launcher_flags=()):
     if out.returncode:
         raise RuntimeError(f"hvdlite run failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
     res = _parse(out.stdout)
+    hvdlite_realtime.append(res["realtime"])
     return res["rates"], res["phases"]
 
 
@@ -370,6 +385,7 @@ def main():
         "hvdlite_over_ceiling_median": statistics.median(ratios["hvdlite"]),
         "ddp_over_ceiling_median": statistics.median(ratios["ddp"]),
         "hvdlite_over_ddp": median["hvdlite"] / median["ddp"],
+        "hvdlite_background_realtime_runs": f"{sum(hvdlite_realtime)}/{len(hvdlite_realtime)}",
         "hvdlite_scaling_efficiency": median["hvdlite"] / median["single"],
         "ddp_scaling_efficiency": median["ddp"] / median["single"],
     }
@@ -396,6 +412,11 @@ def main():
         b = summary["bound_over_hvdlite_per_round"]
         print(f"  bound/unbound hvdlite           median {statistics.median(b):.3f}, "
               f"range {min(b):.3f}-{max(b):.3f}")
+    print("  hvdlite's background thread: " + (
+        "real-time (SCHED_FIFO) in every run" if all(hvdlite_realtime) else
+        "normal priority in every run (HVDLITE_BACKGROUND_REALTIME=0, or the kernel does not permit it)"
+        if not any(hvdlite_realtime) else
+        f"real-time in {sum(hvdlite_realtime)} of {len(hvdlite_realtime)} runs"))
     print(f"  hvdlite / DDP     {summary['hvdlite_over_ddp']:.2f}x")
     print(f"  scaling vs 1 process: hvdlite {summary['hvdlite_scaling_efficiency']:.0%}, "
           f"DDP {summary['ddp_scaling_efficiency']:.0%}")
