@@ -190,8 +190,9 @@ def worker_single(args):
 
 
 def background_realtime():
-    """Whether this process's hvdlite background thread runs real-time (SCHED_FIFO)."""
-    for tid in os.listdir("/proc/self/task"):
+    """Whether this process's hvdlite background thread runs real-time (SCHED_FIFO): the
+    first thread of its name (threads MPI starts from it inherit the name)."""
+    for tid in sorted(os.listdir("/proc/self/task"), key=int):
         with open(f"/proc/self/task/{tid}/comm") as f:
             if f.read().strip() == "hvdlite-loop":
                 return os.sched_getscheduler(int(tid)) & ~os.SCHED_RESET_ON_FORK == os.SCHED_FIFO

@@ -51,7 +51,8 @@ HVDLITE_SOAK_OPS=${HVDLITE_SOAK_OPS:-5000} HVDLITE_REQUIRE_NATIVE=1 OMP_NUM_THRE
     tests/multirank/test_harness_self.py tests/multirank/test_core_allreduce.py \
     tests/multirank/test_core_errors.py tests/multirank/test_core_example.py \
     tests/multirank/test_collectives.py tests/multirank/test_shm_allreduce.py \
-    tests/multirank/test_launcher.py tests/faults/test_mismatch.py \
+    tests/multirank/test_launcher.py tests/multirank/test_thread_sched.py \
+    tests/faults/test_mismatch.py \
     tests/faults/test_rank_death.py tests/faults/test_refused_arguments.py \
     tests/faults/test_soak.py tests/faults/test_straggler.py \
     -k "not (test_every_op_dtype_against_numpy and (fusion_off or cache_off))" \
