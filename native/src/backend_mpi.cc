@@ -11,6 +11,7 @@
 #include "half.h"
 #include "mpi_fault_guard.h"
 #include "poll_backoff.h"
+#include "thread_sched.h"
 
 namespace hvdlite {
 namespace {
@@ -282,7 +283,11 @@ Status MpiBackend::WaitBackoff(void* request, const char* what, std::chrono::mic
 
 Status MpiBackend::Collective(const char* what, const std::function<int(void*)>& call) {
   InMpiCall in_mpi(what);
-  if (!spans_hosts_) return Check(call(nullptr), what);
+  if (!spans_hosts_) {
+    // On one host the blocking call is faster, but it spins until every peer is in.
+    NormalPriorityScope normal;
+    return Check(call(nullptr), what);
+  }
   MPI_Request req;
   Status s = Check(call(&req), what);
   return s.ok() ? WaitBackoff(&req, what, PollBackoff::kDataMaxSleep) : s;

@@ -231,14 +231,17 @@ Status Core::Init(int64_t comm_f2c) {
     // Short sleeps in the loop (backoff while a peer catches up) should last what they
     // ask for, not the default 50 us timer slack on top.
     prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
-    // Its own name in top, perf and /proc/PID/task (the training threads are "python").
-    prctl(PR_SET_NAME, "hvdlite-loop", 0, 0, 0);
+    // Its own name in top, perf and /proc/PID/task (the training threads are "python"),
+    // once MPI is up: threads MPI starts from it meanwhile (Open MPI's) inherit the name
+    // it has then.
+    prctl(PR_SET_NAME, "hvdlite-mpi", 0, 0, 0);
     // Wakes take the core from a training thread at once rather than after its slice:
     // each chunk of a shared-memory allreduce waits for the peers' background threads.
     RequestShortSlice(kBackgroundSliceNs);
     MpiTopology topo;
     std::unique_ptr<MpiBackend> world(new MpiBackend());
     Status st = world->Init(comm_f2c, config_.mpi_thread_multiple, LayersOf(config_), &topo);
+    prctl(PR_SET_NAME, "hvdlite-loop", 0, 0, 0);
     if (st.ok()) {
       topo_ = topo;
       SetLogRank(topo.rank);

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "thread_sched.h"
+
 namespace hvdlite {
 
 LayerSettings LayersOf(const Config& config) {
@@ -59,6 +61,8 @@ void ProcessSetState::FailInFlight(const Status& s) {
 // Runs on every rank of the set that carries the change (set 0: all ranks), at the same
 // point of the response order: MPI_Comm_split over that set's communicator.
 Status ProcessSetState::AddSet(const Response& r, OpOutput* out) {
+  // Creating communicators and windows waits in MPI, which spins, for the set's ranks.
+  NormalPriorityScope normal;
   std::vector<int> ranks(r.shape.begin(), r.shape.end());
   const int me = members_->ranks[rank_];
   auto members = std::make_shared<const ProcessSetMembers>(sets_.FreeId(), ranks, me);
@@ -76,6 +80,7 @@ Status ProcessSetState::AddSet(const Response& r, OpOutput* out) {
 Status ProcessSetState::RemoveSet(const Response& r) {
   std::unique_ptr<ProcessSetState> gone = sets_.Take(static_cast<int32_t>(r.shape.at(0)));
   if (!gone) return Status::OK();  // checked at enqueue on every rank
+  NormalPriorityScope normal;  // freeing them, too
   gone->FailInFlight(Status(HVDLITE_ERR_INVALID_ARGUMENT,
                             gone->members()->Describe() + " was removed while this op was in flight"));
   if (gone->included()) gone->Close(true);

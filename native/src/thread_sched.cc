@@ -67,18 +67,36 @@ std::vector<int> CoresAtStart(std::string* why) {
 
 }  // namespace
 
+namespace {
+
+// Whether this thread is real-time now (RequestRealtime, not lowered by a scope).
+thread_local bool t_realtime = false;
+
+bool SetRealtime() {
+  sched_param param = {};
+  param.sched_priority = sched_get_priority_min(SCHED_FIFO);
+  t_realtime = sched_setscheduler(0, SCHED_FIFO | SCHED_RESET_ON_FORK, &param) == 0;
+  return t_realtime;
+}
+
+void SetNormal() {
+  sched_param param = {};
+  sched_setscheduler(0, SCHED_OTHER, &param);
+  RequestShortSlice(kBackgroundSliceNs);
+  t_realtime = false;
+}
+
+}  // namespace
+
 bool RequestRealtime(int local_size, std::string* why) {
   const std::vector<int> cores = CoresAtStart(why);
   if (cores.empty()) return false;
   if (local_size > static_cast<int>(cores.size())) {
-    *why = "more ranks on this host (" + std::to_string(local_size) + ") than cores (" +
-           std::to_string(cores.size()) + "): a real-time thread waiting inside MPI would keep another "
-           "rank's background thread off its core";
+    *why = "more ranks on this host (" + std::to_string(local_size) + ") than cores this process may use (" +
+           std::to_string(cores.size()) + "): real-time threads of equal priority do not share a core";
     return false;
   }
-  sched_param param = {};
-  param.sched_priority = sched_get_priority_min(SCHED_FIFO);
-  if (sched_setscheduler(0, SCHED_FIFO | SCHED_RESET_ON_FORK, &param) != 0) {
+  if (!SetRealtime()) {
     *why = errno == EPERM ? "the kernel refused it (EPERM): it takes CAP_SYS_NICE or an RLIMIT_RTPRIO "
                             "of at least 1 (ulimit -r)"
                           : std::string("sched_setscheduler failed: ") + std::strerror(errno);
@@ -88,10 +106,15 @@ bool RequestRealtime(int local_size, std::string* why) {
 }
 
 void LeaveRealtime() {
-  if ((sched_getscheduler(0) & ~SCHED_RESET_ON_FORK) != SCHED_FIFO) return;
-  sched_param param = {};
-  sched_setscheduler(0, SCHED_OTHER, &param);
-  RequestShortSlice(kBackgroundSliceNs);
+  if (t_realtime) SetNormal();
+}
+
+NormalPriorityScope::NormalPriorityScope() : lowered_(t_realtime) {
+  if (lowered_) SetNormal();
+}
+
+NormalPriorityScope::~NormalPriorityScope() {
+  if (lowered_) SetRealtime();
 }
 
 std::vector<int> BindToCoreShare(int local_rank, int local_size, std::string* why) {

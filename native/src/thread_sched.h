@@ -21,18 +21,33 @@ constexpr long kBackgroundSliceNs = 100000;
 // gradient handed over, each chunk of a shared-memory allreduce a peer has moved on),
 // and every late wake delays the peers too: on the MLP benchmark (2 ranks, 2 cores) it
 // sat ~2 ms per 33 ms step runnable but not running, real-time ~0, and the step got
-// ~2% faster (median of 44 interleaved rounds; README "A real-time background thread").
-// Safe because the thread never spins while it waits (futexes, sleeping polls; blocking
-// MPI only in collectives every rank has already agreed to start) and threads it starts
-// get the normal policy back (SCHED_RESET_ON_FORK); the kernel's real-time throttling
-// still leaves others 5% of every core. Refused, with *why set, when there are more
-// ranks on the host than cores (local_size), since a real-time thread inside a blocking
-// MPI call yields only to other real-time threads, and when the kernel refuses
-// (CAP_SYS_NICE or an RLIMIT_RTPRIO of at least 1 is needed).
+// ~2% faster (median of 44 interleaved rounds, quartiles 0.98-1.05; README "A real-time
+// background thread").
+// A real-time thread that spins keeps normal threads off its core (the kernel's
+// real-time throttling, where it is on, bounds that to 95% of each second by default),
+// so the background thread waits on futexes and in sleeping polls (their first ~10 us
+// excepted), and runs MPI calls that spin until a peer arrives (blocking collectives on
+// one host, communicator changes) under NormalPriorityScope. Threads it starts get the
+// normal policy (SCHED_RESET_ON_FORK). Refused, with *why set, when this process may use
+// fewer cores than there are ranks on its host (local_size): real-time threads of equal
+// priority do not share a core by time slices. And refused when the kernel refuses
+// (CAP_SYS_NICE, which containers often drop, or an RLIMIT_RTPRIO of at least 1).
 bool RequestRealtime(int local_size, std::string* why);
-// Back to the normal policy and the short slice (before MPI calls that may wait long
-// on a peer still computing: shutting down). Nothing if the thread is not real-time.
+// Back to the normal policy and the short slice, for good (before shutting down).
+// Nothing if the thread is not real-time.
 void LeaveRealtime();
+// While one lives, a real-time calling thread runs at the normal policy (with the short
+// slice); nothing, without a syscall, for a thread that is not real-time.
+class NormalPriorityScope {
+ public:
+  NormalPriorityScope();
+  ~NormalPriorityScope();
+  NormalPriorityScope(const NormalPriorityScope&) = delete;
+  NormalPriorityScope& operator=(const NormalPriorityScope&) = delete;
+
+ private:
+  const bool lowered_;
+};
 
 // Binds every thread of this process to local rank local_rank's share of the cores the
 // process may use: the local_rank-th of local_size equal, contiguous blocks of them in

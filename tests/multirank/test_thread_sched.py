@@ -36,7 +36,7 @@ for tid in os.listdir("/proc/self/task"):
     with open(f"/proc/self/task/{tid}/comm") as f:
         name = f.read().strip() + ":" + tid
     threads[name] = cores_of(int(tid))
-    policies[name] = os.sched_getscheduler(int(tid)) & ~os.SCHED_RESET_ON_FORK
+    policies[name] = os.sched_getscheduler(int(tid))  # with SCHED_RESET_ON_FORK
 later = []
 t = threading.Thread(target=lambda: later.append(cores_of(0)))
 t.start(); t.join()
@@ -91,20 +91,32 @@ def realtime_permitted():
     return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
 
 
+# Two ranks' background threads real-time here: permitted, and a core for each.
+needs_realtime = pytest.mark.skipif(
+    not (realtime_permitted() and len(os.sched_getaffinity(0)) >= 2),
+    reason="the kernel does not let this user make threads real-time, or fewer than 2 cores")
+
+# Variables of this environment that would change what the tests expect (the job
+# inherits the environment): the default, and no timeline writer thread.
+UNSET = {"HVDLITE_BACKGROUND_REALTIME": None, "HVDLITE_TIMELINE": None, "HOROVOD_TIMELINE": None}
+
+
 def loop_and_others(result, rank):
-    """The background thread's policy and every other thread's. Threads that MPI starts
-    from the background thread inherit its name (Open MPI's, in MPI_Init): the
-    background thread is the first of that name."""
+    """The background thread's policy (SCHED_RESET_ON_FORK masked) and every other
+    thread's; asserts that a real-time background thread starts its threads normal."""
     policies = result.result(rank)["policies"]
-    named = sorted((int(name.split(":")[1]), name) for name in policies if name.startswith("hvdlite-loop:"))
-    assert named, f"rank {rank}: threads {sorted(policies)}"
-    loop = named[0][1]
-    return policies[loop], {name: p for name, p in policies.items() if name != loop}
+    loop = [name for name in policies if name.startswith("hvdlite-loop:")]
+    assert len(loop) == 1, f"rank {rank}: threads {sorted(policies)}"
+    policy = policies[loop[0]]
+    if policy & ~os.SCHED_RESET_ON_FORK == os.SCHED_FIFO:
+        assert policy & os.SCHED_RESET_ON_FORK, f"rank {rank}: threads it starts would be real-time too"
+    return policy & ~os.SCHED_RESET_ON_FORK, {
+        name: p & ~os.SCHED_RESET_ON_FORK for name, p in policies.items() if name != loop[0]}
 
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_background_thread_is_realtime_where_permitted(np_):
-    result = assert_ok(run_job(np_, SCRIPT))
+    result = assert_ok(run_job(np_, SCRIPT, env=UNSET))
     fits = np_ <= len(os.sched_getaffinity(0))
     want = os.SCHED_FIFO if fits and realtime_permitted() else os.SCHED_OTHER
     for rank in range(np_):
@@ -116,8 +128,50 @@ def test_background_thread_is_realtime_where_permitted(np_):
         assert "HVDLITE_BACKGROUND_REALTIME" not in result.stderr_text(rank), describe(result)
 
 
+@needs_realtime
+def test_background_realtime_asked_where_permitted():
+    result = assert_ok(run_job(2, SCRIPT, env={**UNSET, "HVDLITE_BACKGROUND_REALTIME": "1"}))
+    for rank in range(2):
+        loop, others = loop_and_others(result, rank)
+        assert loop == os.SCHED_FIFO and set(others.values()) == {os.SCHED_OTHER}
+        assert "HVDLITE_BACKGROUND_REALTIME" not in result.stderr_text(rank), describe(result)
+
+
+@needs_realtime
+def test_blocking_mpi_collectives_run_at_normal_priority():
+    # On one host allgather and broadcast are blocking MPI calls, which spin until every
+    # peer is in: the background thread leaves real-time for them. A thread of rank 0
+    # samples its policy while the ranks allgather 4 MiB tensors and expects both.
+    result = assert_ok(run_job(2, """
+        import json, os, threading
+        import numpy as np
+        import hvdlite as hvd
+
+        hvd.init()
+        loop = next(int(t) for t in os.listdir("/proc/self/task")
+                    if open(f"/proc/self/task/{t}/comm").read().strip() == "hvdlite-loop")
+        seen, done = set(), threading.Event()
+        def sample():
+            while not done.is_set():
+                seen.add(os.sched_getscheduler(loop) & ~os.SCHED_RESET_ON_FORK)
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        part = np.full(1 << 20, float(hvd.rank()), np.float32)
+        for step in range(100):
+            got = hvd.allgather(part, name=f"gather.{step % 4}")
+            assert got.shape == (2 << 20,) and got[0] == 0 and got[-1] == 1
+        done.set(); sampler.join()
+        print("HVDLITE_RESULT", json.dumps({"seen": sorted(seen),
+              "after": os.sched_getscheduler(loop) & ~os.SCHED_RESET_ON_FORK}))
+    """, env=UNSET))
+    for rank in range(2):
+        got = result.result(rank)
+        assert set(got["seen"]) == {os.SCHED_FIFO, os.SCHED_OTHER}, describe(result)
+        assert got["after"] == os.SCHED_FIFO
+
+
 def test_background_realtime_off():
-    result = assert_ok(run_job(2, SCRIPT, env={"HVDLITE_BACKGROUND_REALTIME": "0"}))
+    result = assert_ok(run_job(2, SCRIPT, env={**UNSET, "HVDLITE_BACKGROUND_REALTIME": "0"}))
     for rank in range(2):
         loop, others = loop_and_others(result, rank)
         assert loop == os.SCHED_OTHER and set(others.values()) == {os.SCHED_OTHER}
@@ -128,7 +182,7 @@ def test_background_realtime_asked_with_more_ranks_than_cores_warns():
     everything = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(everything)})
     try:
-        result = assert_ok(run_job(2, SCRIPT, env={"HVDLITE_BACKGROUND_REALTIME": "1"}))
+        result = assert_ok(run_job(2, SCRIPT, env={**UNSET, "HVDLITE_BACKGROUND_REALTIME": "1"}))
     finally:
         os.sched_setaffinity(0, everything)
     for rank in range(2):
@@ -136,7 +190,7 @@ def test_background_realtime_asked_with_more_ranks_than_cores_warns():
         assert loop == os.SCHED_OTHER
         assert result.result(rank)["sum"] == [sum(k + i for k in range(2)) for i in range(4)]
         stderr = result.stderr_text(rank)
-        assert "HVDLITE_BACKGROUND_REALTIME=1" in stderr and "more ranks on this host (2) than cores (1)" in stderr, \
+        assert "HVDLITE_BACKGROUND_REALTIME=1" in stderr and "more ranks on this host (2) than cores this process may use (1)" in stderr, \
             describe(result)
 
 
