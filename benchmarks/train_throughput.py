@@ -14,10 +14,13 @@ machine's load hits all of them alike:
   bound     the same with ``hvdliterun --bind-to core`` (each rank's threads on its
             share of the cores; the ceiling's processes are left unbound, which is
             their faster way: bound they ran ~2% slower);
+  normal    with ``--normal-priority``: hvdlite with HVDLITE_BACKGROUND_REALTIME=0 (its
+            background thread at normal priority), for real-time/normal per round;
   DDP       N ranks of torch DDP over gloo;
   single    one process alone.
 
-Samples/sec are measured inside the workers after warm-up steps. The ceiling's workers
+The hvdlite configurations run in reverse order every other round. Samples/sec are
+measured inside the workers after warm-up steps. The ceiling's workers
 start their timed steps together (a file barrier) and keep training untimed until every
 one of them is done, so none is timed alone. Every worker uses one compute thread
 (``torch.set_num_threads(1)``). Each round prints hvdlite/ceiling and DDP/ceiling (per
@@ -39,7 +42,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = "THROUGHPUT "
-LABELS = {"hvdlite": "hvdlite", "bound": "hvdlite --bind-to core", "ddp": "DDP"}
+LABELS = {"hvdlite": "hvdlite", "bound": "hvdlite --bind-to core",
+          "normal": "hvdlite normal priority", "ddp": "DDP"}
 
 
 def build(args):
@@ -284,22 +288,28 @@ def run_ceiling(args):
     return [r["rate"] for r in results], [r["phases"] for r in results]
 
 
-hvdlite_realtime = []  # per hvdlite run: whether every rank's background thread was real-time
+# Per hvdlite configuration, per run: whether every rank's background thread was real-time.
+hvdlite_realtime = {}
 
 
-def run_hvdlite(args, launcher_flags=()):
+def run_hvdlite(args, launcher_flags=(), variables=None, kind="hvdlite"):
     cmd = [sys.executable, "-m", "hvdlite.runner", "-np", str(args.np), *launcher_flags] + \
         _worker_args(args, "hvdlite")
-    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=args.timeout)
+    env = {**_env(), **(variables or {})}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     if out.returncode:
         raise RuntimeError(f"hvdlite run failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
     res = _parse(out.stdout)
-    hvdlite_realtime.append(res["realtime"])
+    hvdlite_realtime.setdefault(kind, []).append(res["realtime"])
     return res["rates"], res["phases"]
 
 
 def run_bound(args):
-    return run_hvdlite(args, ["--bind-to", "core"])
+    return run_hvdlite(args, ["--bind-to", "core"], kind="bound")
+
+
+def run_normal(args):
+    return run_hvdlite(args, variables={"HVDLITE_BACKGROUND_REALTIME": "0"}, kind="normal")
 
 
 def run_ddp(args):
@@ -339,6 +349,9 @@ def main():
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--no-bound", action="store_true",
                         help="leave out hvdlite with --bind-to core")
+    parser.add_argument("--normal-priority", action="store_true",
+                        help="also run hvdlite with its background thread at normal priority "
+                             "(HVDLITE_BACKGROUND_REALTIME=0)")
     parser.add_argument("--phases", action="store_true",
                         help="also print, per process, ms per step of forward, backward, "
                              "waiting for the allreduce and the update, and per thread CPU "
@@ -351,14 +364,14 @@ def main():
         {"single": worker_single, "hvdlite": worker_hvdlite, "ddp": worker_ddp}[args.worker](args)
         return
 
-    kinds = (("ceiling", run_ceiling), ("hvdlite", run_hvdlite), ("bound", run_bound),
-             ("ddp", run_ddp), ("single", run_single))
-    if args.no_bound:
-        kinds = tuple(k for k in kinds if k[0] != "bound")
+    family = [("hvdlite", run_hvdlite)] + ([] if args.no_bound else [("bound", run_bound)]) + \
+        ([("normal", run_normal)] if args.normal_priority else [])
+    kinds = [("ceiling", run_ceiling)] + family + [("ddp", run_ddp), ("single", run_single)]
     runs = {kind: [] for kind, _ in kinds}
-    ratios = {kind: [] for kind in ("hvdlite", "bound", "ddp") if kind in runs}
+    ratios = {kind: [] for kind in ("hvdlite", "bound", "normal", "ddp") if kind in runs}
     for round_ in range(args.rounds):
-        for kind, fn in kinds:
+        order = family if round_ % 2 == 0 else family[::-1]
+        for kind, fn in [kinds[0]] + order + kinds[-2:]:
             rates, phases = fn(args)
             runs[kind].append(statistics.mean(rates))
             print(f"round {round_ + 1}/{args.rounds} {kind:8s} samples/sec per rank: "
@@ -386,38 +399,45 @@ def main():
         "hvdlite_over_ceiling_median": statistics.median(ratios["hvdlite"]),
         "ddp_over_ceiling_median": statistics.median(ratios["ddp"]),
         "hvdlite_over_ddp": median["hvdlite"] / median["ddp"],
-        "hvdlite_background_realtime_runs": f"{sum(hvdlite_realtime)}/{len(hvdlite_realtime)}",
+        "background_realtime_runs": {kind: f"{sum(r)}/{len(r)}" for kind, r in hvdlite_realtime.items()},
         "hvdlite_scaling_efficiency": median["hvdlite"] / median["single"],
         "ddp_scaling_efficiency": median["ddp"] / median["single"],
     }
-    if "bound" in runs:
-        summary.update({
-            "bound_samples_per_sec_per_rank": median["bound"],
-            "bound_over_ceiling_per_round": ratios["bound"],
-            "bound_over_ceiling_median": statistics.median(ratios["bound"]),
-            "bound_over_hvdlite_per_round": [b / h for b, h in zip(runs["bound"], runs["hvdlite"])],
-        })
+    # Two hvdlite configurations against each other, round by round.
+    pairs = [(a, b, label) for a, b, label in (("bound", "hvdlite", "bound/unbound hvdlite"),
+                                               ("hvdlite", "normal", "real-time/normal hvdlite"))
+             if a in runs and b in runs]
+    for kind in ("bound", "normal"):
+        if kind in runs:
+            summary.update({
+                f"{kind}_samples_per_sec_per_rank": median[kind],
+                f"{kind}_over_ceiling_per_round": ratios[kind],
+                f"{kind}_over_ceiling_median": statistics.median(ratios[kind]),
+            })
+    for a, b, _ in pairs:
+        summary[f"{a}_over_{b}_per_round"] = [x / y for x, y in zip(runs[a], runs[b])]
     print(f"\nmodel {args.layers}, batch {args.batch} per rank, {args.np} ranks, "
           f"{args.steps} timed steps, medians of {args.rounds} interleaved rounds")
     print(f"  ceiling ({args.np} independent) {median['ceiling']:9.1f} samples/sec per process")
     print(f"  hvdlite {args.np} ranks         {median['hvdlite']:9.1f} samples/sec per rank")
     if "bound" in runs:
         print(f"  hvdlite --bind-to core  {median['bound']:9.1f} samples/sec per rank")
+    if "normal" in runs:
+        print(f"  hvdlite normal priority {median['normal']:9.1f} samples/sec per rank")
     print(f"  DDP gloo {args.np} ranks        {median['ddp']:9.1f} samples/sec per rank")
     print(f"  1 process alone         {median['single']:9.1f} samples/sec")
     for kind, r in ratios.items():
         label = f"{LABELS[kind]}/ceiling"
         print(f"  {label:31s} median {statistics.median(r):.3f}, range {min(r):.3f}-{max(r):.3f}"
               + ("  (target: median >= 0.85, none below 0.75)" if kind == "hvdlite" else ""))
-    if "bound" in runs:
-        b = summary["bound_over_hvdlite_per_round"]
-        print(f"  bound/unbound hvdlite           median {statistics.median(b):.3f}, "
-              f"range {min(b):.3f}-{max(b):.3f}")
-    print("  hvdlite's background thread: " + (
-        "real-time (SCHED_FIFO) in every run" if all(hvdlite_realtime) else
-        "normal priority in every run (HVDLITE_BACKGROUND_REALTIME=0, or the kernel does not permit it)"
-        if not any(hvdlite_realtime) else
-        f"real-time in {sum(hvdlite_realtime)} of {len(hvdlite_realtime)} runs"))
+    for a, b, label in pairs:
+        r = summary[f"{a}_over_{b}_per_round"]
+        print(f"  {label:31s} median {statistics.median(r):.3f}, range {min(r):.3f}-{max(r):.3f}")
+    for kind, flags in hvdlite_realtime.items():
+        print(f"  background thread, {LABELS[kind]}: " + (
+            "real-time (SCHED_FIFO) in every run" if all(flags) else
+            "normal priority in every run" if not any(flags) else
+            f"real-time in {sum(flags)} of {len(flags)} runs"))
     print(f"  hvdlite / DDP     {summary['hvdlite_over_ddp']:.2f}x")
     print(f"  scaling vs 1 process: hvdlite {summary['hvdlite_scaling_efficiency']:.0%}, "
           f"DDP {summary['ddp_scaling_efficiency']:.0%}")
