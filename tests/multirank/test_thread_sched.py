@@ -140,8 +140,8 @@ def test_background_realtime_asked_where_permitted():
 @needs_realtime
 def test_blocking_mpi_collectives_run_at_normal_priority():
     # On one host allgather and broadcast are blocking MPI calls, which spin until every
-    # peer is in: the background thread leaves real-time for them. A thread of rank 0
-    # samples its policy while the ranks allgather 4 MiB tensors and expects both.
+    # peer is in: the background thread leaves real-time for them. A thread of each rank
+    # samples its policy while the ranks allgather 4 MiB tensors: both must show.
     result = assert_ok(run_job(2, """
         import json, os, threading
         import numpy as np
@@ -190,8 +190,8 @@ def test_background_realtime_asked_with_more_ranks_than_cores_warns():
         assert loop == os.SCHED_OTHER
         assert result.result(rank)["sum"] == [sum(k + i for k in range(2)) for i in range(4)]
         stderr = result.stderr_text(rank)
-        assert "HVDLITE_BACKGROUND_REALTIME=1" in stderr and "more ranks on this host (2) than cores this process may use (1)" in stderr, \
-            describe(result)
+        assert "HVDLITE_BACKGROUND_REALTIME=1" in stderr, describe(result)
+        assert "more ranks on this host (2) than cores this process may use (1)" in stderr, describe(result)
 
 
 @pytest.mark.parametrize("var,value,says", [
