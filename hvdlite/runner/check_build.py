@@ -12,6 +12,7 @@ import subprocess
 import sys
 from typing import List, Optional, Sequence, Tuple
 
+from hvdlite import build_record
 from hvdlite.runner import mpi_command
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -160,7 +161,7 @@ def probe_native_library(path: str = NATIVE_LIBRARY,
 
 def _mpi_lines(loaded: Optional[dict]) -> List[str]:
     lines = []
-    info = mpi_command.read_build_info()
+    info = build_record.read_if_readable()
     if info:
         source = info.get("mpi_source", "?")
         prefix = info.get("mpi_prefix") or "the mpich wheel"

@@ -20,6 +20,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
+from hvdlite import build_record
 from hvdlite.runner import elastic_driver
 from hvdlite.runner import hosts as hostlib
 from hvdlite.runner import mpi_command
@@ -519,7 +520,7 @@ def run(config: LaunchConfig) -> int:
         return 1
     launcher = mpi_command.probe_launcher(mpiexec)
     logger.debug("MPI launcher: %s (%s)", launcher.path, launcher.implementation)
-    refusal = mpi_command.launcher_mismatch(mpi_command.read_build_info(), launcher)
+    refusal = mpi_command.launcher_mismatch(build_record.read_if_readable(), launcher)
     if (refusal is None and launcher.flavor is mpi_command.MpiFlavor.OPENMPI
             and openmpi.is_root()
             and not openmpi.run_as_root(config.allow_run_as_root, os.environ)):

@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from hvdlite import build_record
+from hvdlite.runner import mpi_command, openmpi
 from hvdlite.runner.testing import (launcher_command, launcher_env, parse_tagged_output,
                                     pid_alive, run_launcher)
 
@@ -305,12 +307,10 @@ def test_missing_program_fails_clearly():
 def test_start_timeout_ends_a_job_that_never_starts(tmp_path):
     # An "mpiexec" that never starts any rank: the launcher gives up after
     # --start-timeout and ends it (checked by pid). It names itself as the build's MPI.
-    from hvdlite.runner import mpi_command
-
     fake = tmp_path / "fake-mpiexec"
     pid_file = tmp_path / "fake.pid"
     version = ("mpirun (Open MPI) fake"
-               if mpi_command.read_build_info().get("mpi_implementation") == "Open MPI"
+               if build_record.read_if_readable().get("mpi_implementation") == "Open MPI"
                else "HYDRA build details: Version: fake")
     fake.write_text(textwrap.dedent(f"""\
         #!/bin/sh
@@ -336,8 +336,6 @@ def test_mpiexec_refusing_its_arguments_is_reported():
 
 
 def test_open_mpi_runs_as_root_only_when_told(tmp_path, monkeypatch):
-    from hvdlite.runner import mpi_command, openmpi
-
     launcher = mpi_command.probe_launcher(mpi_command.find_mpiexec())
     if launcher.flavor is not mpi_command.MpiFlavor.OPENMPI or not openmpi.is_root():
         pytest.skip("Open MPI's refusal to run as root needs Open MPI and root "

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from hvdlite import build_record
 from hvdlite.runner import hosts, launch, mpi_command, openmpi, rank_wrapper, supervisor
 from hvdlite.runner.hosts import HostSlots, HostSpecError
 from hvdlite.runner.mpi_command import MpiFlavor, MpiLauncher
@@ -351,7 +352,7 @@ def test_check_build_reports_everything():
         assert "MISSING" in out
         return
     # The implementation is the one the loaded library names, and it is the build's.
-    info = mpi_command.read_build_info()
+    info = build_record.read_if_readable()
     mpi = out.split("\nMPI:\n", 1)[1]
     loaded = mpi.split("[X] libmpi:", 1)[1].splitlines()[0].strip()
     assert os.path.basename(loaded) == info["mpi_soname"], out
