@@ -6,52 +6,9 @@ Keep it in step with message.cc (a version byte, a u32 count, little-endian fiel
 strings and lists carry a u32 length).
 """
 import struct
-from dataclasses import dataclass, field
-from typing import List
+from dataclasses import field, make_dataclass
 
 WIRE_VERSION = 1
-
-
-@dataclass
-class Request:
-    rank: int = 0
-    name: str = ""
-    op: int = 0
-    dtype: int = 6
-    shape: List[int] = field(default_factory=list)
-    reduce_op: int = 1
-    prescale: float = 1.0
-    postscale: float = 1.0
-    root_rank: int = 0
-    splits: List[int] = field(default_factory=list)
-    process_set: int = 0
-    device: int = -1
-    group: str = ""
-    group_size: int = 0
-    wait_ms: int = 0
-    refusal: str = ""
-
-
-@dataclass
-class Response:
-    op: int = 0
-    name: str = ""
-    error: str = ""
-    error_code: int = 0
-    dtype: int = 6
-    shape: List[int] = field(default_factory=list)
-    reduce_op: int = 1
-    prescale: float = 1.0
-    postscale: float = 1.0
-    root_rank: int = 0
-    contributors: int = 0
-    last_joined_rank: int = -1
-    cacheable: bool = False
-    group: str = ""
-    first_dims: List[int] = field(default_factory=list)
-    splits: List[int] = field(default_factory=list)
-    joined: bytes = b""
-    targets: bytes = b""
 
 
 class _Writer:
@@ -101,22 +58,35 @@ class _Reader:
         return list(struct.unpack("<%dq" % n, self.raw(8 * n)))
 
 
-# Each message's fields in wire order, with their encoding: a struct format for a fixed
-# size number, "str" (u32 length + UTF-8), "bytes" (u32 length + raw), "bool" (u8 0/1)
-# or "ints" (u32 count + little-endian int64s).
+# Each message's fields in wire order, with their encoding and default: a struct format
+# for a fixed-size number, "str" (u32 length + UTF-8), "bytes" (u32 length + raw),
+# "bool" (u8 0/1) or "ints" (u32 count + little-endian int64s; default empty).
 REQUEST_FIELDS = (
-    ("rank", "i"), ("name", "str"), ("op", "i"), ("dtype", "i"), ("shape", "ints"),
-    ("reduce_op", "i"), ("prescale", "d"), ("postscale", "d"), ("root_rank", "i"),
-    ("splits", "ints"), ("process_set", "i"), ("device", "i"), ("group", "str"),
-    ("group_size", "i"), ("wait_ms", "q"), ("refusal", "str"),
+    ("rank", "i", 0), ("name", "str", ""), ("op", "i", 0), ("dtype", "i", 6),
+    ("shape", "ints", None), ("reduce_op", "i", 1), ("prescale", "d", 1.0),
+    ("postscale", "d", 1.0), ("root_rank", "i", 0), ("splits", "ints", None),
+    ("process_set", "i", 0), ("device", "i", -1), ("group", "str", ""),
+    ("group_size", "i", 0), ("wait_ms", "q", 0), ("refusal", "str", ""),
 )
 RESPONSE_FIELDS = (
-    ("op", "i"), ("name", "str"), ("error", "str"), ("error_code", "i"), ("dtype", "i"),
-    ("shape", "ints"), ("reduce_op", "i"), ("prescale", "d"), ("postscale", "d"),
-    ("root_rank", "i"), ("contributors", "i"), ("last_joined_rank", "i"),
-    ("cacheable", "bool"), ("group", "str"), ("first_dims", "ints"), ("splits", "ints"),
-    ("joined", "bytes"), ("targets", "bytes"),
+    ("op", "i", 0), ("name", "str", ""), ("error", "str", ""), ("error_code", "i", 0),
+    ("dtype", "i", 6), ("shape", "ints", None), ("reduce_op", "i", 1),
+    ("prescale", "d", 1.0), ("postscale", "d", 1.0), ("root_rank", "i", 0),
+    ("contributors", "i", 0), ("last_joined_rank", "i", -1), ("cacheable", "bool", False),
+    ("group", "str", ""), ("first_dims", "ints", None), ("splits", "ints", None),
+    ("joined", "bytes", b""), ("targets", "bytes", b""),
 )
+
+
+def _message_class(name, fields):
+    return make_dataclass(name, [
+        (field_name, object,
+         field(default_factory=list) if kind == "ints" else field(default=default))
+        for field_name, kind, default in fields])
+
+
+Request = _message_class("Request", REQUEST_FIELDS)
+Response = _message_class("Response", RESPONSE_FIELDS)
 
 
 def _encode(messages, fields):
@@ -124,7 +94,7 @@ def _encode(messages, fields):
     w.put("B", WIRE_VERSION)
     w.put("I", len(messages))
     for message in messages:
-        for name, kind in fields:
+        for name, kind, _ in fields:
             value = getattr(message, name)
             if kind in ("str", "bytes"):
                 w.string(value)
@@ -144,7 +114,7 @@ def _decode(data, fields, cls):
     out = []
     for _ in range(r.get("I")):
         message = cls()
-        for name, kind in fields:
+        for name, kind, _ in fields:
             if kind == "str":
                 value = r.string()
             elif kind == "bytes":
