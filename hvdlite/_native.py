@@ -27,11 +27,12 @@ the one the core was compiled against is refused with an ImportError naming both
 ImportError naming the path tried and the OS error; it never prints and carries on.
 """
 import ctypes
-import json
 import logging
 import os
 import re
 import sys
+
+from hvdlite import build_record
 
 _log = logging.getLogger("hvdlite")
 
@@ -84,13 +85,11 @@ def _testing_cdef():
 
 
 def _build_info(library_path):
-    # The one written beside the library (build_native --out-dir writes its own).
-    path = os.path.join(os.path.dirname(library_path), "_build_info.json")
+    # The record beside the library (build_native --out-dir writes its own); a record
+    # that cannot be read stops the load, since it names the libmpi to preload.
+    path = build_record.path_beside(library_path)
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return {}
+        return build_record.read(path)
     except (OSError, ValueError) as e:
         raise ImportError(f"hvdlite: cannot read {path}: {e}") from e
 

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from hvdlite import timeline_summary
+
 
 def _parser():
     parser = argparse.ArgumentParser(prog="hvdlite", description=__doc__.splitlines()[0])
@@ -33,8 +35,6 @@ def _parser():
 
 
 def _timeline_summary(args):
-    from hvdlite import timeline_summary
-
     try:
         events, problems = timeline_summary.read_events(args.file)
     except (OSError, ValueError) as e:

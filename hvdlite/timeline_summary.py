@@ -412,10 +412,13 @@ def plot(events, out_path, max_tracks=40, start_ms=None, end_ms=None, title=None
     Raises:
         ImportError: matplotlib is not installed.
     """
+    # Lazy: matplotlib is optional (only --plot needs it), and the backend must be
+    # chosen before pyplot is imported.
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     built = build_spans(events)
@@ -466,7 +469,6 @@ def plot(events, out_path, max_tracks=40, start_ms=None, end_ms=None, title=None
         legend.setdefault(label, _colour(s.name))
     handles = [Patch(color=c, label=n) for n, c in legend.items()]
     if marks:
-        from matplotlib.lines import Line2D
         handles.append(Line2D([], [], color="black", marker="|", linestyle="",
                               label="rank ready"))
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),

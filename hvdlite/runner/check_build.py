@@ -6,13 +6,17 @@ process, so a broken install is reported rather than crashing the report.
 """
 import ctypes
 import glob
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+from importlib import metadata
 from typing import List, Optional, Sequence, Tuple
 
+from hvdlite import build_record
 from hvdlite.runner import mpi_command
+from hvdlite.runner.version import package_version
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NATIVE_LIBRARY = os.path.join(_PACKAGE_DIR, "libhvdlite.so")
@@ -37,9 +41,6 @@ def framework_version(module: str, distributions: Sequence[str]) -> Optional[str
         The version, ``unknown version`` when the module exists without metadata, or
         None when the module cannot be found.
     """
-    import importlib.util
-    from importlib import metadata
-
     try:
         if importlib.util.find_spec(module) is None:
             return None
@@ -160,7 +161,7 @@ def probe_native_library(path: str = NATIVE_LIBRARY,
 
 def _mpi_lines(loaded: Optional[dict]) -> List[str]:
     lines = []
-    info = mpi_command.read_build_info()
+    info = build_record.read_if_readable()
     if info:
         source = info.get("mpi_source", "?")
         prefix = info.get("mpi_prefix") or "the mpich wheel"
@@ -198,8 +199,6 @@ def report() -> str:
     Returns:
         The report text, one item per line.
     """
-    from hvdlite.runner.launch import package_version
-
     status, loaded = probe_native_library()
     lines = [f"hvdlite {package_version()} (Python {sys.version.split()[0]}, "
              f"{sys.executable})", "",

@@ -12,7 +12,6 @@ The driver is one thread that runs the worlds (each supervised by a JobSuperviso
 plus two daemon threads: one runs the discovery script every interval, one answers
 rank 0's "were hosts added?" at each commit. They share the SlotBook under its lock.
 """
-import argparse
 import logging
 import os
 import random
@@ -26,98 +25,22 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
 from hvdlite.elastic import protocol
 from hvdlite.runner import hosts as hostlib
+from hvdlite.runner import job
+from hvdlite.runner.elastic_settings import ElasticSettings
 from hvdlite.runner.supervisor import JobResult, JobSupervisor, describe_returncode
 
 logger = logging.getLogger("hvdlite")
 
-DEFAULT_ELASTIC_TIMEOUT_S = 600.0
-DISCOVERY_INTERVAL_S = 1.0
 DISCOVERY_TIMEOUT_S = 10.0
 HOST_PROBE_TIMEOUT_S = 10.0
 # An exit reported this soon after the driver ordered the world to end, with a code
 # the order does not produce, is a rank that died on its own at the same moment.
 _OWN_DEATH_WINDOW_S = 1.0
-
-
-class ElasticUsageError(ValueError):
-    """Bad elastic flags (the launcher reports it as a usage error)."""
-
-
-@dataclass
-class ElasticSettings:
-    """The elastic flags, validated."""
-
-    min_np: int
-    max_np: int
-    discovery_script: Optional[str] = None
-    elastic_timeout: float = DEFAULT_ELASTIC_TIMEOUT_S
-    reset_limit: Optional[int] = None
-    cooldown_range: Optional[Tuple[float, float]] = None
-    discovery_interval: float = DISCOVERY_INTERVAL_S
-
-
-def add_arguments(parser: argparse.ArgumentParser):
-    """Registers the elastic flags on hvdliterun's parser."""
-    group = parser.add_argument_group(
-        "elastic (a lost rank costs a rollback to the last commit, not the job)")
-    group.add_argument("--min-np", type=int, metavar="N",
-                       help="go on while at least N ranks remain (enables elastic mode)")
-    group.add_argument("--max-np", type=int, metavar="N",
-                       help="grow to at most N ranks as hosts are added (enables elastic mode)")
-    group.add_argument("--host-discovery-script", metavar="SCRIPT",
-                       help="prints the available hosts, one 'host:slots' per line; run "
-                            "every second")
-    group.add_argument("--elastic-timeout", type=float, default=DEFAULT_ELASTIC_TIMEOUT_S,
-                       metavar="S", help="seconds to wait for --min-np slots before giving up "
-                                         f"(default {DEFAULT_ELASTIC_TIMEOUT_S:g})")
-    group.add_argument("--reset-limit", type=int, metavar="K",
-                       help="end the job instead of a reset past K resets")
-    group.add_argument("--blacklist-cooldown-range", type=float, nargs=2,
-                       metavar=("MIN", "MAX"),
-                       help="a failed slot or lost host comes back after a random "
-                            "MIN..MAX seconds (default: never)")
-
-
-def settings_from_args(args: argparse.Namespace) -> Optional[ElasticSettings]:
-    """Returns the elastic settings, or None when the job is not elastic.
-
-    Raises:
-        ElasticUsageError: inconsistent values; the message names the flag.
-    """
-    elastic = args.min_np is not None or args.max_np is not None or \
-        args.host_discovery_script is not None
-    if not elastic:
-        return None
-    if args.host_discovery_script is not None and (args.hosts or args.hostfile):
-        raise ElasticUsageError("--host-discovery-script and -H/--hostfile exclude each other")
-    num = args.num_proc
-    min_np = args.min_np if args.min_np is not None else num
-    max_np = args.max_np if args.max_np is not None else num
-    if min_np is None or max_np is None:
-        raise ElasticUsageError("elastic mode needs -np, or --min-np and --max-np")
-    if min_np < 1:
-        raise ElasticUsageError(f"--min-np must be at least 1, got {min_np}")
-    if max_np < min_np:
-        raise ElasticUsageError(f"--max-np {max_np} is less than --min-np {min_np}")
-    if num is not None and not min_np <= num <= max_np:
-        raise ElasticUsageError(f"-np {num} is outside --min-np {min_np} .. --max-np {max_np}")
-    if args.elastic_timeout <= 0:
-        raise ElasticUsageError(f"--elastic-timeout must be > 0, got {args.elastic_timeout:g}")
-    if args.reset_limit is not None and args.reset_limit < 0:
-        raise ElasticUsageError(f"--reset-limit must be >= 0, got {args.reset_limit}")
-    cooldown = args.blacklist_cooldown_range
-    if cooldown is not None and not 0 <= cooldown[0] <= cooldown[1]:
-        raise ElasticUsageError("--blacklist-cooldown-range needs 0 <= MIN <= MAX, got "
-                                f"{cooldown[0]:g} {cooldown[1]:g}")
-    return ElasticSettings(min_np=min_np, max_np=max_np,
-                           discovery_script=args.host_discovery_script,
-                           elastic_timeout=args.elastic_timeout, reset_limit=args.reset_limit,
-                           cooldown_range=tuple(cooldown) if cooldown else None)
 
 
 def discover_hosts(script: str, timeout: float = DISCOVERY_TIMEOUT_S) -> List[hostlib.HostSlots]:
@@ -521,27 +444,23 @@ def run(config, launcher, bind_host: str, advertise_host: str, peer_timeout=None
         config: the validated LaunchConfig (config.elastic set).
         launcher: the probed mpiexec.
         bind_host, advertise_host: where the supervisors and the update service listen.
-        peer_timeout: each world's supervisor's (see rank_wrapper.peer_timeout).
+        peer_timeout: each world's supervisor's (see wire.peer_timeout).
 
     Returns:
         0 when a world finished, else non-zero (below --min-np, past --reset-limit, a
         signal to the launcher).
     """
-    from hvdlite.runner import launch
-
     def make_supervisor(size, hosts):
         world = replace(config, num_ranks=size, hosts=hosts)
-        return launch.new_supervisor(world, bind_host, advertise_host, _WorldSupervisor,
+        return job.new_supervisor(world, bind_host, advertise_host, _WorldSupervisor,
                                      peer_timeout)
 
     def launch_world(supervisor, hosts, size, extra_env):
         world = replace(config, num_ranks=size, hosts=hosts)
-        return launch.supervise_job(world, launcher, supervisor, extra_env)
+        return job.supervise_job(world, launcher, supervisor, extra_env)
 
     return ElasticDriver(config, launch_world, make_supervisor, bind_host,
                          advertise_host).run()
 
 
-__all__ = ["ElasticDriver", "ElasticSettings", "ElasticUsageError", "SlotBook",
-           "add_arguments", "discover_hosts", "plan_world", "run",
-           "settings_from_args"]
+__all__ = ["ElasticDriver", "SlotBook", "discover_hosts", "plan_world", "run"]

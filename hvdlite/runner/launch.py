@@ -10,56 +10,36 @@ supervisor.py): tagged output, and the whole job ended when one rank fails or wh
 launcher is interrupted.
 """
 import argparse
+import fcntl
 import logging
 import math
 import os
 import shlex
 import socket
+import struct
 import sys
-import tempfile
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
+from hvdlite import build_record
 from hvdlite.runner import elastic_driver
+from hvdlite.runner import elastic_settings
 from hvdlite.runner import hosts as hostlib
 from hvdlite.runner import mpi_command
 from hvdlite.runner import openmpi
-from hvdlite.runner import rank_wrapper
+from hvdlite.runner import wire
+from hvdlite.runner.check_build import check_build
+from hvdlite.runner.job import (DEFAULT_START_TIMEOUT_S, LaunchConfig, new_supervisor,
+                                supervise_job)
+from hvdlite.runner.supervisor import JobSupervisor
+from hvdlite.runner.version import package_version
 
 logger = logging.getLogger("hvdlite")
 
 PROG = "hvdliterun"
-DEFAULT_START_TIMEOUT_S = 60.0
-_RANK_WRAPPER_PATH = os.path.abspath(rank_wrapper.__file__)
-_REMOTE_START_PATH = os.path.join(os.path.dirname(_RANK_WRAPPER_PATH), "remote_start.py")
 
 
 class UsageError(ValueError):
     """Bad command-line input: reported with exit code 2."""
-
-
-def package_version() -> str:
-    """hvdlite's version, without importing the package's native parts.
-
-    Returns:
-        The installed distribution's version, else the one in a source checkout's
-        pyproject.toml, else ``unknown``.
-    """
-    try:
-        from importlib import metadata
-        return metadata.version("hvdlite")
-    except Exception:  # noqa: BLE001 - not installed: fall back to the source tree
-        pass
-    pyproject = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))), "pyproject.toml")
-    try:
-        with open(pyproject, "r", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("version"):
-                    return line.split("=", 1)[1].strip().strip('"\'')
-    except OSError:
-        pass
-    return "unknown"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -140,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                         dest="network_interface", metavar="NIC",
                         help="network interface for MPI and for ranks calling back to the "
                              "launcher, e.g. eth0")
-    elastic_driver.add_arguments(parser)
+    elastic_settings.add_arguments(parser)
     info = parser.add_argument_group("information")
     info.add_argument("--check-build", action="store_true",
                       help="show frameworks, MPI, NCCL/CUDA and the native library, and exit")
@@ -149,25 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="the program to run on every rank, and its arguments")
     return parser
-
-
-@dataclass
-class LaunchConfig:
-    """A validated hvdliterun request."""
-
-    num_ranks: int
-    command: List[str]
-    hosts: Optional[List[hostlib.HostSlots]] = None
-    tuning_env: Dict[str, str] = field(default_factory=dict)
-    output_dir: Optional[str] = None
-    start_timeout: float = DEFAULT_START_TIMEOUT_S
-    mpi_args: List[str] = field(default_factory=list)
-    verbose: bool = False
-    check_build: bool = False
-    allow_run_as_root: bool = False
-    remote_shell: Optional[str] = None
-    network_interface: Optional[str] = None
-    elastic: Optional[elastic_driver.ElasticSettings] = None
 
 
 def _number(value: float) -> str:
@@ -284,8 +245,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         raise UsageError(str(exc)) from exc
     env = tuning_env(args)
     try:
-        elastic = elastic_driver.settings_from_args(args)
-    except elastic_driver.ElasticUsageError as exc:
+        elastic = elastic_settings.settings_from_args(args)
+    except elastic_settings.ElasticUsageError as exc:
         raise UsageError(str(exc)) from exc
     if not math.isfinite(args.start_timeout) or args.start_timeout <= 0:
         raise UsageError(f"--start-timeout must be a number > 0, got {args.start_timeout:g}")
@@ -376,81 +337,12 @@ def parse_command_line(argv: Sequence[str]) -> LaunchConfig:
         raise  # unreachable: error() exits
 
 
-def rank_command(command: Sequence[str], python: str = sys.executable) -> List[str]:
-    """The argv each rank runs: the rank wrapper (by path, stdlib only) and the command.
-
-    Args:
-        command: the user's command.
-        python: the interpreter for the wrapper (the same path must exist on every host).
-
-    Returns:
-        The argument vector.
-    """
-    # -I: the wrapper needs nothing from PYTHONPATH or site customisations.
-    return [python, "-I", _RANK_WRAPPER_PATH, "--", *command]
-
-
-def build_job_command(config: LaunchConfig, launcher: mpi_command.MpiLauncher,
-                      env: Dict[str, str], python: str = sys.executable,
-                      run_as_root: Optional[bool] = None,
-                      remote_start: Optional[str] = None) -> List[str]:
-    """The full mpiexec argv for a request (pure: nothing is started).
-
-    Args:
-        config: the validated request.
-        launcher: the mpiexec to use.
-        env: the environment the ranks will get (names are forwarded for Open MPI).
-        python: the interpreter that runs the rank wrapper.
-        run_as_root: add Open MPI's --allow-run-as-root; None: as root, when
-            --allow-run-as-root or Open MPI's variables in ``env`` say so.
-        remote_start: the script mpiexec starts remote processes with (see
-            :func:`write_remote_start_script`), or None for mpiexec's ssh.
-
-    Returns:
-        The argument vector.
-    """
-    if run_as_root is None:
-        run_as_root = openmpi.run_as_root(config.allow_run_as_root, env)
-    hosts = config.hosts
-    set_env = dict(config.tuning_env)
-    if launcher.flavor is mpi_command.MpiFlavor.OPENMPI:
-        set_env.update(openmpi.rank_env(env, config.mpi_args))
-    options = mpi_command.MpiCommandOptions(
-        launcher=launcher, num_ranks=config.num_ranks,
-        rank_command=rank_command(config.command, python), hosts=hosts,
-        set_env=set_env,
-        forward_env=mpi_command.forwardable_env_names(env),
-        extra_args=config.mpi_args, run_as_root=run_as_root, remote_start=remote_start,
-        network_interface=config.network_interface)
-    return mpi_command.build_mpi_command(options)
-
-
-def write_remote_start_script(directory: str, remote_shell: str,
-                              python: str = sys.executable) -> str:
-    """Writes the executable mpiexec calls to start processes on other hosts.
-
-    mpiexec takes one program path (hydra's ``-launcher-exec``, Open MPI's
-    ``plm_rsh_agent``); the script runs remote_start.py with the remote shell command.
-
-    Returns:
-        The script's path.
-    """
-    path = os.path.join(directory, "remote-start")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("#!/bin/sh\nexec " + shlex.join([python, "-I", _REMOTE_START_PATH, "--shell",
-                                                 remote_shell, "--"]) + ' "$@"\n')
-    os.chmod(path, 0o755)
-    return path
-
-
 def interface_address(name: str) -> str:
     """The IPv4 address of network interface ``name``.
 
     Raises:
         UsageError: no such interface, or it has no IPv4 address.
     """
-    import fcntl
-    import struct
     siocgifaddr = 0x8915
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
@@ -509,9 +401,7 @@ def run(config: LaunchConfig) -> int:
         128+N when the launcher got signal N, or 1 for a launch problem.
     """
     if config.check_build:
-        from hvdlite.runner.check_build import check_build
         return check_build()
-    from hvdlite.runner.supervisor import JobSupervisor
     try:
         mpiexec = mpi_command.find_mpiexec()
     except mpi_command.MpiNotFoundError as exc:
@@ -519,7 +409,7 @@ def run(config: LaunchConfig) -> int:
         return 1
     launcher = mpi_command.probe_launcher(mpiexec)
     logger.debug("MPI launcher: %s (%s)", launcher.path, launcher.implementation)
-    refusal = mpi_command.launcher_mismatch(mpi_command.read_build_info(), launcher)
+    refusal = mpi_command.launcher_mismatch(build_record.read_if_readable(), launcher)
     if (refusal is None and launcher.flavor is mpi_command.MpiFlavor.OPENMPI
             and openmpi.is_root()
             and not openmpi.run_as_root(config.allow_run_as_root, os.environ)):
@@ -540,7 +430,7 @@ def run(config: LaunchConfig) -> int:
         bind = advertise if config.network_interface else "0.0.0.0"
         logger.debug("ranks call the launcher back at %s", advertise)
     try:
-        peer_timeout = rank_wrapper.peer_timeout(os.environ)
+        peer_timeout = wire.peer_timeout(os.environ)
     except ValueError as exc:
         sys.stderr.write(f"{PROG}: {exc}\n")
         return 2
@@ -548,48 +438,6 @@ def run(config: LaunchConfig) -> int:
         return elastic_driver.run(config, launcher, bind, advertise, peer_timeout)
     supervisor = new_supervisor(config, bind, advertise, JobSupervisor, peer_timeout)
     return supervise_job(config, launcher, supervisor).exit_code
-
-
-def new_supervisor(config: LaunchConfig, bind: str, advertise: str, cls, peer_timeout):
-    """A ``cls`` (JobSupervisor or a subclass) for the job ``config`` describes."""
-    supervisor = cls(config.num_ranks, config.start_timeout, config.output_dir,
-                     bind_host=bind, advertise_host=advertise,
-                     rank_hosts=hostlib.rank_hosts(config.hosts, config.num_ranks),
-                     tag_hosts=config.verbose)
-    supervisor.peer_timeout = peer_timeout
-    return supervisor
-
-
-def supervise_job(config: LaunchConfig, launcher: mpi_command.MpiLauncher, supervisor,
-                  extra_env: Optional[Dict[str, str]] = None):
-    """Starts the job ``config`` describes and supervises it to its end.
-
-    Args:
-        config: the request (one world of an elastic job: its size and hosts).
-        launcher: the mpiexec to use.
-        supervisor: from :func:`new_supervisor`.
-        extra_env: more variables for the ranks.
-
-    Returns:
-        The supervisor's JobResult.
-    """
-    env = dict(os.environ)
-    env.update(config.tuning_env)
-    env.update(supervisor.rank_env())
-    env.update(extra_env or {})
-    if config.network_interface:
-        # The mpich wheel's transports pick their interface from these.
-        env.setdefault("UCX_NET_DEVICES", config.network_interface)
-        env.setdefault("FI_TCP_IFACE", config.network_interface)
-    local = config.hosts is None or hostlib.all_local(config.hosts)
-    with tempfile.TemporaryDirectory(prefix="hvdliterun-") as tmpdir:
-        remote_start = None
-        if config.remote_shell and not local:
-            remote_start = write_remote_start_script(tmpdir, config.remote_shell)
-            logger.debug("starting remote processes with: %s", config.remote_shell)
-        argv = build_job_command(config, launcher, env, remote_start=remote_start)
-        logger.debug("running: %s", shlex.join(argv))
-        return supervisor.run(argv, env)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

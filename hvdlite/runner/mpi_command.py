@@ -4,7 +4,6 @@ The command line is built by a pure function (:func:`build_mpi_command`) from an
 options object, so a multi-host request can be checked without starting anything.
 """
 import enum
-import json
 import logging
 import os
 import re
@@ -12,14 +11,13 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence
 
+from hvdlite import build_record
+from hvdlite.runner import openmpi
 from hvdlite.runner.hosts import HostSlots
 
 logger = logging.getLogger("hvdlite")
-
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BUILD_INFO_PATH = os.path.join(_PACKAGE_DIR, "_build_info.json")
 
 # Environment that must not be forwarded by name to Open MPI ranks: per-shell or
 # per-process values, and the launcher's own variables of a surrounding MPI job.
@@ -87,23 +85,6 @@ class MpiCommandOptions:
     network_interface: Optional[str] = None
 
 
-def read_build_info(path: str = BUILD_INFO_PATH) -> Dict[str, object]:
-    """Reads ``hvdlite/_build_info.json`` written by the build, if there is one.
-
-    Args:
-        path: the file to read.
-
-    Returns:
-        The parsed object, or an empty dict when the file is missing or unreadable.
-    """
-    try:
-        with open(path, "r", encoding="utf-8") as f:
-            info = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return info if isinstance(info, dict) else {}
-
-
 def _executable(path: str) -> bool:
     return os.path.isfile(path) and os.access(path, os.X_OK)
 
@@ -119,7 +100,7 @@ def candidate_mpiexecs(env: Mapping[str, str], build_info: Mapping[str, object])
 
     Args:
         env: the environment to read.
-        build_info: the parsed build info (see :func:`read_build_info`).
+        build_info: the parsed build info (see hvdlite/build_record.py).
 
     Returns:
         Paths, best first.
@@ -160,7 +141,7 @@ def find_mpiexec(env: Optional[Mapping[str, str]] = None,
         MpiNotFoundError: none of the candidates exists.
     """
     env = os.environ if env is None else env
-    build_info = read_build_info() if build_info is None else build_info
+    build_info = build_record.read_if_readable() if build_info is None else build_info
     tried = candidate_mpiexecs(env, build_info)
     explicit = env.get("HVDLITE_MPIEXEC")
     if explicit and not _executable(explicit):
@@ -270,7 +251,6 @@ def build_mpi_command(options: MpiCommandOptions) -> List[str]:
     launcher = options.launcher
     argv = [launcher.path]
     if launcher.flavor is MpiFlavor.OPENMPI:
-        from hvdlite.runner import openmpi
         argv += openmpi.command_arguments(options, format_host_list(options.hosts or ()))
     else:
         argv += ["-n", str(options.num_ranks)]
@@ -301,7 +281,7 @@ def launcher_mismatch(build_info: Mapping[str, object], launcher: MpiLauncher) -
     would run alone as rank 0 of 1.
 
     Args:
-        build_info: the parsed build info (see :func:`read_build_info`).
+        build_info: the parsed build info (see hvdlite/build_record.py).
         launcher: the probed launcher.
 
     Returns:

@@ -19,41 +19,34 @@ vector, never a shell string) with its output on pipes, in a session of its own,
 
 This file is run by path, not as ``hvdlite.runner.rank_wrapper``, so that each rank
 starts without importing the hvdlite package (and its native library): it must use the
-standard library only. The launcher imports it as a module for the protocol constants.
+standard library only, and it loads the protocol (wire.py, stdlib only too) by path.
 """
 import ctypes
+import importlib.util
 import json
 import os
 import selectors
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
 
-# Control protocol: frames of (1-byte kind, 4-byte big-endian length, payload).
-FRAME_HEADER = struct.Struct("!cI")
-MSG_HELLO = b"H"    # wrapper -> launcher, JSON: token, rank, size, host, pid
-MSG_STDOUT = b"O"   # wrapper -> launcher, one or more whole lines of the command's stdout
-MSG_STDERR = b"E"   # wrapper -> launcher, same for stderr
-MSG_EXIT = b"X"     # wrapper -> launcher, JSON: rank, returncode (negative: signal)
-MSG_KILL = b"K"     # launcher -> wrapper: end the command now
-MSG_HEARTBEAT = b"B"  # both ways, every HEARTBEAT_INTERVAL_S: "still here"
-MSG_PEER_LOST = b"L"  # launcher -> wrapper, JSON: ranks, hosts, reason (for the command)
-MAX_FRAME = 1 << 24
 
-ENV_ADDR = "HVDLITE_LAUNCHER_ADDR"
-ENV_TOKEN = "HVDLITE_LAUNCHER_TOKEN"
-ENV_PEER_TIMEOUT = "HVDLITE_PEER_TIMEOUT"
-ENV_FAULT_FD = "HVDLITE_FAULT_FD"
+def _load_wire_by_path():
+    # Run by path with -I (see job.rank_command): neither the hvdlite package nor the
+    # script's folder is importable, and importing the package would load the core.
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "wire.py")
+    spec = importlib.util.spec_from_file_location("_hvdlite_rank_wire", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-HEARTBEAT_INTERVAL_S = 1.0
-# Seconds of silence after which the other end of a control connection is lost.
-DEFAULT_PEER_TIMEOUT_S = 30.0
-# After a lost-peer notice, how long a rank gets to raise (and print why) before it is
-# ended.
-NOTICE_GRACE_S = 5.0
+
+if __package__:  # imported as hvdlite.runner.rank_wrapper (the launcher, tests)
+    from hvdlite.runner import wire
+else:
+    wire = _load_wire_by_path()
 
 # Rank variables set by the MPI launchers we know, in order of preference.
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
@@ -64,43 +57,10 @@ _LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 # process, so they must survive into it (subprocess closes other descriptors).
 _INHERITED_FD_VARS = ("PMI_FD", "HYDI_CONTROL_FD")
 
-# Seconds between SIGTERM and SIGKILL when ending the command.
-KILL_GRACE_S = 3.0
 # After the command exits, how long its leftover children may hold the pipes open.
 DRAIN_AFTER_EXIT_S = 1.0
 # Lines longer than this are forwarded in pieces rather than buffered without bound.
 MAX_LINE = 1 << 16
-
-
-def encode_frame(kind, payload=b""):
-    """Returns one protocol frame."""
-    return FRAME_HEADER.pack(kind, len(payload)) + payload
-
-
-class FrameReader:
-    """Splits a byte stream into (kind, payload) frames."""
-
-    def __init__(self):
-        self._buf = b""
-
-    def feed(self, data):
-        """Adds received bytes; returns the frames now complete.
-
-        Raises:
-            ValueError: a frame longer than MAX_FRAME (a corrupt or foreign peer).
-        """
-        self._buf += data
-        frames = []
-        while len(self._buf) >= FRAME_HEADER.size:
-            kind, length = FRAME_HEADER.unpack_from(self._buf)
-            if length > MAX_FRAME:
-                raise ValueError("control frame too long")
-            end = FRAME_HEADER.size + length
-            if len(self._buf) < end:
-                break
-            frames.append((kind, self._buf[FRAME_HEADER.size:end]))
-            self._buf = self._buf[end:]
-        return frames
 
 
 def _env_int(env, names, default):
@@ -127,24 +87,6 @@ def rank_info(env):
         "local_rank": _env_int(env, _LOCAL_RANK_VARS, 0),
         "local_size": _env_int(env, _LOCAL_SIZE_VARS, 1),
     }
-
-
-def peer_timeout(env):
-    """``HVDLITE_PEER_TIMEOUT`` in seconds (default DEFAULT_PEER_TIMEOUT_S).
-
-    Raises:
-        ValueError: not a number > 0.
-    """
-    text = env.get(ENV_PEER_TIMEOUT, "").strip()
-    if not text:
-        return DEFAULT_PEER_TIMEOUT_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{ENV_PEER_TIMEOUT}={text!r}: expected seconds > 0")
-    return value
 
 
 def _inherited_fds(env):
@@ -198,30 +140,18 @@ class _Sink:
         if self.sock is not None:
             self.send(kind, data)
             return
-        stream = "stdout" if kind == MSG_STDOUT else "stderr"
+        stream = "stdout" if kind == wire.MSG_STDOUT else "stderr"
         prefix = f"[{self.rank}]<{stream}>:".encode()
         out = b"".join(prefix + line + b"\n" for line in data.split(b"\n")[:-1])
-        _write_all(1 if kind == MSG_STDOUT else 2, out)
+        wire.write_all(1 if kind == wire.MSG_STDOUT else 2, out)
 
     def send(self, kind, payload=b""):
         if self.sock is None or self.broken:
             return
         try:
-            self.sock.sendall(encode_frame(kind, payload))
+            self.sock.sendall(wire.encode_frame(kind, payload))
         except OSError:
             self.broken = True
-
-
-def _write_all(fd, data):
-    # One os.write per batch of whole lines, so lines from different ranks sharing a
-    # terminal never interleave mid-line; loop only for the rare partial write.
-    view = memoryview(data)
-    while view:
-        try:
-            written = os.write(fd, view)
-        except BrokenPipeError:
-            return
-        view = view[written:]
 
 
 def _connect(addr, attempts=10):
@@ -252,11 +182,11 @@ class RankWrapper:
         self.open_streams = 0
         self.partial = {}
         self.sink = None
-        self._sig_r, self._sig_w = socket.socketpair()
+        self.signals = wire.SignalPipe()
         try:
-            self.peer_timeout = peer_timeout(self.env)
+            self.peer_timeout = wire.peer_timeout(self.env)
         except ValueError:
-            self.peer_timeout = DEFAULT_PEER_TIMEOUT_S
+            self.peer_timeout = wire.DEFAULT_PEER_TIMEOUT_S
         self.last_heard = self.last_sent = time.monotonic()
         self.kill_at = None           # monotonic time of a kill scheduled after a notice
         self.fault_r = self.fault_w = None
@@ -264,14 +194,14 @@ class RankWrapper:
     def _child_env(self):
         env = dict(self.env)
         # The secret belongs to this wrapper; the command has no use for it.
-        env.pop(ENV_ADDR, None)
-        env.pop(ENV_TOKEN, None)
+        env.pop(wire.ENV_ADDR, None)
+        env.pop(wire.ENV_TOKEN, None)
         env["HVDLITE_RANK"] = str(self.info["rank"])
         env["HVDLITE_SIZE"] = str(self.info["size"])
         env["HVDLITE_LOCAL_RANK"] = str(self.info["local_rank"])
         env["HVDLITE_LOCAL_SIZE"] = str(self.info["local_size"])
         if self.fault_r is not None:
-            env[ENV_FAULT_FD] = str(self.fault_r)
+            env[wire.ENV_FAULT_FD] = str(self.fault_r)
         return env
 
     def notify(self, notice):
@@ -283,36 +213,29 @@ class RankWrapper:
         except OSError:
             pass
 
-    def _on_signal(self, signum, frame):
-        try:
-            self._sig_w.send(bytes([signum]))
-        except OSError:
-            pass
-
     def start_kill(self):
-        """SIGTERM the command's process group now, SIGKILL it after KILL_GRACE_S."""
+        """SIGTERM the command's process group now, SIGKILL it after wire.KILL_GRACE_S."""
         if self.kill_started is None and self.child is not None:
             self.kill_started = time.monotonic()
             _killpg(self.child.pid, signal.SIGTERM)
 
     def run(self):
         """Runs the command to the end; returns the wrapper's exit code."""
-        addr = self.env.get(ENV_ADDR)
+        addr = self.env.get(wire.ENV_ADDR)
         sock = None
         if addr:
             try:
                 sock = _connect(addr)
             except (OSError, ValueError) as exc:
-                _write_all(2, f"[{self.info['rank']}]<stderr>:hvdlite rank wrapper: cannot "
-                              f"reach the launcher at {addr}: {exc}\n".encode())
+                wire.write_all(2, f"[{self.info['rank']}]<stderr>:hvdlite rank wrapper: "
+                                  f"cannot reach the launcher at {addr}: {exc}\n".encode())
                 return 1
             # A send blocked this long (a cut link) breaks the connection, not the wrapper.
             sock.settimeout(self.peer_timeout)
             self.fault_r, self.fault_w = os.pipe()
         self.sink = _Sink(self.info["rank"], sock)
 
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(signum, self._on_signal)
+        self.signals.install((signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
         try:
             self.child = subprocess.Popen(
                 self.command, env=self._child_env(), stdin=None,
@@ -320,20 +243,20 @@ class RankWrapper:
                 pass_fds=_inherited_fds(self.env) + ([self.fault_r] if self.fault_r else []),
                 start_new_session=True, preexec_fn=_parent_death_setter())
         except OSError as exc:
-            self.sink.send(MSG_HELLO, self._hello(os.getpid()))
-            self.sink.lines(MSG_STDERR, f"hvdliterun: cannot run {self.command[0]!r}: "
+            self.sink.send(wire.MSG_HELLO, self._hello(os.getpid()))
+            self.sink.lines(wire.MSG_STDERR, f"hvdliterun: cannot run {self.command[0]!r}: "
                                         f"{exc.strerror}\n".encode())
             returncode = 127
-            self.sink.send(MSG_EXIT, json.dumps(
+            self.sink.send(wire.MSG_EXIT, json.dumps(
                 {"rank": self.info["rank"], "returncode": returncode}).encode())
             return returncode
-        self.sink.send(MSG_HELLO, self._hello(self.child.pid))
+        self.sink.send(wire.MSG_HELLO, self._hello(self.child.pid))
         if self.fault_r is not None:
             os.close(self.fault_r)  # the command's now
 
-        self._sig_r.setblocking(False)
-        self.sel.register(self._sig_r, selectors.EVENT_READ, "signal")
-        for stream, kind in ((self.child.stdout, MSG_STDOUT), (self.child.stderr, MSG_STDERR)):
+        self.sel.register(self.signals.reader, selectors.EVENT_READ, "signal")
+        for stream, kind in ((self.child.stdout, wire.MSG_STDOUT),
+                             (self.child.stderr, wire.MSG_STDERR)):
             self.sel.register(stream, selectors.EVENT_READ, kind)
             self.partial[kind] = b""
             self.open_streams += 1
@@ -346,7 +269,7 @@ class RankWrapper:
                 self.sel.register(pidfd, selectors.EVENT_READ, "child")
             except OSError:
                 pidfd = None
-        reader = FrameReader()
+        reader = wire.FrameReader()
         try:
             self._loop(sock, reader, pidfd is not None)
         finally:
@@ -355,7 +278,7 @@ class RankWrapper:
         # Whatever the command left in its group (daemons, stuck workers) ends with it.
         _killpg(self.child.pid, signal.SIGKILL)
         returncode = self.child.returncode
-        self.sink.send(MSG_EXIT, json.dumps(
+        self.sink.send(wire.MSG_EXIT, json.dumps(
             {"rank": self.info["rank"], "returncode": returncode}).encode())
         if returncode != 0 and self.kill_started is None and not self.sink.broken:
             self._linger(sock, reader)
@@ -369,7 +292,7 @@ class RankWrapper:
 
     def _hello(self, pid):
         return json.dumps({
-            "token": self.env.get(ENV_TOKEN, ""), "pid": pid, "wrapper_pid": os.getpid(),
+            "token": self.env.get(wire.ENV_TOKEN, ""), "pid": pid, "wrapper_pid": os.getpid(),
             "host": socket.gethostname(), **self.info}).encode()
 
     def _loop(self, sock, reader, have_pidfd):
@@ -383,7 +306,7 @@ class RankWrapper:
                 return
             now = time.monotonic()
             if (self.kill_started is not None and not self.killed_hard
-                    and now - self.kill_started > KILL_GRACE_S):
+                    and now - self.kill_started > wire.KILL_GRACE_S):
                 self.killed_hard = True
                 _killpg(self.child.pid, signal.SIGKILL)
             if sock is not None:
@@ -394,7 +317,7 @@ class RankWrapper:
             if (self.child_exit_time is not None
                     and now - self.child_exit_time > DRAIN_AFTER_EXIT_S):
                 _killpg(self.child.pid, signal.SIGKILL)
-                if now - self.child_exit_time > DRAIN_AFTER_EXIT_S + KILL_GRACE_S:
+                if now - self.child_exit_time > DRAIN_AFTER_EXIT_S + wire.KILL_GRACE_S:
                     # Someone outside the group holds the pipes; stop waiting for them.
                     return
             # Without a pidfd the only way to notice the exit is to look again soon.
@@ -402,7 +325,7 @@ class RankWrapper:
             for key, _ in self.sel.select(timeout):
                 tag = key.data
                 if tag == "signal":
-                    self._sig_r.recv(64)
+                    self.signals.received()
                     self.start_kill()
                 elif tag == "child":
                     self.sel.unregister(key.fileobj)
@@ -417,7 +340,7 @@ class RankWrapper:
         mpiexec ends every rank as soon as one of its processes fails; staying lets the
         launcher first tell the survivors which rank was lost (they raise, naming it).
         """
-        deadline = time.monotonic() + NOTICE_GRACE_S + KILL_GRACE_S
+        deadline = time.monotonic() + wire.NOTICE_GRACE_S + wire.KILL_GRACE_S
         sock.settimeout(0.5)
         while time.monotonic() < deadline:
             try:
@@ -432,23 +355,23 @@ class RankWrapper:
                 frames = reader.feed(data)
             except ValueError:
                 return
-            if any(kind == MSG_KILL for kind, _ in frames):
+            if any(kind == wire.MSG_KILL for kind, _ in frames):
                 return
 
     def _keep_alive(self, now):
         """Sends a heartbeat when one is due; a launcher silent too long is lost."""
         if self.sink.broken:
             return
-        if now - self.last_sent >= HEARTBEAT_INTERVAL_S:
+        if now - self.last_sent >= wire.HEARTBEAT_INTERVAL_S:
             self.last_sent = now
-            self.sink.send(MSG_HEARTBEAT)
+            self.sink.send(wire.MSG_HEARTBEAT)
         if now - self.last_heard > self.peer_timeout and self.kill_at is None \
                 and self.kill_started is None:
             self.sink.broken = True
-            self.notify({"reason": f"no word from the launcher at {self.env.get(ENV_ADDR)} "
-                                   f"for {self.peer_timeout:g} s ({ENV_PEER_TIMEOUT}): "
+            self.notify({"reason": f"no word from the launcher at {self.env.get(wire.ENV_ADDR)} "
+                                   f"for {self.peer_timeout:g} s ({wire.ENV_PEER_TIMEOUT}): "
                                    f"this host's link or the launcher's host is down"})
-            self.kill_at = now + NOTICE_GRACE_S
+            self.kill_at = now + wire.NOTICE_GRACE_S
 
     def _on_control(self, sock, reader, key):
         try:
@@ -465,14 +388,14 @@ class RankWrapper:
         try:
             frames = reader.feed(data)
         except ValueError:
-            frames = [(MSG_KILL, b"")]
+            frames = [(wire.MSG_KILL, b"")]
         for kind, payload in frames:
-            if kind == MSG_PEER_LOST:
+            if kind == wire.MSG_PEER_LOST:
                 try:
                     self.notify(json.loads(payload))
                 except ValueError:
                     self.notify({"reason": "lost peers"})
-        if any(kind == MSG_KILL for kind, _ in frames):
+        if any(kind == wire.MSG_KILL for kind, _ in frames):
             self.start_kill()
 
     def _on_output(self, key, kind):
@@ -506,7 +429,7 @@ def main(argv=None):
     if args and args[0] == "--":
         args = args[1:]
     if not args:
-        _write_all(2, b"usage: rank_wrapper.py -- command [args...]\n")
+        wire.write_all(2, b"usage: rank_wrapper.py -- command [args...]\n")
         return 2
     return RankWrapper(args).run()
 

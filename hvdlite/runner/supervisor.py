@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from hvdlite.runner import rank_wrapper as wire
+from hvdlite.runner import wire
 from hvdlite.runner.remote_start import UNREACHABLE_PREFIX
 
 logger = logging.getLogger("hvdlite")
@@ -117,7 +117,7 @@ class _OutputSink:
         where = f"@{self.hosts.get(rank, '?')}" if self.tag_hosts else ""
         prefix = f"[{rank}{where}]<{stream}>:".encode()
         lines = data.split(b"\n")[:-1]
-        self._console(fd, b"".join(prefix + line + b"\n" for line in lines))
+        self.console(fd, b"".join(prefix + line + b"\n" for line in lines))
         if self.output_dir:
             log = self.files.get(rank)
             if log is None:
@@ -126,17 +126,10 @@ class _OutputSink:
             log.write(data)
             log.flush()
 
-    def _console(self, fd: int, data: bytes):
+    def console(self, fd: int, data: bytes):
         # One write per batch of whole lines keeps lines intact on a shared terminal.
-        if self.console_broken[fd]:
-            return
-        view = memoryview(data)
-        while view:
-            try:
-                view = view[os.write(fd, view):]
-            except BrokenPipeError:
-                self.console_broken[fd] = True
-                return
+        if not self.console_broken[fd] and not wire.write_all(fd, data):
+            self.console_broken[fd] = True
 
     def close(self):
         for log in self.files.values():
@@ -183,25 +176,11 @@ class JobSupervisor:
         self.term_time: Optional[float] = None
         self.killed_group = False
         self.mpiexec_stderr: List[bytes] = []
-        self._sig_r, self._sig_w = socket.socketpair()
+        self.signals = wire.SignalPipe()
 
     def rank_env(self) -> Dict[str, str]:
         """The variables that tell a rank wrapper where the launcher is."""
         return {wire.ENV_ADDR: self.address, wire.ENV_TOKEN: self.token}
-
-    # -- signals -----------------------------------------------------------------------
-
-    def _on_signal(self, signum, frame):
-        try:
-            self._sig_w.send(bytes([signum]))
-        except OSError:
-            pass
-
-    def _install_signal_handlers(self):
-        previous = {}
-        for signum in _SIGNAL_EXIT:
-            previous[signum] = signal.signal(signum, self._on_signal)
-        return previous
 
     # -- ending the job ----------------------------------------------------------------
 
@@ -212,7 +191,7 @@ class JobSupervisor:
         if self.result is not None:
             return
         self.result = JobResult(exit_code=exit_code, failed_rank=rank, message=message)
-        self.output._console(2, f"hvdliterun: {message}\n".encode())
+        self.output.console(2, f"hvdliterun: {message}\n".encode())
         if not lost:
             self._kill_all()
             return
@@ -273,7 +252,7 @@ class JobSupervisor:
         Returns:
             How the job ended.
         """
-        previous = self._install_signal_handlers()
+        previous = self.signals.install(tuple(_SIGNAL_EXIT))
         try:
             return self._run(argv, env)
         finally:
@@ -295,8 +274,7 @@ class JobSupervisor:
         except OSError as exc:
             return JobResult(exit_code=1, message=f"cannot start {argv[0]}: {exc.strerror}")
         started = time.monotonic()
-        self._sig_r.setblocking(False)
-        self.sel.register(self._sig_r, selectors.EVENT_READ, ("signal", None))
+        self.sel.register(self.signals.reader, selectors.EVENT_READ, ("signal", None))
         self.sel.register(self.server, selectors.EVENT_READ, ("accept", None))
         self.sel.register(self.proc.stdout, selectors.EVENT_READ, ("mpi_out", 1))
         self.sel.register(self.proc.stderr, selectors.EVENT_READ, ("mpi_err", 2))
@@ -394,7 +372,7 @@ class JobSupervisor:
     def _dispatch(self, key):
         tag, extra = key.data
         if tag == "signal":
-            for signum in self._sig_r.recv(64):
+            for signum in self.signals.received():
                 self._fail(_SIGNAL_EXIT.get(signum, 128 + signum),
                            f"received {signal_name(signum)}, ending all ranks")
         elif tag == "accept":
@@ -514,7 +492,7 @@ class JobSupervisor:
             self._scan_for_unreachable(data)
         # Once the job is being ended, mpiexec's complaints about killed ranks are noise.
         if self.kill_time is None or logger.isEnabledFor(logging.DEBUG):
-            self.output._console(fd, data)
+            self.output.console(fd, data)
 
     def _scan_for_unreachable(self, data: bytes):
         """Ends the job naming the host when the remote start reports it unreachable."""
@@ -548,13 +526,13 @@ class JobSupervisor:
             except (OSError, ValueError):
                 rest = b""
             if rest and (self.kill_time is None or logger.isEnabledFor(logging.DEBUG)):
-                self.output._console(fd, rest)
+                self.output.console(fd, rest)
         if self.result is not None:
             self.result.ranks = self.ranks
             return self.result
         code = self.proc.returncode
         if code != 0:
-            self.output._console(2, f"hvdliterun: mpiexec {describe_returncode(code)}\n".encode())
+            self.output.console(2, f"hvdliterun: mpiexec {describe_returncode(code)}\n".encode())
             return JobResult(exit_code=exit_code_for(code), ranks=self.ranks,
                              message=f"mpiexec {describe_returncode(code)}")
         return JobResult(exit_code=0, ranks=self.ranks)

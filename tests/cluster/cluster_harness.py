@@ -52,20 +52,15 @@ def run_in_cluster(cluster: NetnsCluster, command: Sequence[str], *, host: str =
                          stdin=subprocess.DEVNULL, text=True, errors="replace",
                          env=cluster_env(cluster, env), cwd=harness.REPO_ROOT,
                          start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    leftovers = {}
+
+    def cleanup():
+        leftovers.update(_leftovers(cluster))
         kill_cluster_processes(cluster)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(
-            f"cluster job timed out after {timeout}s: {' '.join(command)}\n"
-            f"--- stdout tail ---\n{harness._tail(stdout)}\n"
-            f"--- stderr tail ---\n{harness._tail(stderr)}") from None
-    finally:
-        leftovers = _leftovers(cluster)
-        kill_cluster_processes(cluster)
-    result = harness.JobResult(proc.returncode, stdout, stderr, list(command))
-    harness._parse(result)
+
+    result = harness.wait_for_job(proc, command, timeout,
+                                  end=lambda: kill_cluster_processes(cluster),
+                                  cleanup=cleanup, what="cluster job")
     result.leftovers = leftovers
     return result
 
@@ -112,7 +107,7 @@ def run_cluster_job(cluster: NetnsCluster, hosts: str, script: str, *, np: Optio
         np = sum(entry.slots for entry in parse_host_string(hosts))
     with tempfile.TemporaryDirectory(prefix="hvdlite-cluster-job-") as tmpdir:
         os.chmod(tmpdir, 0o755)
-        path = harness._script_path(script, tmpdir)
+        path = harness.script_file(script, tmpdir)
         command = [sys.executable, "-m", "hvdlite.runner", "-np", str(np), "-H", hosts,
                    "--remote-shell", cluster.remote_shell(), *launcher_args,
                    sys.executable, path, *[str(a) for a in args]]

@@ -5,28 +5,9 @@ Clusters are shared per test module (building one takes about a second per host)
 always torn down; the tests skip with the reason when the machine cannot build one
 (not root; ip, tc or unshare missing).
 """
-import os
-import sys
-
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "multirank"))
-sys.path.insert(0, HERE)
-try:
-    import hvdlite  # noqa: F401
-except ImportError:
-    sys.path.insert(0, REPO_ROOT)
-
-import harness  # noqa: E402
-from hvdlite.runner import netns_cluster  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def native():
-    """Skips the test unless the native library loads."""
-    harness.require_native()
+from hvdlite.runner import netns_cluster
 
 
 @pytest.fixture(scope="session")

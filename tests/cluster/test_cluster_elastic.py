@@ -73,8 +73,7 @@ def _lose_h2_midway(cluster, tmp_path, lose):
                 os.kill(pid, signal.SIGKILL)
             proc.communicate()
     assert lost, "no process ran on h2"
-    result = harness.JobResult(proc.returncode, stdout, stderr, command)
-    harness._parse(result)
+    result = harness.job_result(proc.returncode, stdout, stderr, command)
     assert result.returncode == 0, harness.describe(result)
     summary = history.check(log_dir, SAMPLES, EPOCHS)
     assert summary["worlds"] == [3, 1], summary["worlds"]

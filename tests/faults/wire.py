@@ -6,52 +6,9 @@ Keep it in step with message.cc (a version byte, a u32 count, little-endian fiel
 strings and lists carry a u32 length).
 """
 import struct
-from dataclasses import dataclass, field
-from typing import List
+from dataclasses import field, make_dataclass
 
 WIRE_VERSION = 1
-
-
-@dataclass
-class Request:
-    rank: int = 0
-    name: str = ""
-    op: int = 0
-    dtype: int = 6
-    shape: List[int] = field(default_factory=list)
-    reduce_op: int = 1
-    prescale: float = 1.0
-    postscale: float = 1.0
-    root_rank: int = 0
-    splits: List[int] = field(default_factory=list)
-    process_set: int = 0
-    device: int = -1
-    group: str = ""
-    group_size: int = 0
-    wait_ms: int = 0
-    refusal: str = ""
-
-
-@dataclass
-class Response:
-    op: int = 0
-    name: str = ""
-    error: str = ""
-    error_code: int = 0
-    dtype: int = 6
-    shape: List[int] = field(default_factory=list)
-    reduce_op: int = 1
-    prescale: float = 1.0
-    postscale: float = 1.0
-    root_rank: int = 0
-    contributors: int = 0
-    last_joined_rank: int = -1
-    cacheable: bool = False
-    group: str = ""
-    first_dims: List[int] = field(default_factory=list)
-    splits: List[int] = field(default_factory=list)
-    joined: bytes = b""
-    targets: bytes = b""
 
 
 class _Writer:
@@ -101,82 +58,87 @@ class _Reader:
         return list(struct.unpack("<%dq" % n, self.raw(8 * n)))
 
 
-def encode_requests(requests):
+# Each message's fields in wire order, with their encoding and default: a struct format
+# for a fixed-size number, "str" (u32 length + UTF-8), "bytes" (u32 length + raw),
+# "bool" (u8 0/1) or "ints" (u32 count + little-endian int64s; default empty).
+REQUEST_FIELDS = (
+    ("rank", "i", 0), ("name", "str", ""), ("op", "i", 0), ("dtype", "i", 6),
+    ("shape", "ints", None), ("reduce_op", "i", 1), ("prescale", "d", 1.0),
+    ("postscale", "d", 1.0), ("root_rank", "i", 0), ("splits", "ints", None),
+    ("process_set", "i", 0), ("device", "i", -1), ("group", "str", ""),
+    ("group_size", "i", 0), ("wait_ms", "q", 0), ("refusal", "str", ""),
+)
+RESPONSE_FIELDS = (
+    ("op", "i", 0), ("name", "str", ""), ("error", "str", ""), ("error_code", "i", 0),
+    ("dtype", "i", 6), ("shape", "ints", None), ("reduce_op", "i", 1),
+    ("prescale", "d", 1.0), ("postscale", "d", 1.0), ("root_rank", "i", 0),
+    ("contributors", "i", 0), ("last_joined_rank", "i", -1), ("cacheable", "bool", False),
+    ("group", "str", ""), ("first_dims", "ints", None), ("splits", "ints", None),
+    ("joined", "bytes", b""), ("targets", "bytes", b""),
+)
+
+
+def _message_class(name, fields):
+    return make_dataclass(name, [
+        (field_name, object,
+         field(default_factory=list) if kind == "ints" else field(default=default))
+        for field_name, kind, default in fields])
+
+
+Request = _message_class("Request", REQUEST_FIELDS)
+Response = _message_class("Response", RESPONSE_FIELDS)
+
+
+def _encode(messages, fields):
     w = _Writer()
     w.put("B", WIRE_VERSION)
-    w.put("I", len(requests))
-    for q in requests:
-        w.put("i", q.rank)
-        w.string(q.name)
-        w.put("i", q.op)
-        w.put("i", q.dtype)
-        w.ints(q.shape)
-        w.put("i", q.reduce_op)
-        w.put("d", q.prescale)
-        w.put("d", q.postscale)
-        w.put("i", q.root_rank)
-        w.ints(q.splits)
-        w.put("i", q.process_set)
-        w.put("i", q.device)
-        w.string(q.group)
-        w.put("i", q.group_size)
-        w.put("q", q.wait_ms)
-        w.string(q.refusal)
+    w.put("I", len(messages))
+    for message in messages:
+        for name, kind, _ in fields:
+            value = getattr(message, name)
+            if kind in ("str", "bytes"):
+                w.string(value)
+            elif kind == "ints":
+                w.ints(value)
+            elif kind == "bool":
+                w.put("B", 1 if value else 0)
+            else:
+                w.put(kind, value)
     return w.bytes()
 
 
-def encode_responses(responses):
-    w = _Writer()
-    w.put("B", WIRE_VERSION)
-    w.put("I", len(responses))
-    for p in responses:
-        w.put("i", p.op)
-        w.string(p.name)
-        w.string(p.error)
-        w.put("i", p.error_code)
-        w.put("i", p.dtype)
-        w.ints(p.shape)
-        w.put("i", p.reduce_op)
-        w.put("d", p.prescale)
-        w.put("d", p.postscale)
-        w.put("i", p.root_rank)
-        w.put("i", p.contributors)
-        w.put("i", p.last_joined_rank)
-        w.put("B", 1 if p.cacheable else 0)
-        w.string(p.group)
-        w.ints(p.first_dims)
-        w.ints(p.splits)
-        w.string(p.joined)
-        w.string(p.targets)
-    return w.bytes()
-
-
-def decode_responses(data):
+def _decode(data, fields, cls):
     r = _Reader(data)
     if r.get("B") != WIRE_VERSION:
         raise ValueError("bad version")
     out = []
     for _ in range(r.get("I")):
-        p = Response()
-        p.op = r.get("i")
-        p.name = r.string()
-        p.error = r.string()
-        p.error_code = r.get("i")
-        p.dtype = r.get("i")
-        p.shape = r.ints()
-        p.reduce_op = r.get("i")
-        p.prescale = r.get("d")
-        p.postscale = r.get("d")
-        p.root_rank = r.get("i")
-        p.contributors = r.get("i")
-        p.last_joined_rank = r.get("i")
-        p.cacheable = bool(r.get("B"))
-        p.group = r.string()
-        p.first_dims = r.ints()
-        p.splits = r.ints()
-        p.joined = r.raw(r.get("I"))
-        p.targets = r.raw(r.get("I"))
-        out.append(p)
+        message = cls()
+        for name, kind, _ in fields:
+            if kind == "str":
+                value = r.string()
+            elif kind == "bytes":
+                value = r.raw(r.get("I"))
+            elif kind == "ints":
+                value = r.ints()
+            elif kind == "bool":
+                value = bool(r.get("B"))
+            else:
+                value = r.get(kind)
+            setattr(message, name, value)
+        out.append(message)
     if r.pos != len(data):
         raise ValueError("trailing bytes")
     return out
+
+
+def encode_requests(requests):
+    return _encode(requests, REQUEST_FIELDS)
+
+
+def encode_responses(responses):
+    return _encode(responses, RESPONSE_FIELDS)
+
+
+def decode_responses(data):
+    return _decode(data, RESPONSE_FIELDS, Response)

@@ -122,8 +122,10 @@ def job_env(env=None):
     return merged
 
 
-def _parse(result):
-    for stream_name, text in (("stdout", result.stdout), ("stderr", result.stderr)):
+def job_result(returncode, stdout, stderr, command):
+    """Returns the JobResult of a finished job's output, split per rank."""
+    result = JobResult(returncode, stdout, stderr, list(command))
+    for stream_name, text in (("stdout", stdout), ("stderr", stderr)):
         for line in text.splitlines():
             match = _TAG.match(line)
             if not match:
@@ -140,13 +142,16 @@ def _parse(result):
                     raise AssertionError(f"rank {rank} printed a bad result line {body!r}: "
                                          f"{e}") from None
                 result.results.setdefault(rank, []).append(value)
+    return result
 
 
 def _tail(text, lines=40):
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _script_path(script, tmpdir):
+def script_file(script, tmpdir):
+    """The path of ``script``: itself when it is a file, else its source dedented and
+    written to a file in ``tmpdir``."""
     if "\n" not in script and os.path.isfile(script):
         return os.path.abspath(script)
     path = os.path.join(tmpdir, "rank_script.py")
@@ -174,27 +179,42 @@ def run_job(np, script, *, timeout=120, env=None, args=(), launcher_args=()):
         AssertionError: the job timed out; the message has the output's tail.
     """
     with tempfile.TemporaryDirectory(prefix="hvdlite-job-") as tmpdir:
-        path = _script_path(script, tmpdir)
+        path = script_file(script, tmpdir)
         command = job_command(np, path, [str(a) for a in args],
                               [str(a) for a in launcher_args])
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 stdin=subprocess.DEVNULL, text=True, errors="replace",
                                 env=job_env(env), cwd=REPO_ROOT, start_new_session=True)
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            stdout, stderr = proc.communicate()
-            raise AssertionError(
-                f"job timed out after {timeout}s: {' '.join(command)}\n"
-                f"--- stdout tail ---\n{_tail(stdout)}\n--- stderr tail ---\n{_tail(stderr)}"
-            ) from None
-        finally:
-            # A launcher that exited may still leave ranks behind; never leak them.
-            _kill_group(proc)
-    result = JobResult(proc.returncode, stdout, stderr, command)
-    _parse(result)
-    return result
+        # A launcher that exited may still leave ranks behind; never leak them.
+        return wait_for_job(proc, command, timeout, end=lambda: _kill_group(proc))
+
+
+def wait_for_job(proc, command, timeout, end, cleanup=None, what="job"):
+    """Waits for a started job and returns its JobResult (whatever its exit status).
+
+    Args:
+        proc: the job's process (text pipes for stdout and stderr).
+        command: its command line, for messages.
+        timeout: seconds before ``end()`` ends the job and this fails.
+        end: kills everything the job started.
+        cleanup: called once the job is over, however it ended (default: ``end``).
+        what: the job's name in the timeout message.
+
+    Raises:
+        AssertionError: the job timed out; the message has the output's tail.
+    """
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        end()
+        stdout, stderr = proc.communicate()
+        raise AssertionError(
+            f"{what} timed out after {timeout}s: {' '.join(command)}\n"
+            f"--- stdout tail ---\n{_tail(stdout)}\n--- stderr tail ---\n{_tail(stderr)}"
+        ) from None
+    finally:
+        (cleanup or end)()
+    return job_result(proc.returncode, stdout, stderr, command)
 
 
 def _kill_group(proc):

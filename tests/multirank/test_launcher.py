@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from hvdlite import build_record
+from hvdlite.runner import mpi_command, openmpi
 from hvdlite.runner.testing import (launcher_command, launcher_env, parse_tagged_output,
                                     pid_alive, run_launcher)
 
@@ -110,6 +112,20 @@ class Launcher:
             pass
 
 
+def start_recording_job(tmp_path, body):
+    """Starts a job of NP ranks running PIDS + ``body`` in the background; returns the
+    Launcher and the pids once every rank and its grandchild recorded theirs."""
+    script = write_script(tmp_path, PIDS + body)
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    launcher = Launcher(["-np", str(NP), PY, script, str(pid_dir)])
+    try:
+        return launcher, wait_for_pid_files(pid_dir, 2 * NP, launcher.proc)
+    except BaseException:
+        launcher.kill()
+        raise
+
+
 def test_two_ranks_tagged_output(tmp_path):
     script = write_script(tmp_path, """
         import os, sys
@@ -185,18 +201,14 @@ def test_rank_killed_by_signal_is_reported(tmp_path):
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_to_launcher_ends_every_rank(tmp_path, sig, code):
     # Rank 1 ignores SIGTERM: the job's end must still reach it (SIGKILL after a grace).
-    script = write_script(tmp_path, PIDS + """
+    launcher, pids = start_recording_job(tmp_path, """
     if RANK == 1:
         signal_module = __import__("signal")
         signal_module.signal(signal_module.SIGTERM, signal_module.SIG_IGN)
     print("sleeping", flush=True)
     time.sleep(300)
     """)
-    pid_dir = tmp_path / "pids"
-    pid_dir.mkdir()
-    launcher = Launcher(["-np", str(NP), PY, script, str(pid_dir)])
     try:
-        pids = wait_for_pid_files(pid_dir, 2 * NP, launcher.proc)
         start = time.monotonic()
         launcher.proc.send_signal(sig)
         returncode, out, err = launcher.finish(timeout=60)
@@ -210,14 +222,10 @@ def test_signal_to_launcher_ends_every_rank(tmp_path, sig, code):
 
 
 def test_killed_launcher_leaves_nothing_behind(tmp_path):
-    script = write_script(tmp_path, PIDS + """
+    launcher, pids = start_recording_job(tmp_path, """
     time.sleep(300)
     """)
-    pid_dir = tmp_path / "pids"
-    pid_dir.mkdir()
-    launcher = Launcher(["-np", str(NP), PY, script, str(pid_dir)])
     try:
-        pids = wait_for_pid_files(pid_dir, 2 * NP, launcher.proc)
         # SIGKILL to the launcher alone: the wrappers notice its connection drop.
         launcher.proc.kill()
         launcher.finish(timeout=30)
@@ -305,12 +313,10 @@ def test_missing_program_fails_clearly():
 def test_start_timeout_ends_a_job_that_never_starts(tmp_path):
     # An "mpiexec" that never starts any rank: the launcher gives up after
     # --start-timeout and ends it (checked by pid). It names itself as the build's MPI.
-    from hvdlite.runner import mpi_command
-
     fake = tmp_path / "fake-mpiexec"
     pid_file = tmp_path / "fake.pid"
     version = ("mpirun (Open MPI) fake"
-               if mpi_command.read_build_info().get("mpi_implementation") == "Open MPI"
+               if build_record.read_if_readable().get("mpi_implementation") == "Open MPI"
                else "HYDRA build details: Version: fake")
     fake.write_text(textwrap.dedent(f"""\
         #!/bin/sh
@@ -336,8 +342,6 @@ def test_mpiexec_refusing_its_arguments_is_reported():
 
 
 def test_open_mpi_runs_as_root_only_when_told(tmp_path, monkeypatch):
-    from hvdlite.runner import mpi_command, openmpi
-
     launcher = mpi_command.probe_launcher(mpi_command.find_mpiexec())
     if launcher.flavor is not mpi_command.MpiFlavor.OPENMPI or not openmpi.is_root():
         pytest.skip("Open MPI's refusal to run as root needs Open MPI and root "

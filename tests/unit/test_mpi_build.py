@@ -11,14 +11,14 @@ import shutil
 import pytest
 
 import hvdlite
+from hvdlite import build_record
 
 PKG = os.path.dirname(os.path.abspath(hvdlite.__file__))
 IMPLEMENTATIONS = ("Open MPI", "MPICH")
 
 
 def _build_info():
-    with open(os.path.join(PKG, "_build_info.json"), encoding="utf-8") as f:
-        return json.load(f)
+    return build_record.read(os.path.join(PKG, build_record.FILE_NAME))
 
 
 def _copy_core(tmp_path, info):
@@ -100,3 +100,29 @@ def test_a_real_libmpi_of_another_implementation_is_refused(native, run_py):
     assert "loaded at run time is" in message and other in message, message
     assert info["mpi_implementation"] not in message.split("loaded at run time is")[1].split(
         "(")[0], message
+
+
+def test_the_build_record_reader(tmp_path):
+    # One reader for the loader and the launcher: no record is an empty one; a record
+    # that cannot be read fails the loader's read and is empty for the launcher's.
+    missing = str(tmp_path / "none" / build_record.FILE_NAME)
+    assert build_record.read(missing) == {} == build_record.read_if_readable(missing)
+    good = tmp_path / build_record.FILE_NAME
+    good.write_text(json.dumps({"mpi_soname": "libmpi.so.12"}))
+    assert build_record.read(str(good)) == {"mpi_soname": "libmpi.so.12"}
+    assert build_record.path_beside(str(tmp_path / "libhvdlite.so")) == str(good)
+    for text in ("{not json", "[1, 2]"):
+        good.write_text(text)
+        with pytest.raises(ValueError):
+            build_record.read(str(good))
+        assert build_record.read_if_readable(str(good)) == {}
+
+
+def test_an_unreadable_build_record_stops_the_loader_naming_it(native, run_py, tmp_path):
+    core = _copy_core(tmp_path, {})
+    (tmp_path / build_record.FILE_NAME).write_text("{not json")
+    result = run_py(_LOAD, env={"HVDLITE_LIBRARY": core}, check=False)
+    assert result.returncode != 0 and "LOADED" not in result.stdout
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("ImportError: hvdlite: cannot read "
+                              + str(tmp_path / build_record.FILE_NAME) + ": "), message

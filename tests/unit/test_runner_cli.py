@@ -1,4 +1,5 @@
 """hvdliterun without running a job: parsing, host lists, mpiexec argv, bad input."""
+import ast
 import os
 import signal
 import subprocess
@@ -6,7 +7,10 @@ import sys
 
 import pytest
 
-from hvdlite.runner import hosts, launch, mpi_command, openmpi, rank_wrapper, supervisor
+import hvdlite.runner as runner_package
+from hvdlite import build_record
+from hvdlite.runner import (hosts, job, launch, mpi_command, openmpi, rank_wrapper, supervisor,
+                            wire)
 from hvdlite.runner.hosts import HostSlots, HostSpecError
 from hvdlite.runner.mpi_command import MpiFlavor, MpiLauncher
 from hvdlite.runner.testing import launcher_command, launcher_env, parse_tagged_output
@@ -139,7 +143,7 @@ def test_hostfile_flag(tmp_path):
 
 def _job_argv(launcher, *args, env=None):
     cfg = config(*args)
-    return launch.build_job_command(cfg, launcher, env or {"PATH": "/usr/bin"},
+    return job.build_job_command(cfg, launcher, env or {"PATH": "/usr/bin"},
                                     python="/venv/bin/python", run_as_root=False)
 
 
@@ -196,11 +200,11 @@ def test_openmpi_runs_as_root_only_as_root_and_when_told(monkeypatch, root, flag
     assert openmpi.run_as_root(flag, env, root=root) is allowed
     monkeypatch.setattr(openmpi, "is_root", lambda: root)
     args = ["--allow-run-as-root"] if flag else []
-    argv = launch.build_job_command(config(*args, "-np", "2", "prog"), OPENMPI,
+    argv = job.build_job_command(config(*args, "-np", "2", "prog"), OPENMPI,
                                     {"PATH": "/usr/bin", **env}, python="/venv/bin/python")
     assert ("--allow-run-as-root" in argv) is allowed
     # Hydra has no such flag: the request changes nothing in its command line.
-    hydra = launch.build_job_command(config(*args, "-np", "2", "prog"), HYDRA,
+    hydra = job.build_job_command(config(*args, "-np", "2", "prog"), HYDRA,
                                      {"PATH": "/usr/bin", **env}, python="/venv/bin/python")
     assert "--allow-run-as-root" not in hydra
 
@@ -264,9 +268,9 @@ def test_forwarded_environment_leaves_out_shell_and_mpi_variables():
 # -- the wire and the rank environment -------------------------------------------------
 
 def test_frames_round_trip_in_pieces():
-    stream = (rank_wrapper.encode_frame(rank_wrapper.MSG_STDOUT, b"a\nb\n")
-              + rank_wrapper.encode_frame(rank_wrapper.MSG_KILL))
-    reader = rank_wrapper.FrameReader()
+    stream = (wire.encode_frame(wire.MSG_STDOUT, b"a\nb\n")
+              + wire.encode_frame(wire.MSG_KILL))
+    reader = wire.FrameReader()
     frames = []
     for i in range(len(stream)):
         frames += reader.feed(stream[i:i + 1])
@@ -351,7 +355,7 @@ def test_check_build_reports_everything():
         assert "MISSING" in out
         return
     # The implementation is the one the loaded library names, and it is the build's.
-    info = mpi_command.read_build_info()
+    info = build_record.read_if_readable()
     mpi = out.split("\nMPI:\n", 1)[1]
     loaded = mpi.split("[X] libmpi:", 1)[1].splitlines()[0].strip()
     assert os.path.basename(loaded) == info["mpi_soname"], out
@@ -368,3 +372,65 @@ def test_runner_imports_without_native_library():
     result = subprocess.run([sys.executable, "-c", code], env=launcher_env(), timeout=60,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_rank_wrapper_runs_by_path_on_the_standard_library_alone():
+    # Each rank starts the wrapper by path with -I (job.rank_command): it loads wire.py
+    # by path and imports nothing of the hvdlite package (nor its native library).
+    code = ("import runpy, sys; ns = runpy.run_path(sys.argv[1], run_name='wrapper'); "
+            "assert not [m for m in sys.modules if m.split('.')[0] == 'hvdlite'], "
+            "sorted(sys.modules); "
+            "assert ns['wire'].MSG_HELLO == b'H' and ns['wire'].__file__ == sys.argv[2]")
+    result = subprocess.run([sys.executable, "-I", "-c", code,
+                             os.path.abspath(rank_wrapper.__file__),
+                             os.path.abspath(wire.__file__)],
+                            env=launcher_env(), timeout=60, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    # Both files run in a bare interpreter: standard-library imports only.
+    for module in (rank_wrapper, wire):
+        with open(module.__file__, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top == "hvdlite":
+                    # Only the package's own import of the protocol, never run by path.
+                    assert module is rank_wrapper and name == "hvdlite.runner", name
+                else:
+                    assert top in sys.stdlib_module_names, (module.__file__, name)
+
+
+def _runner_order():
+    """The runner's modules as hvdlite/runner/__init__.py lists them, lowest first."""
+    return [line.split("* ", 1)[1].split(".py", 1)[0]
+            for line in runner_package.__doc__.splitlines() if line.startswith("* ")]
+
+
+def test_runner_modules_import_only_modules_below_them():
+    order = _runner_order()
+    folder = os.path.dirname(launch.__file__)
+    assert sorted(order) == sorted(name[:-3] for name in os.listdir(folder)
+                                   if name.endswith(".py") and name != "__init__.py")
+    for index, module in enumerate(order):
+        with open(os.path.join(folder, module + ".py"), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "hvdlite.runner":
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    "hvdlite.runner."):
+                targets = [node.module.split(".")[2]]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name.split(".")[2] for alias in node.names
+                           if alias.name.startswith("hvdlite.runner.")]
+            else:
+                continue
+            for target in targets:
+                assert order.index(target) < index, (f"{module}.py imports {target}, which "
+                                                     "is not above it in runner/__init__.py")

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from hvdlite.runner import hosts, launch, remote_start
+from hvdlite.runner import hosts, job, launch, remote_start
 from hvdlite.runner.mpi_command import MpiFlavor, MpiLauncher
 
 HYDRA = MpiLauncher("/opt/mpich/bin/mpiexec", MpiFlavor.HYDRA, "Version: 5.0.2\n")
@@ -59,7 +59,7 @@ def test_bad_remote_flags_are_refused(args, message, capsys):
 ])
 def test_mpiexec_gets_the_remote_start_and_interface(launcher, expected):
     cfg = config("-np", "4", "-H", "a:2,b:2", "--network-interface", "eth1", "python", "x.py")
-    argv = launch.build_job_command(cfg, launcher, {}, python="/py", run_as_root=False,
+    argv = job.build_job_command(cfg, launcher, {}, python="/py", run_as_root=False,
                                     remote_start="/tmp/rs")
     joined = " ".join(argv)
     assert " ".join(expected) in joined, argv
@@ -71,7 +71,7 @@ def test_remote_start_script_runs_the_shell_with_host_and_joined_command(tmp_pat
     fake = tmp_path / "fake-ssh"
     fake.write_text(f"#!/bin/sh\nfor a in \"$@\"; do echo \"<$a>\"; done > {log}\n")
     fake.chmod(0o755)
-    script = launch.write_remote_start_script(str(tmp_path), f"{fake} -p 2", sys.executable)
+    script = job.write_remote_start_script(str(tmp_path), f"{fake} -p 2", sys.executable)
     # hydra's rsh launcher: HOST then the proxy command's words.
     subprocess.run([script, "node7", "/bin/proxy", "--port", "h:1"], check=True, timeout=30)
     assert log.read_text().split() == ["<-p>", "<2>", "<node7>", "</bin/proxy", "--port",
