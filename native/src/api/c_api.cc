@@ -5,7 +5,7 @@
 #include <exception>
 #include <string>
 
-#include "core/background_loop.h"
+#include "core/core.h"
 #include "backend/backend_mpi.h"
 
 #define HVDLITE_EXPORT extern "C" __attribute__((visibility("default")))

@@ -1,5 +1,5 @@
 // Every MPI call of the core, over one communicator: the world's (Init) or a process
-// set's (InitSubset). Background thread only (see background_loop.cc).
+// set's (InitSubset). Background thread only (see core/loop.cc).
 //
 // Negotiation uses nonblocking collectives polled with a growing sleep (PollBackoff),
 // because a peer may still be computing and a rank blocked in MPICH busy-polls a core.

@@ -12,6 +12,10 @@
 
 namespace hvdlite {
 
+// The name every rank's join request goes by: one join per rank at a time, whatever the
+// caller named it.
+constexpr const char* kJoinName = "__join__";
+
 // Scale factors are the same when their bits are: 0.0 and -0.0 compare equal, yet scale
 // to zeros of different signs.
 inline bool SameFactor(double a, double b) { return a == b && std::signbit(a) == std::signbit(b); }

@@ -123,14 +123,30 @@ class ProcessSetState {
                   RoundFlags* heard, std::vector<Response>* ready);
   bool Negotiate(Clock::time_point now, std::vector<Response>* ready);
   void Execute(const std::vector<Response>& ready);
+  // Steps of Execute: which ready responses run as one collective (the end of each
+  // run), and their operation spans opened on the timeline.
+  std::vector<size_t> PlanFusion(const std::vector<Response>& ready) const;
+  void BeginOpsOnTimeline(const std::vector<Response>& ready, const std::vector<size_t>& ends);
 
   void ExecuteAllreduce(const std::vector<const Response*>& fused);
   // The layered (hierarchical) allreduce when it is on for this cycle, else null. With
   // it, or with shared memory, an allreduce reads its tensors in place (no fusion buffer).
   LayeredAllreduce* Hierarchical() const;
-  void ExecuteAllgather(const std::vector<const Response*>& fused);
+  void ExecuteFusedAllgather(const std::vector<const Response*>& fused);
   static int64_t AllgatherBytes(const Response& r);
+  // One response that is not fused: the op's own function below, then its completion.
   void ExecuteOne(const Response& r);
+  // What one op moved, for the counters: bytes of its payload and (alltoall) the bytes
+  // sent to other ranks, -1 when counted from moved (WireBytes).
+  struct OpTally {
+    int64_t moved = 0;
+    int64_t sent_away = -1;
+  };
+  Status RunOp(const Response& r, TensorEntry* e, OpOutput* out, OpTally* tally);
+  Status ExecuteAllgather(const Response& r, TensorEntry* e, OpOutput* out, OpTally* tally);
+  Status ExecuteBroadcast(const Response& r, TensorEntry* e, OpTally* tally);
+  Status ExecuteAlltoall(const Response& r, TensorEntry* e, OpOutput* out, OpTally* tally);
+  Status ExecuteReducescatter(const Response& r, TensorEntry* e, OpTally* tally);
   // The table changes, run where the response list puts them on every rank.
   Status AddSet(const Response& r, OpOutput* out);
   Status RemoveSet(const Response& r);

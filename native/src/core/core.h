@@ -1,6 +1,7 @@
-// The process-wide core: init/shutdown, the enqueue entry point, and the background
-// thread that runs the cycle (drain -> negotiate -> fuse -> execute -> complete) for
-// every process set.
+// The process-wide core: init/shutdown (core.cc), the enqueue entry point (enqueue.cc),
+// the process-set table's changes and refusals (process_set_changes.cc), and the
+// background thread that runs the cycle (pop -> coordinate -> negotiate -> execute ->
+// complete) for every process set (loop.cc; cycle/ holds each set's round).
 #pragma once
 
 #include <atomic>
