@@ -113,10 +113,13 @@ def build_native(out_dir):
             os.path.join(prefix, "lib64", "libmpi.so")):
         libdir = os.path.join(prefix, "lib64")
     cxx = os.environ.get("CXX", "g++")
-    sources = sorted(glob.glob(os.path.join(HERE, "native", "src", "*.cc")))
+    # native/src is in folders by layer (native/src/README.md); includes name a file by
+    # its path under native/src, e.g. "common/common.h".
+    sources = sorted(glob.glob(os.path.join(HERE, "native", "src", "**", "*.cc"), recursive=True))
     flags = ["-std=c++17", "-fPIC", "-shared", "-Wall", "-Wextra", "-Wno-unused-parameter",
              "-fvisibility=hidden", "-pthread",
-             "-I" + os.path.join(HERE, "native", "include"), "-I" + include]
+             "-I" + os.path.join(HERE, "native", "include"), "-I" + os.path.join(HERE, "native", "src"),
+             "-I" + include]
     if os.environ.get("HVDLITE_SANITIZE") == "1":
         flags += ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined"]
     elif os.environ.get("HVDLITE_DEBUG") == "1":

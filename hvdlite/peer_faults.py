@@ -14,7 +14,7 @@ A process whose peers are lost ends at exit with ``os._exit`` (status
 output: the interpreter's and the libraries' teardown (freeing tensors, MPI's and UCX's
 destructors) would otherwise run while the core's thread may still be inside MPI, on a
 collective with the lost peer, or parked there after MPI faulted (see
-native/src/mpi_fault_guard.h).
+native/src/transport/mpi_fault_guard.h).
 
 Outside hvdliterun (no ``HVDLITE_FAULT_FD``) nothing is started.
 """

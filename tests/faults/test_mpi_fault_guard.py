@@ -1,7 +1,7 @@
 """A fault inside MPI on the background thread parks that thread instead of killing the rank.
 
 MPICH's error path after a lost peer dereferences a null pointer inside MPI_Test (see
-native/src/mpi_fault_guard.h); ranks died of SIGSEGV before the launcher's lost-peer
+native/src/transport/mpi_fault_guard.h); ranks died of SIGSEGV before the launcher's lost-peer
 notice reached them. Here the test hook hvdlite_test_fault_in_mpi makes the last rank's
 next MPI call fault the same way (a real SIGSEGV on a null pointer, inside the call's
 guard), deterministically. Checked: that rank lives on and says on stderr which MPI call

@@ -1,4 +1,4 @@
-"""A pure-Python model of the core's wire format (native/src/message.cc).
+"""A pure-Python model of the core's wire format (native/src/cycle/message.cc).
 
 It is the second, independent reading of the format: the protocol tests encode random
 messages here and check that the core parses and re-serializes them to the same bytes.

@@ -1,4 +1,4 @@
-"""How a rank's threads are scheduled (native/src/thread_sched.h), in real jobs.
+"""How a rank's threads are scheduled (native/src/common/thread_sched.h), in real jobs.
 
 hvdliterun --bind-to core (HVDLITE_BIND_TO=core): every thread of local rank r, the
 background thread included, and the threads it starts afterwards run on the r-th of

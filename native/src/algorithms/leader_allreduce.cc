@@ -1,0 +1,51 @@
+#include "algorithms/leader_allreduce.h"
+
+#include <cstring>
+
+#include "common/elementwise.h"
+
+namespace hvdlite {
+
+Status LeaderAllreduce::Allreduce(const std::vector<ShmAllreduce::Piece>& pieces, int32_t dtype,
+                                  int32_t reduce_op, double prescale, double postscale,
+                                  int64_t divisor, const StepDone& step_done) {
+  const int64_t elem = ElementSize(dtype);
+  int64_t count = 0;
+  for (const ShmAllreduce::Piece& p : pieces) count += p.count;
+  sum_.resize(count * elem);
+  // 1. The host's sum, of every piece, into one buffer (a host of one rank: a copy).
+  std::vector<ShmAllreduce::Piece> into_sum;
+  int64_t at = 0;
+  for (const ShmAllreduce::Piece& p : pieces) {
+    into_sum.push_back({p.in, sum_.data() + at * elem, p.count});
+    if (host_->size() == 1) {
+      if (p.in) {
+        ScaledCopy(sum_.data() + at * elem, p.in, p.count, dtype, prescale, 1);
+      } else {
+        std::memset(sum_.data() + at * elem, 0, p.count * elem);  // joined: zeros
+      }
+    }
+    at += p.count;
+  }
+  Status s;
+  if (host_->size() > 1) s = host_->shm().Allreduce(into_sum, dtype, reduce_op, prescale, 1.0, 1);
+  step_done("SHM_ALLREDUCE");
+  // 2. Across hosts, by the leaders.
+  if (s.ok() && leaders_) s = leaders_->Allreduce(sum_.data(), count, dtype, reduce_op);
+  step_done("CROSS_HOST_ALLREDUCE");
+  // 3. From the leader to its host.
+  if (s.ok() && host_group_->size() > 1) {
+    s = RunPipeline(1, {[&](int64_t, Pending* p) {
+      return host_group_->Bcast(sum_.data(), count * elem, 0, p);
+    }});
+  }
+  at = 0;
+  for (const ShmAllreduce::Piece& p : pieces) {
+    if (s.ok() && p.out) ScaledCopy(p.out, sum_.data() + at * elem, p.count, dtype, postscale, divisor);
+    at += p.count;
+  }
+  step_done("HOST_BROADCAST");
+  return s;
+}
+
+}  // namespace hvdlite

@@ -1,0 +1,472 @@
+#include "backend/backend_mpi.h"
+
+#include <mpi.h>
+
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstring>
+
+#include "common/half.h"
+#include "transport/mpi_fault_guard.h"
+#include "common/poll_backoff.h"
+#include "common/thread_sched.h"
+
+namespace hvdlite {
+namespace {
+
+MPI_Comm& Comm(void* p) { return *static_cast<MPI_Comm*>(p); }
+
+// Elementwise reductions over 16-bit floats, which MPI has no type for.
+template <float (*ToF)(uint16_t), uint16_t (*FromF)(float), int kOp>
+void HalfReduce(void* in, void* inout, int* len, MPI_Datatype*) {
+  const uint16_t* a = static_cast<const uint16_t*>(in);
+  uint16_t* b = static_cast<uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) {
+    float x = ToF(a[i]), y = ToF(b[i]), r;
+    switch (kOp) {
+      case HVDLITE_MIN: r = std::min(x, y); break;
+      case HVDLITE_MAX: r = std::max(x, y); break;
+      case HVDLITE_PRODUCT: r = x * y; break;
+      default: r = x + y; break;
+    }
+    b[i] = FromF(r);
+  }
+}
+
+MPI_User_function* kHalfFns[2][5] = {
+    {HalfReduce<HalfToFloat, FloatToHalf, HVDLITE_AVERAGE>, HalfReduce<HalfToFloat, FloatToHalf, HVDLITE_SUM>,
+     HalfReduce<HalfToFloat, FloatToHalf, HVDLITE_MIN>, HalfReduce<HalfToFloat, FloatToHalf, HVDLITE_MAX>,
+     HalfReduce<HalfToFloat, FloatToHalf, HVDLITE_PRODUCT>},
+    {HalfReduce<Bf16ToFloat, FloatToBf16, HVDLITE_AVERAGE>, HalfReduce<Bf16ToFloat, FloatToBf16, HVDLITE_SUM>,
+     HalfReduce<Bf16ToFloat, FloatToBf16, HVDLITE_MIN>, HalfReduce<Bf16ToFloat, FloatToBf16, HVDLITE_MAX>,
+     HalfReduce<Bf16ToFloat, FloatToBf16, HVDLITE_PRODUCT>}};
+
+MPI_Datatype MpiType(int32_t dtype) {
+  switch (dtype) {
+    case HVDLITE_UINT8: case HVDLITE_BOOL: return MPI_UINT8_T;
+    case HVDLITE_INT8: return MPI_INT8_T;
+    case HVDLITE_INT16: return MPI_INT16_T;
+    case HVDLITE_UINT16: return MPI_UINT16_T;
+    case HVDLITE_INT32: return MPI_INT32_T;
+    case HVDLITE_INT64: return MPI_INT64_T;
+    case HVDLITE_FLOAT16: case HVDLITE_BFLOAT16: return MPI_UINT16_T;
+    case HVDLITE_FLOAT32: return MPI_FLOAT;
+    default: return MPI_DOUBLE;
+  }
+}
+
+MPI_Op StandardOp(int32_t reduce_op) {
+  switch (reduce_op) {
+    case HVDLITE_MIN: return MPI_MIN;
+    case HVDLITE_MAX: return MPI_MAX;
+    case HVDLITE_PRODUCT: return MPI_PROD;
+    default: return MPI_SUM;
+  }
+}
+
+// MPI counts are int: large buffers go in chunks of at most this many elements.
+constexpr int64_t kMaxChunk = 1 << 30;
+
+}  // namespace
+
+Status MpiBackend::Check(int rc, const char* what) {
+  if (rc == MPI_SUCCESS) return Status::OK();
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  return Status(HVDLITE_ERR_MPI, std::string(what) + " failed: " + std::string(text, len));
+}
+
+Status MpiBackend::Init(int64_t comm_f2c, bool thread_multiple, const LayerSettings& layers,
+                        MpiTopology* topo) {
+  InstallMpiFaultGuard();
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  int provided = 0;
+  if (!initialized) {
+    // This thread initializes MPI and makes every MPI call, so FUNNELED is enough.
+    int required = thread_multiple ? MPI_THREAD_MULTIPLE : MPI_THREAD_FUNNELED;
+    int rc = MPI_Init_thread(nullptr, nullptr, required, &provided);
+    if (rc != MPI_SUCCESS) return Check(rc, "MPI_Init_thread");
+    initialized_mpi_ = true;
+  } else {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) {
+      return Status(HVDLITE_ERR_NOT_INITIALIZED,
+                    "MPI was already finalized in this process; hvdlite cannot start again");
+    }
+    MPI_Query_thread(&provided);
+  }
+  if (initialized && provided < MPI_THREAD_SERIALIZED) {
+    HVDLITE_LOG(WARNING) << "MPI provides thread level " << provided
+                         << "; hvdlite calls MPI from its background thread, so another "
+                            "thread must not call MPI concurrently";
+  }
+  topo->threads_multiple = provided == MPI_THREAD_MULTIPLE;
+  MPI_Comm base = comm_f2c < 0 ? MPI_COMM_WORLD : MPI_Comm_f2c(static_cast<MPI_Fint>(comm_f2c));
+  comm_ = new MPI_Comm(MPI_COMM_NULL);
+  Status s = Check(MPI_Comm_dup(base, &Comm(comm_)), "MPI_Comm_dup");
+  if (!s.ok()) return s;
+  return Attach(layers, topo);
+}
+
+Status MpiBackend::InitSubset(const MpiBackend& parent, bool member, const LayerSettings& layers) {
+  int parent_rank = 0;
+  MPI_Comm_rank(Comm(parent.comm_), &parent_rank);
+  MPI_Comm sub = MPI_COMM_NULL;
+  Status s = Check(MPI_Comm_split(Comm(parent.comm_), member ? 0 : MPI_UNDEFINED, parent_rank, &sub),
+                   "MPI_Comm_split (process set)");
+  if (!s.ok() || !member) return s;
+  comm_ = new MPI_Comm(sub);
+  MpiTopology topo;
+  return Attach(layers, &topo);
+}
+
+Status MpiBackend::Attach(const LayerSettings& layers, MpiTopology* topo) {
+  // Failures come back as codes that become statuses instead of aborting the job.
+  MPI_Comm_set_errhandler(Comm(comm_), MPI_ERRORS_RETURN);
+  MPI_Comm_rank(Comm(comm_), &topo->rank);
+  MPI_Comm_size(Comm(comm_), &topo->size);
+  for (int kind = 0; kind < 2; ++kind) {
+    for (int op = 0; op < 5; ++op) {
+      MPI_Op* mop = new MPI_Op;
+      MPI_Op_create(kHalfFns[kind][op], 1, mop);
+      ops_.push_back(mop);
+    }
+  }
+  MPI_Comm* local = new MPI_Comm(MPI_COMM_NULL);
+  MPI_Comm* cross = new MPI_Comm(MPI_COMM_NULL);
+  Status s = SplitHosts(comm_, layers.host_id, local);
+  if (s.ok()) {
+    MPI_Comm_rank(*local, &topo->local_rank);
+    MPI_Comm_size(*local, &topo->local_size);
+    s = Check(MPI_Comm_split(Comm(comm_), topo->local_rank, topo->rank, cross), "MPI_Comm_split (cross)");
+  }
+  if (s.ok()) {
+    MPI_Comm_rank(*cross, &topo->cross_rank);
+    MPI_Comm_size(*cross, &topo->cross_size);
+    return SetUpLayers(layers, *topo, local, cross);
+  }
+  if (*local != MPI_COMM_NULL) MPI_Comm_free(local);
+  delete local;
+  delete cross;
+  return s;
+}
+
+Status MpiBackend::SetUpLayers(const LayerSettings& settings, const MpiTopology& topo,
+                               void* local, void* cross) {
+  // Every rank learns every rank's place and settings and decides alike.
+  // A host is named by its lowest rank: local rank 0's rank in comm_.
+  MPI_Group local_group, group;
+  MPI_Comm_group(Comm(local), &local_group);
+  MPI_Comm_group(Comm(comm_), &group);
+  int zero = 0, leader = 0;
+  MPI_Group_translate_ranks(local_group, 1, &zero, group, &leader);
+  MPI_Group_free(&local_group);
+  MPI_Group_free(&group);
+  constexpr int kFields = 7;
+  const int mine[kFields] = {topo.local_rank, topo.local_size, settings.hierarchical_allreduce,
+                             settings.shared_memory ? 1 : 0, leader,
+                             settings.hierarchical_allgather, settings.hierarchical_broadcast};
+  std::vector<int> all(kFields * topo.size);
+  Status s = Check(MPI_Allgather(mine, kFields, MPI_INT, all.data(), kFields, MPI_INT, Comm(comm_)),
+                   "MPI_Allgather (topology)");
+  std::vector<RankPlace> places(topo.size);
+  for (int r = 0; r < topo.size; ++r) {
+    const int* f = &all[kFields * r];
+    places[r] = RankPlace{f[0], f[1], f[2], f[3], f[4], f[5], f[6]};
+  }
+  LayerPlan plan = PlanLayers(places);
+  spans_hosts_ = std::count_if(places.begin(), places.end(),
+                               [](const RankPlace& p) { return p.local_rank == 0; }) > 1;
+  if (s.ok() && !plan.error.empty()) {
+    // Every rank found the same disagreement: end MPI together, as a failed init must.
+    for (void* c : {local, cross}) MPI_Comm_free(static_cast<MPI_Comm*>(c));
+    delete static_cast<MPI_Comm*>(local);
+    delete static_cast<MPI_Comm*>(cross);
+    Shutdown(true);
+    return InvalidArgument(plan.error);
+  }
+  if (!plan.notice.empty() && topo.rank == 0) {
+    HVDLITE_LOG(WARNING) << plan.notice;
+  }
+  if (s.ok() && (plan.hierarchical_allgather || plan.hierarchical_broadcast || plan.leader_allreduce)) {
+    // Communicators of their own (so their collectives never meet the allreduce's):
+    // the host's ranks, and on each host's leader the leaders (cross's of local rank 0).
+    MPI_Comm* host = new MPI_Comm(MPI_COMM_NULL);
+    s = Check(MPI_Comm_dup(Comm(local), host), "MPI_Comm_dup (host)");
+    host_group_.reset(new GroupLayer(host));
+    if (s.ok() && topo.local_rank == 0) {
+      MPI_Comm* leaders = new MPI_Comm(MPI_COMM_NULL);
+      s = Check(MPI_Comm_dup(Comm(cross), leaders), "MPI_Comm_dup (leaders)");
+      leaders_.reset(new GroupLayer(leaders));
+    }
+    if (s.ok() && plan.hierarchical_allgather) {
+      hierarchical_allgather_.reset(
+          new HierarchicalAllgather(host_group_.get(), leaders_.get(), plan.hosts, topo.rank));
+    }
+    if (s.ok() && plan.hierarchical_broadcast) {
+      hierarchical_broadcast_.reset(
+          new HierarchicalBroadcast(host_group_.get(), leaders_.get(), plan.hosts, topo.rank));
+    }
+  }
+  if (s.ok() && (plan.world_shared_memory || plan.hierarchical_allreduce || plan.leader_allreduce)) {
+    host_ = HostLayer::Open(local);
+    local = nullptr;  // the layer's now, or freed with it
+  }
+  if (s.ok() && (plan.hierarchical_allreduce || plan.leader_allreduce)) {
+    // Every host must have its shared-memory group, or every rank goes flat.
+    int ok = host_ ? 1 : 0, all_ok = 0;
+    s = Check(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, Comm(comm_)), "MPI_Allreduce (layers)");
+    if (s.ok() && all_ok && plan.hierarchical_allreduce) {
+      cross_.reset(new CrossLayer(cross));
+      cross = nullptr;
+      hierarchical_.reset(new HierarchicalAllreduce(host_.get(), cross_.get()));
+    } else if (s.ok() && all_ok) {
+      if (topo.local_rank == 0) {  // cross is then the leaders
+        cross_.reset(new CrossLayer(cross));
+        cross = nullptr;
+      }
+      hierarchical_.reset(new LeaderAllreduce(host_.get(), cross_.get(), host_group_.get()));
+    } else if (host_) {
+      host_->Close(true);
+      host_.reset();
+    }
+  }
+  for (void* c : {local, cross}) {
+    if (!c) continue;
+    MPI_Comm_free(static_cast<MPI_Comm*>(c));
+    delete static_cast<MPI_Comm*>(c);
+  }
+  return s;
+}
+
+void MpiBackend::Shutdown(bool finalize) {
+  // Freeing is collective: only on a shutdown every rank takes part in.
+  hierarchical_.reset();
+  hierarchical_allgather_.reset();
+  hierarchical_broadcast_.reset();
+  for (std::unique_ptr<GroupLayer>* group : {&host_group_, &leaders_}) {
+    if (*group) (*group)->Close(finalize);
+    group->reset();
+  }
+  if (cross_) cross_->Close(finalize);
+  if (host_) host_->Close(finalize);
+  cross_.reset();
+  host_.reset();
+  if (finalize) {
+    for (void* p : ops_) MPI_Op_free(static_cast<MPI_Op*>(p));
+    if (comm_ && Comm(comm_) != MPI_COMM_NULL) MPI_Comm_free(&Comm(comm_));
+    if (initialized_mpi_) MPI_Finalize();
+  }
+  for (void* p : ops_) delete static_cast<MPI_Op*>(p);
+  ops_.clear();
+  delete static_cast<MPI_Comm*>(comm_);
+  comm_ = nullptr;
+}
+
+Status MpiBackend::WaitBackoff(void* request, const char* what, std::chrono::microseconds max_sleep) {
+  InMpiCall in_mpi(what);
+  MPI_Request* req = static_cast<MPI_Request*>(request);
+  PollBackoff backoff(max_sleep);
+  while (true) {
+    int flag = 0;
+    int rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) return Check(rc, what);
+    if (flag) return Status::OK();
+    backoff.Pause();
+  }
+}
+
+Status MpiBackend::Collective(const char* what, const std::function<int(void*)>& call) {
+  InMpiCall in_mpi(what);
+  if (!spans_hosts_) {
+    // On one host the blocking call is faster, but it spins until every peer is in.
+    NormalPriorityScope normal;
+    return Check(call(nullptr), what);
+  }
+  MPI_Request req;
+  Status s = Check(call(&req), what);
+  return s.ok() ? WaitBackoff(&req, what, PollBackoff::kDataMaxSleep) : s;
+}
+
+Status MpiBackend::AndBits(std::vector<uint64_t>* bits) {
+  const int64_t words = static_cast<int64_t>(bits->size());
+  if (shared_memory() && words <= ShmAllreduce::kMaxBitsWords) return host_->shm().AndBits(bits->data(), words);
+  InMpiCall in_mpi("MPI_Iallreduce (coordination)");
+  MPI_Request req;
+  Status s = Check(MPI_Iallreduce(MPI_IN_PLACE, bits->data(), static_cast<int>(bits->size()),
+                                  MPI_UINT64_T, MPI_BAND, Comm(comm_), &req),
+                   "MPI_Iallreduce (coordination)");
+  if (!s.ok()) return s;
+  return WaitBackoff(&req, "MPI_Iallreduce (coordination)");
+}
+
+Status MpiBackend::GatherBlobs(const std::vector<uint8_t>& mine,
+                               std::vector<std::vector<uint8_t>>* all) {
+  InMpiCall in_mpi("MPI_Igather (negotiation)");
+  int rank, size;
+  MPI_Comm_rank(Comm(comm_), &rank);
+  MPI_Comm_size(Comm(comm_), &size);
+  int my_len = static_cast<int>(mine.size());
+  std::vector<int> lens(rank == 0 ? size : 0);
+  MPI_Request req;
+  Status s = Check(MPI_Igather(&my_len, 1, MPI_INT, lens.data(), 1, MPI_INT, 0, Comm(comm_), &req),
+                   "MPI_Igather (negotiation)");
+  if (!s.ok() || !(s = WaitBackoff(&req, "MPI_Igather (negotiation)")).ok()) return s;
+  std::vector<int> displs(rank == 0 ? size : 0);
+  std::vector<uint8_t> flat;
+  if (rank == 0) {
+    int total = 0;
+    for (int r = 0; r < size; ++r) {
+      displs[r] = total;
+      total += lens[r];
+    }
+    flat.resize(total);
+  }
+  s = Check(MPI_Igatherv(mine.data(), my_len, MPI_BYTE, flat.data(), lens.data(), displs.data(),
+                         MPI_BYTE, 0, Comm(comm_), &req),
+            "MPI_Igatherv (negotiation)");
+  if (!s.ok() || !(s = WaitBackoff(&req, "MPI_Igatherv (negotiation)")).ok()) return s;
+  all->clear();
+  if (rank == 0) {
+    for (int r = 0; r < size; ++r) {
+      all->emplace_back(flat.begin() + displs[r], flat.begin() + displs[r] + lens[r]);
+    }
+  }
+  return Status::OK();
+}
+
+Status MpiBackend::BroadcastBlob(std::vector<uint8_t>* blob) {
+  InMpiCall in_mpi("MPI_Ibcast (responses)");
+  int64_t len = static_cast<int64_t>(blob->size());
+  MPI_Request req;
+  Status s = Check(MPI_Ibcast(&len, 1, MPI_INT64_T, 0, Comm(comm_), &req), "MPI_Ibcast (responses)");
+  if (!s.ok() || !(s = WaitBackoff(&req, "MPI_Ibcast (responses)")).ok()) return s;
+  blob->resize(len);
+  if (len == 0) return Status::OK();
+  s = Check(MPI_Ibcast(blob->data(), static_cast<int>(len), MPI_BYTE, 0, Comm(comm_), &req),
+            "MPI_Ibcast (responses)");
+  if (!s.ok()) return s;
+  return WaitBackoff(&req, "MPI_Ibcast (responses)");
+}
+
+Status MpiBackend::Allreduce(const void* in, void* out, int64_t count, int32_t dtype,
+                             int32_t reduce_op) {
+  MPI_Datatype type = MpiType(dtype);
+  MPI_Op op = StandardOp(reduce_op);
+  if (dtype == HVDLITE_FLOAT16 || dtype == HVDLITE_BFLOAT16) {
+    op = *static_cast<MPI_Op*>(ops_[(dtype == HVDLITE_BFLOAT16 ? 5 : 0) + reduce_op]);
+  }
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  int elem = ElementSize(dtype);
+  for (int64_t done = 0; done < count;) {
+    int64_t n = std::min(kMaxChunk, count - done);
+    const void* send = in == out ? MPI_IN_PLACE : src + done * elem;
+    void* recv = dst + done * elem;
+    Status s = Collective("MPI_Allreduce", [&](void* r) {
+      return r ? MPI_Iallreduce(send, recv, static_cast<int>(n), type, op, Comm(comm_), static_cast<MPI_Request*>(r))
+               : MPI_Allreduce(send, recv, static_cast<int>(n), type, op, Comm(comm_));
+    });
+    if (!s.ok()) return s;
+    done += n;
+  }
+  return Status::OK();
+}
+
+// Byte counts must fit MPI's int; larger single collectives would need the
+// large-count (_c) variants.
+static Status ToIntCounts(const std::vector<int64_t>& in, std::vector<int>* counts,
+                          std::vector<int>* displs, const char* what) {
+  counts->resize(in.size());
+  displs->resize(in.size());
+  int64_t off = 0;
+  for (size_t i = 0; i < in.size(); ++i) {
+    if (in[i] > INT_MAX || off > INT_MAX) {
+      return Status(HVDLITE_ERR_INVALID_ARGUMENT,
+                    std::string(what) + ": more than 2 GiB per collective is not supported yet");
+    }
+    (*counts)[i] = static_cast<int>(in[i]);
+    (*displs)[i] = static_cast<int>(off);
+    off += in[i];
+  }
+  return Status::OK();
+}
+
+Status MpiBackend::Allgatherv(const void* in, int64_t in_bytes, void* out,
+                              const std::vector<int64_t>& bytes_per_rank) {
+  if (hierarchical_allgather_) return hierarchical_allgather_->Allgatherv(in, in_bytes, out, bytes_per_rank);
+  std::vector<int> counts, displs;
+  Status s = ToIntCounts(bytes_per_rank, &counts, &displs, "allgather");
+  if (!s.ok()) return s;
+  return Collective("MPI_Allgatherv", [&](void* r) {
+    return r ? MPI_Iallgatherv(in, static_cast<int>(in_bytes), MPI_BYTE, out, counts.data(), displs.data(),
+                               MPI_BYTE, Comm(comm_), static_cast<MPI_Request*>(r))
+             : MPI_Allgatherv(in, static_cast<int>(in_bytes), MPI_BYTE, out, counts.data(), displs.data(),
+                              MPI_BYTE, Comm(comm_));
+  });
+}
+
+Status MpiBackend::Bcast(void* buf, int64_t nbytes, int root) {
+  if (hierarchical_broadcast_) return hierarchical_broadcast_->Bcast(buf, nbytes, root);
+  char* p = static_cast<char*>(buf);
+  for (int64_t done = 0; done < nbytes;) {
+    int64_t n = std::min(kMaxChunk, nbytes - done);
+    Status s = Collective("MPI_Bcast", [&](void* r) {
+      return r ? MPI_Ibcast(p + done, static_cast<int>(n), MPI_BYTE, root, Comm(comm_), static_cast<MPI_Request*>(r))
+               : MPI_Bcast(p + done, static_cast<int>(n), MPI_BYTE, root, Comm(comm_));
+    });
+    if (!s.ok()) return s;
+    done += n;
+  }
+  return Status::OK();
+}
+
+Status MpiBackend::Alltoallv(const void* in, const std::vector<int64_t>& send_bytes, void* out,
+                             const std::vector<int64_t>& recv_bytes) {
+  std::vector<int> sc, sd, rc, rd;
+  Status s = ToIntCounts(send_bytes, &sc, &sd, "alltoall");
+  if (!s.ok() || !(s = ToIntCounts(recv_bytes, &rc, &rd, "alltoall")).ok()) return s;
+  return Collective("MPI_Alltoallv", [&](void* r) {
+    return r ? MPI_Ialltoallv(in, sc.data(), sd.data(), MPI_BYTE, out, rc.data(), rd.data(), MPI_BYTE,
+                              Comm(comm_), static_cast<MPI_Request*>(r))
+             : MPI_Alltoallv(in, sc.data(), sd.data(), MPI_BYTE, out, rc.data(), rd.data(), MPI_BYTE,
+                             Comm(comm_));
+  });
+}
+
+Status MpiBackend::ReduceScatter(const void* in, void* out, const std::vector<int64_t>& counts,
+                                 int32_t dtype, int32_t reduce_op) {
+  std::vector<int> c, d;
+  Status s = ToIntCounts(counts, &c, &d, "reducescatter");
+  if (!s.ok()) return s;
+  MPI_Op op = StandardOp(reduce_op);
+  if (dtype == HVDLITE_FLOAT16 || dtype == HVDLITE_BFLOAT16) {
+    op = *static_cast<MPI_Op*>(ops_[(dtype == HVDLITE_BFLOAT16 ? 5 : 0) + reduce_op]);
+  }
+  return Collective("MPI_Reduce_scatter", [&](void* r) {
+    return r ? MPI_Ireduce_scatter(in, out, c.data(), MpiType(dtype), op, Comm(comm_), static_cast<MPI_Request*>(r))
+             : MPI_Reduce_scatter(in, out, c.data(), MpiType(dtype), op, Comm(comm_));
+  });
+}
+
+Status MpiBackend::Barrier() {
+  InMpiCall in_mpi("MPI_Ibarrier");
+  MPI_Request req;
+  Status s = Check(MPI_Ibarrier(Comm(comm_), &req), "MPI_Ibarrier");
+  if (!s.ok()) return s;
+  return WaitBackoff(&req, "MPI_Ibarrier");
+}
+
+std::string MpiBackend::LibraryVersion() {
+  char buf[MPI_MAX_LIBRARY_VERSION_STRING];
+  int len = 0;
+  MPI_Get_library_version(buf, &len);
+  return std::string(buf, len);
+}
+
+}  // namespace hvdlite

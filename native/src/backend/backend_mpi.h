@@ -1,0 +1,126 @@
+// Every MPI call of the core, over one communicator: the world's (Init) or a process
+// set's (InitSubset). Background thread only (see core/loop.cc).
+//
+// Negotiation uses nonblocking collectives polled with a growing sleep (PollBackoff),
+// because a peer may still be computing and a rank blocked in MPICH busy-polls a core.
+// Data collectives run after every rank agreed to run them now: on one host they use
+// the blocking calls, which progress fastest (MPI's shared memory is done in moments);
+// across hosts, where one waits on the network for as long as the link takes, the
+// nonblocking ones, polled with short sleeps.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/common.h"
+#include "algorithms/hierarchical_allgather.h"
+#include "algorithms/hierarchical_allreduce.h"
+#include "algorithms/hierarchical_broadcast.h"
+#include "algorithms/leader_allreduce.h"
+#include "common/poll_backoff.h"
+#include "transport/shm_allreduce.h"
+#include "transport/topology_layers.h"
+
+namespace hvdlite {
+
+struct MpiTopology {
+  int rank = 0, size = 1, local_rank = 0, local_size = 1, cross_rank = 0, cross_size = 1;
+  bool threads_multiple = false;
+};
+
+class MpiBackend {
+ public:
+  // comm_f2c < 0: MPI_COMM_WORLD. Initializes MPI when nobody has, from the calling
+  // (background) thread, at MPI_THREAD_MULTIPLE if thread_multiple, else FUNNELED.
+  // Builds the topology layers (topology_layers.h) as `layers` and PlanLayers say: on
+  // one host, allreduce (and AND the coordination's bits) through shared memory
+  // (ShmAllreduce) instead of MPI; on several, the hierarchical allreduce.
+  Status Init(int64_t comm_f2c, bool thread_multiple, const LayerSettings& layers,
+              MpiTopology* topo);
+  // The communicator of a process set: its members among parent's ranks, in parent's
+  // rank order, with layers of its own built from the same settings (its hosts are
+  // its members' hosts, split the same way). Collective over every rank of parent; a
+  // rank that is not a member passes member = false and gets no communicator (this
+  // backend stays unused).
+  Status InitSubset(const MpiBackend& parent, bool member, const LayerSettings& layers);
+  // Frees the core's communicators; finalizes MPI if Init initialized it and
+  // `finalize` is set (not after a transport failure, where it could hang).
+  void Shutdown(bool finalize);
+
+  // Negotiation. AndBits goes through shared memory when the allreduce does (and the
+  // vector fits there); otherwise, like the rest, through nonblocking MPI polled with
+  // a backoff.
+  Status AndBits(std::vector<uint64_t>* bits);
+  // Rank 0 receives every rank's blob; others get an empty vector.
+  Status GatherBlobs(const std::vector<uint8_t>& mine, std::vector<std::vector<uint8_t>>* all);
+  Status BroadcastBlob(std::vector<uint8_t>* blob);  // from rank 0
+
+  // Data (blocking; allgather and broadcast through the hosts' leaders when the layers
+  // say so, waiting without spinning).
+  // in == out reduces in place.
+  Status Allreduce(const void* in, void* out, int64_t count, int32_t dtype, int32_t reduce_op);
+  Status Allgatherv(const void* in, int64_t in_bytes, void* out,
+                    const std::vector<int64_t>& bytes_per_rank);
+  Status Bcast(void* buf, int64_t nbytes, int root);
+  Status Alltoallv(const void* in, const std::vector<int64_t>& send_bytes, void* out,
+                   const std::vector<int64_t>& recv_bytes);
+  Status ReduceScatter(const void* in, void* out, const std::vector<int64_t>& counts,
+                       int32_t dtype, int32_t reduce_op);
+  Status Barrier();
+
+  // Whether the allreduce goes through shared memory (every rank of this communicator
+  // on one host).
+  bool shared_memory() const { return host_ != nullptr && !hierarchical_; }
+  // The allreduce through shared memory; only when shared_memory().
+  Status SharedAllreduce(const std::vector<ShmAllreduce::Piece>& pieces, int32_t dtype,
+                         int32_t reduce_op, double prescale, double postscale, int64_t divisor) {
+    return host_->shm().Allreduce(pieces, dtype, reduce_op, prescale, postscale, divisor);
+  }
+  // The chunk of SharedAllreduce (ShmAllreduce::set_chunk_bytes); autotune sets it.
+  void SetShmChunkBytes(int64_t bytes) {
+    if (host_) host_->shm().set_chunk_bytes(bytes);
+  }
+  // The hierarchical allreduce over the layers, or null when allreduce goes flat.
+  LayeredAllreduce* hierarchical() { return hierarchical_.get(); }
+  // Whether allgather (Allgatherv) and broadcast (Bcast) go through the hosts' leaders.
+  bool hierarchical_allgather() const { return hierarchical_allgather_ != nullptr; }
+  bool hierarchical_broadcast() const { return hierarchical_broadcast_ != nullptr; }
+
+  static std::string LibraryVersion();
+
+ private:
+  Status Check(int rc, const char* what);
+  Status WaitBackoff(void* request, const char* what,
+                     std::chrono::microseconds max_sleep = PollBackoff::kWaitMaxSleep);
+  // Runs a data collective: call(nullptr) makes the blocking MPI call, call(request)
+  // (an MPI_Request*) posts the nonblocking one; returns an MPI error code. Blocking on
+  // one host; across hosts posted and waited on with WaitBackoff.
+  Status Collective(const char* what, const std::function<int(void*)>& call);
+  // After comm_ is set: errors as codes, the 16-bit reductions, the topology of comm_
+  // and its layers (SetUpLayers). Collective over comm_.
+  Status Attach(const LayerSettings& layers, MpiTopology* topo);
+  // Collective over comm_: the layers PlanLayers chooses, built from the host
+  // communicator `local` and the cross-host one `cross` (both MPI_Comm*, taken over).
+  Status SetUpLayers(const LayerSettings& settings, const MpiTopology& topo, void* local, void* cross);
+
+  void* comm_ = nullptr;  // MPI_Comm*, kept opaque so mpi.h stays in one file
+  bool initialized_mpi_ = false;
+  bool spans_hosts_ = false;  // this communicator's ranks are on more than one host
+  std::vector<void*> ops_;  // user-defined reductions for 16-bit floats
+  // The layers in use: host_ alone (every rank on one host, shared memory), all three
+  // (hierarchical allreduce), or none (flat MPI).
+  std::unique_ptr<HostLayer> host_;
+  std::unique_ptr<CrossLayer> cross_;
+  std::unique_ptr<LayeredAllreduce> hierarchical_;
+  // Allgather and broadcast across hosts: the host's ranks and the hosts' leaders
+  // (leaders_ on local rank 0 only) over MPI, and the plans of steps over them.
+  std::unique_ptr<GroupLayer> host_group_, leaders_;
+  std::unique_ptr<HierarchicalAllgather> hierarchical_allgather_;
+  std::unique_ptr<HierarchicalBroadcast> hierarchical_broadcast_;
+};
+
+}  // namespace hvdlite

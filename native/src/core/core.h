@@ -1,0 +1,100 @@
+// The process-wide core: init/shutdown (core.cc), the enqueue entry point (enqueue.cc),
+// the process-set table's changes and refusals (process_set_changes.cc), and the
+// background thread that runs the cycle (pop -> coordinate -> negotiate -> execute ->
+// complete) for every process set (loop.cc; cycle/ holds each set's round).
+#pragma once
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "cycle/process_set.h"
+
+namespace hvdlite {
+
+// The process: init/shutdown, enqueue and the process-set table for framework threads,
+// and the background thread that runs the cycle over every process set.
+class Core {
+ public:
+  static Core& Get();
+
+  // Framework threads.
+  Status Init(int64_t comm_f2c);
+  Status Shutdown();
+  bool initialized() const { return running_.load(); }
+  Status CheckRunning() const;
+  const MpiTopology& topology() const { return topo_; }
+  Status Enqueue(const hvdlite_tensor_t* tensors, int32_t n, bool group, hvdlite_handle_t* out);
+  // Sends a refusal of the op named name to the coordinator (see hvdlite_refuse).
+  Status Refuse(int32_t op, const char* name, int32_t process_set, const std::string& reason);
+  HandleTable& handles() { return handles_; }
+  const Counters& counters() const { return counters_; }
+  const Autotuner& autotune() const { return autotune_; }
+  Status StartTimeline(const std::string& path, bool mark_cycles);
+  Status StopTimeline();
+  // Process sets (see c_api.h): the changes are collective over all ranks and block.
+  Status AddProcessSet(const int32_t* ranks, int32_t n, int32_t* id);
+  Status RemoveProcessSet(int32_t id);
+  // The members of set id; an error naming the id when there is none.
+  Status ProcessSet(int32_t id, std::shared_ptr<const ProcessSetMembers>* out) const;
+  std::vector<std::shared_ptr<const ProcessSetMembers>> ProcessSets() const { return sets_.All(); }
+
+ private:
+  Status Validate(const hvdlite_tensor_t& t, int64_t index, const ProcessSetMembers& set) const;
+  // Enqueue, for the public ops or (table_change) the process-set changes.
+  Status Submit(const hvdlite_tensor_t* tensors, int32_t n, bool group, bool table_change,
+                hvdlite_handle_t* out);
+  // Submits one table change (op, with shape as its argument) and waits for it; *result
+  // receives the handle's first_dim.
+  Status ChangeTable(int32_t op, const std::vector<int64_t>& argument, int64_t* result);
+
+  // Background thread.
+  void Loop();
+  bool RunCycle();  // false when the loop must end
+  // Hands this cycle's new entries to their sets; fails those of a set that is gone.
+  void Distribute();
+  // A transport failure ends the loop after this cycle, with s as the reason.
+  void EndLoop(const Status& s);
+  void FailEverything(const Status& s);
+  // Hands the refusals made since the last cycle to their sets (ProcessSetState::Refuse).
+  void TakeRefusals();
+  bool HasRefusals() {
+    std::lock_guard<std::mutex> lock(refusals_mutex_);
+    return !refusals_.empty();
+  }
+
+  // Set before the thread starts or while it is not running; read-only otherwise.
+  Config config_;
+  MpiTopology topo_;
+  std::thread thread_;
+  std::atomic<bool> running_{false};
+  std::atomic<bool> shutdown_requested_{false};
+  std::atomic<bool> loop_ended_{false};
+  std::mutex lifecycle_mutex_;  // serializes Init/Shutdown
+  std::mutex end_mutex_;
+  Status end_status_;           // Guarded by end_mutex_: why the loop ended.
+  std::mutex change_mutex_;     // one table change at a time from this process
+  int64_t changes_ = 0;         // Guarded by change_mutex_: names the next change
+
+  HandleTable handles_;
+  TensorQueue queue_;
+  Counters counters_;
+  std::mutex refusals_mutex_;
+  std::vector<Request> refusals_;  // Guarded by refusals_mutex_: not yet sent
+  Timeline timeline_;  // used by the background thread; Start/Stop under timeline_mutex_
+  std::mutex timeline_mutex_;
+  ProcessSetTable sets_;
+  Autotuner autotune_;  // started by the background thread at init; View() any thread
+
+  // Background thread only.
+  std::vector<TensorEntry*> fresh_;  // this cycle's new entries (TensorQueue::PopPending)
+  int64_t in_flight_ = 0;            // this cycle's count of ops in flight, and per set
+  std::map<int32_t, int64_t> in_flight_by_set_;
+  Clock::time_point elsewhere_heard_;  // when RoundFlags::elsewhere was last heard
+};
+
+}  // namespace hvdlite

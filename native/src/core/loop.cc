@@ -1,0 +1,166 @@
+// The background loop.
+//
+// Why one thread owns every MPI call: collectives must run in the same order on every
+// rank, and the order is decided here, cycle by cycle, from one response list that is
+// identical everywhere. Framework threads only validate, enqueue and wait, so no
+// framework thread can ever issue a collective out of that order, and MPI needs no
+// locking of ours.
+//
+// One cycle pops the new requests and hands each to its process set (Core::RunCycle);
+// then every set this rank belongs to runs its round, in id order (ProcessSetState::
+// RunCycle; process_set.h says why that order cannot deadlock):
+//  1. sort the set's new requests: each is a response-cache hit (its slot's bit will be
+//     set), a changed cache entry (its slot is invalidated everywhere), or uncached;
+//  2. one MPI_Iallreduce(BAND) over [flags | hit bits | invalid bits] tells every rank
+//     which cached tensors are ready everywhere, which slots to drop, and whether
+//     anyone has uncached requests, has joined, asked to shut down, or has ops in
+//     flight in another set (RoundFlags);
+//  3. only if someone has uncached requests: gather them on the set's rank 0, whose
+//     Controller checks them across ranks and broadcasts the new responses;
+//  4. execute cached-ready responses (slot order) then new ones (broadcast order),
+//     fusing consecutive compatible allreduces up to the fusion threshold;
+//  5. complete the handles.
+#include "core/core.h"
+
+#include <algorithm>
+
+#include "common/thread_sched.h"
+
+namespace hvdlite {
+namespace {
+
+// A burst of requests is gathered until none arrived for this long (a submitting
+// thread adds one every few microseconds, but may lose its core for a while on a
+// busy machine), a thread waits for a result, or a cycle time after the first.
+constexpr std::chrono::microseconds kQuiet(200);
+// How often a rank with nothing in flight still joins the coordination.
+constexpr std::chrono::milliseconds kIdleCycle(20);
+// How long a rank keeps the cycle time after it last heard of ops in flight in another
+// set (RoundFlags::elsewhere): a loop of ops in a set leaves the queues of its members
+// empty for a moment between two ops, and an outside rank that went idle then would
+// hold back the next op's round of set 0 by up to kIdleCycle.
+constexpr std::chrono::milliseconds kElsewhereLinger(200);
+
+}  // namespace
+
+void Core::TakeRefusals() {
+  std::vector<Request> taken;
+  {
+    std::lock_guard<std::mutex> lock(refusals_mutex_);
+    taken.swap(refusals_);
+  }
+  for (Request& q : taken) {
+    // A set removed since the refusal has no op of that name left to fail.
+    ProcessSetState* set = sets_.Find(q.process_set);
+    if (set && set->included()) set->Refuse(std::move(q));
+  }
+}
+
+void Core::EndLoop(const Status& s) {
+  std::lock_guard<std::mutex> lock(end_mutex_);
+  end_status_ = s;
+}
+
+void Core::FailEverything(const Status& s) {
+  for (hvdlite_handle_t h : queue_.TakeAll()) handles_.Complete(h, s);
+}
+
+void Core::Loop() {
+  auto last_start = Clock::now();
+  Status end = Status(HVDLITE_ERR_SHUTDOWN, "hvdlite was shut down");
+  // With nothing in flight on this rank there is nothing to negotiate, so the loop
+  // waits for this rank's next request (which wakes it at once) and joins the
+  // coordination only every kIdleCycle, to hear of a peer's shutdown. Idle cycles at
+  // the cycle time would cost CPU and, worse, a peer whose first request meets our
+  // idle coordination round (its bit set, ours not yet) would wait a whole cycle.
+  while (true) {
+    // The cycle time in force (autotune may change it between cycles).
+    const auto cycle = std::chrono::duration_cast<Clock::duration>(
+        std::chrono::duration<double, std::milli>(autotune_.knobs().cycle_time_ms));
+    const auto idle_cycle = std::max<Clock::duration>(cycle, kIdleCycle);
+    bool idle = queue_.Size() == 0 && !HasRefusals() && Clock::now() - elsewhere_heard_ > kElsewhereLinger;
+    for (ProcessSetState* set = sets_.NextMember(-1); set && idle; set = sets_.NextMember(set->id())) {
+      idle = !set->Busy();
+    }
+    if (queue_.WaitForWork(last_start + (idle ? idle_cycle : cycle)) && cycle.count() > 0) {
+      // Requests arrived: the rest of a burst (a training step's gradients, a loop of
+      // submissions) joins them, so that one cycle negotiates and fuses them all
+      // instead of a cycle starting for the first alone while the others queue.
+      // HVDLITE_CYCLE_TIME=0 asks for no waiting at all.
+      queue_.WaitForQuiet(kQuiet, Clock::now() + cycle, handles_.blocked());
+    }
+    last_start = Clock::now();
+    Status s;
+    bool go_on = true;
+    try {
+      go_on = RunCycle();
+    } catch (const std::exception& ex) {
+      s = Status(HVDLITE_ERR_INTERNAL, std::string("internal error in the background loop: ") + ex.what());
+    }
+    if (!go_on) {
+      std::lock_guard<std::mutex> lock(end_mutex_);
+      if (!end_status_.ok()) s = end_status_;
+    }
+    if (!s.ok()) {
+      HVDLITE_LOG(ERROR) << s.message();
+      end = s;
+      break;
+    }
+    if (!go_on) break;
+  }
+  bool transport_ok = end.code() == HVDLITE_ERR_SHUTDOWN;
+  {
+    std::lock_guard<std::mutex> lock(end_mutex_);
+    end_status_ = end;
+    loop_ended_ = true;
+    FailEverything(end);
+  }
+  // Closing may wait in MPI for peers that are still training.
+  LeaveRealtime();
+  sets_.Clear(transport_ok);
+}
+
+bool Core::RunCycle() {
+  counters_.cycles++;
+  timeline_.MarkCycle();
+  const auto now = Clock::now();
+  // One value for every set this cycle: all ranks then stop after the same cycle (each
+  // hears of it in set 0's round at the latest). The ops in flight are counted before
+  // the pop, like the idle test of Loop.
+  RoundFlags mine;
+  mine.shutdown = shutdown_requested_;
+  queue_.CountBySet(&in_flight_, &in_flight_by_set_);
+  TakeRefusals();  // ahead of this cycle's requests: a retry of the name comes after
+  queue_.PopPending(&fresh_);
+  Distribute();
+  RoundFlags heard;
+  const int64_t bytes_before = counters_.bytes;
+  for (ProcessSetState* set = sets_.NextMember(-1); set; set = sets_.NextMember(set->id())) {
+    auto here = in_flight_by_set_.find(set->id());
+    mine.elsewhere = in_flight_ > (here == in_flight_by_set_.end() ? 0 : here->second);
+    if (!set->RunCycle(now, mine, &heard)) return false;
+  }
+  autotune_.EndCycle(Clock::now(), counters_.bytes - bytes_before);
+  if (heard.elsewhere) elsewhere_heard_ = now;
+  return !heard.shutdown;
+}
+
+void Core::Distribute() {
+  for (TensorEntry* e : fresh_) {
+    ProcessSetState* set = sets_.Find(e->request.process_set);
+    if (set && set->included()) {
+      set->Accept(e);
+      continue;
+    }
+    // Removed between its enqueue and this cycle.
+    hvdlite_handle_t h = e->handle;
+    std::string name = e->request.name;
+    queue_.Remove(name);
+    counters_.errors++;
+    handles_.Complete(h, InvalidArgument("tensor '" + name + "': process set " +
+                                         std::to_string(e->request.process_set) +
+                                         " was removed before the op could run"));
+  }
+}
+
+}  // namespace hvdlite

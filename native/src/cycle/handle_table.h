@@ -1,0 +1,95 @@
+// Handle -> status of one enqueued op. Framework threads create, wait, poll and
+// release; the background thread completes. Waiters block on a condition variable.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <unordered_map>
+#include <vector>
+
+#include "common/common.h"
+
+namespace hvdlite {
+
+struct AlignedFree {
+  void operator()(uint8_t* p) const { std::free(p); }
+};
+
+// A core-allocated result (allgather, alltoall), owned by its handle. 64-byte aligned:
+// frameworks that adopt external memory (TensorFlow through DLPack) require it.
+struct OpOutput {
+  void Allocate(int64_t n) {
+    size_t bytes = (static_cast<size_t>(n > 0 ? n : 1) + 63) / 64 * 64;
+    data.reset(static_cast<uint8_t*>(std::aligned_alloc(64, bytes)));
+    if (!data) throw std::bad_alloc();
+    nbytes = n;
+  }
+  std::unique_ptr<uint8_t, AlignedFree> data;
+  int64_t nbytes = 0;
+  int64_t first_dim = 0;
+  std::vector<int64_t> recv_splits;
+};
+
+class HandleTable {
+ public:
+  hvdlite_handle_t Create();
+  // Background thread: records the outcome and wakes waiters.
+  void Complete(hvdlite_handle_t h, const Status& status, OpOutput output = OpOutput());
+  // Complete for many handles with one status and no output, under one lock and with
+  // at most one wake-up: a fused batch ends at once for its waiters.
+  void CompleteAll(const std::vector<hvdlite_handle_t>& handles, const Status& status);
+  Status Poll(hvdlite_handle_t h, bool* done);
+  // Returns the op's status, or TIMEOUT with the op still running. release: Release
+  // the handle too once the op has ended.
+  Status Wait(hvdlite_handle_t h, double timeout_s, bool release = false);
+  Status Output(hvdlite_handle_t h, void** data, int64_t* nbytes, int64_t* first_dim);
+  Status RecvSplits(hvdlite_handle_t h, std::vector<int64_t>* splits);
+  // Forgets an ended handle; while threads still wait on it (woken, not yet
+  // returned), only marks it, and the last of them erases it. Its status stays known
+  // to Wait and Poll for the next kRecentReleases releases (see Recent).
+  Status Release(hvdlite_handle_t h);
+  static constexpr size_t kRecentReleases = 4096;
+  // Threads blocked in Wait right now; on_block runs (handle lock held) when a thread
+  // is about to block.
+  const std::atomic<int>& blocked() const { return blocked_; }
+  void set_on_block(std::function<void()> on_block) { on_block_ = std::move(on_block); }
+
+ private:
+  struct State {
+    bool done = false;
+    bool released = false;  // Release was called; unknown to every call from now on
+    int waiters = 0;  // threads in Wait on this handle: only they need a wake-up
+    Status status;
+    OpOutput output;
+  };
+  Status Missing(hvdlite_handle_t h) const;
+  // The status of a released handle, as Wait reports it: its op's status while it is
+  // among the recent releases, else Missing. A thread that reaches a handle just after
+  // another released it (two threads waiting on one op), or a caller whose wait was
+  // interrupted after the release, still learns how the op ended. mutex_ held.
+  Status Recent(hvdlite_handle_t h) const;
+  // The handle's state, or null when it is unknown or released. mutex_ held.
+  State* Live(hvdlite_handle_t h);
+  // Erases a released state once no thread waits on it. mutex_ held.
+  void EraseIfUnused(hvdlite_handle_t h, const State& state);
+
+  std::mutex mutex_;
+  std::condition_variable done_cv_;
+  std::unordered_map<hvdlite_handle_t, State> states_;  // Guarded by mutex_.
+  // The last kRecentReleases released handles and their statuses, a ring written at
+  // recent_next_ (ids apart from statuses: Recent scans the ids). Guarded by mutex_.
+  std::vector<hvdlite_handle_t> recent_ids_ = std::vector<hvdlite_handle_t>(kRecentReleases, 0);
+  std::vector<Status> recent_statuses_ = std::vector<Status>(kRecentReleases);
+  size_t recent_next_ = 0;
+  hvdlite_handle_t next_ = 1;                           // Guarded by mutex_.
+  std::atomic<int> blocked_{0};    // threads in Wait with a timeout other than 0
+  std::function<void()> on_block_;  // set once by Core::Get, before any other thread
+};
+
+}  // namespace hvdlite

@@ -1,0 +1,208 @@
+// One round of a process set (ProcessSetState::RunCycle, steps 1-3 of the cycle that
+// core/loop.cc describes): sort the new requests by cache state, coordinate with one
+// bit-vector allreduce, negotiate what is not cached through the set's rank 0; then
+// execution.cc runs what is ready. Background thread only.
+#include "cycle/process_set.h"
+
+namespace hvdlite {
+namespace {
+
+// Timeline names of the negotiation, by HVDLITE_OP_*.
+const char* const kNegotiateActivity[] = {"NEGOTIATE_ALLREDUCE", "NEGOTIATE_ALLGATHER",
+                                          "NEGOTIATE_BROADCAST", "NEGOTIATE_ALLTOALL",
+                                          "NEGOTIATE_REDUCESCATTER", "NEGOTIATE_BARRIER",
+                                          "NEGOTIATE_JOIN", "NEGOTIATE_ADD_PROCESS_SET",
+                                          "NEGOTIATE_REMOVE_PROCESS_SET"};
+
+}  // namespace
+
+void ProcessSetState::Refuse(Request q) {
+  int64_t slot = -1;
+  if (cache_ && cache_->Find(q, &slot) != ResponseCache::Lookup::kMiss) invalid_slots_.insert(slot);
+  uncached_.push_back(std::move(q));
+}
+
+bool ProcessSetState::EndLoop(const Status& s) {
+  end_loop_(s);
+  failed_ = true;
+  return false;
+}
+
+bool ProcessSetState::RunCycle(Clock::time_point now, const RoundFlags& mine, RoundFlags* heard) {
+  SortFresh(now);
+  bool any_uncached = false;
+  std::vector<Response> ready;
+  if (!Coordinate(now, mine, &any_uncached, heard, &ready)) return false;
+  if (any_uncached && !Negotiate(now, &ready)) return false;
+  Execute(ready);
+  return !failed_;
+}
+
+void ProcessSetState::SortFresh(Clock::time_point now) {
+  const bool tl = timeline_.active();
+  std::vector<const std::string*> cached_names;  // timeline: rank 0 ready, cache path
+  if (tl) {
+    // Every fresh request opens its negotiation: one timeline event per kind of op.
+    std::vector<const std::string*> names;
+    for (int32_t op = 0; op < HVDLITE_OP_JOIN; ++op) {
+      names.clear();
+      for (const TensorEntry* e : fresh_) {
+        if (e->request.op == op) names.push_back(&e->request.name);
+      }
+      timeline_.BeginNegotiationAll(names, kNegotiateActivity[op]);
+    }
+  }
+  for (const TensorEntry* e : fresh_) {
+    const Request& q = e->request;
+    if (q.op == HVDLITE_OP_JOIN) local_joined_ = true;
+    int64_t slot = -1;
+    auto lookup = ResponseCache::Lookup::kMiss;
+    if (cache_ && !join_active_ && q.group.empty() && q.op != HVDLITE_OP_JOIN &&
+        q.op != HVDLITE_OP_BARRIER && q.op < HVDLITE_OP_ADD_PROCESS_SET) {
+      lookup = cache_->Find(q, &slot);
+    }
+    if (lookup == ResponseCache::Lookup::kHit) {
+      // Cached: the other ranks' readiness reaches rank 0 only as one "all ranks
+      // ready" bit, marked when the bit vector comes back.
+      if (tl) cached_names.push_back(&q.name);
+      cached_pending_[slot] = now;
+      continue;
+    }
+    if (lookup == ResponseCache::Lookup::kChanged) invalid_slots_.insert(slot);
+    uncached_.push_back(q);
+  }
+  fresh_.clear();
+  timeline_.InstantAll(cached_names, "rank 0 ready", "\"cached\": true");
+  // A cached tensor waiting long on this rank goes back through the coordinator,
+  // which can tell who is missing (a bit vector cannot).
+  double stall_s = config_.stall_check_s;
+  if (config_.stall_shutdown_s > 0 && (stall_s <= 0 || config_.stall_shutdown_s < stall_s)) {
+    stall_s = config_.stall_shutdown_s;
+  }
+  if (stall_s > 0) {
+    for (auto& kv : cached_pending_) {
+      if (std::chrono::duration<double>(now - kv.second).count() > stall_s / 2) {
+        invalid_slots_.insert(kv.first);
+      }
+    }
+  }
+}
+
+bool ProcessSetState::Coordinate(Clock::time_point now, const RoundFlags& mine, bool* any_uncached,
+                                 RoundFlags* heard, std::vector<Response>* ready) {
+  const size_t words = cache_ ? (cache_->capacity() + 63) / 64 : 0;
+  // The global set's round also carries rank 0's autotune decision (autotune.h says why).
+  const size_t tuned = id() == 0 ? autotune_.Words() : 0;
+  std::vector<uint64_t> bits(1 + 2 * words + tuned, 0);
+  uint64_t flags = 0;
+  bool wants_round = controller_ && controller_->WantsRound(now);
+  if (!uncached_.empty() || wants_round) flags |= 1;
+  if (mine.shutdown) flags |= 2;
+  if (local_joined_) flags |= 4;
+  if (mine.elsewhere) flags |= 8;
+  // BAND over inverted flags is an OR over ranks.
+  bits[0] = ~flags;
+  for (auto& kv : cached_pending_) {
+    if (!invalid_slots_.count(kv.first)) bits[1 + kv.first / 64] |= 1ull << (kv.first % 64);
+  }
+  for (size_t i = 0; i < words; ++i) bits[1 + words + i] = ~0ull;
+  for (int64_t slot : invalid_slots_) bits[1 + words + slot / 64] &= ~(1ull << (slot % 64));
+  invalid_slots_.clear();
+  if (tuned) autotune_.Publish(&bits[1 + 2 * words]);
+
+  Status s = mpi_->AndBits(&bits);
+  if (!s.ok()) return EndLoop(s);
+  if (tuned) autotune_.Adopt(&bits[1 + 2 * words], now);
+  flags = ~bits[0];
+  bool any_joined = flags & 4;
+  *any_uncached = flags & 1;
+  if (flags & 2) heard->shutdown = true;
+  if (flags & 8) heard->elsewhere = true;
+
+  auto to_uncached = [&](int64_t slot) {
+    const Response& r = cache_->Get(slot);
+    TensorEntry* e = queue_.Find(r.name);
+    if (e) uncached_.push_back(e->request);
+    cached_pending_.erase(slot);
+  };
+  for (size_t w = 0; w < words; ++w) {
+    uint64_t invalid = ~bits[1 + words + w];
+    while (invalid) {
+      int64_t slot = static_cast<int64_t>(w * 64 + __builtin_ctzll(invalid));
+      invalid &= invalid - 1;
+      if (!cache_->Has(slot)) continue;
+      if (cached_pending_.count(slot)) to_uncached(slot);
+      cache_->Erase(slot);
+    }
+  }
+  join_active_ = any_joined;
+  if (any_joined) {
+    while (!cached_pending_.empty()) to_uncached(cached_pending_.begin()->first);
+  }
+
+  for (size_t w = 0; w < words; ++w) {
+    uint64_t hit = bits[1 + w];
+    while (hit) {
+      int64_t slot = static_cast<int64_t>(w * 64 + __builtin_ctzll(hit));
+      hit &= hit - 1;
+      if (!cache_->Has(slot) || !cached_pending_.count(slot)) continue;
+      cache_->Touch(slot);
+      ready->push_back(cache_->Get(slot));
+      cached_pending_.erase(slot);
+      counters_.cache_hits++;
+    }
+  }
+  if (timeline_.active() && !ready->empty()) {
+    std::vector<const std::string*> cached_names;
+    for (const Response& r : *ready) cached_names.push_back(&r.name);
+    timeline_.InstantAll(cached_names, "all ranks ready", "\"cached\": true");
+  }
+  return true;
+}
+
+bool ProcessSetState::Negotiate(Clock::time_point now, std::vector<Response>* ready) {
+  counters_.coordinator_gathers++;
+  counters_.cache_misses += static_cast<int64_t>(uncached_.size());
+  for (Request& q : uncached_) {
+    TensorEntry* e = queue_.Find(q.name);
+    q.wait_ms = e ? std::chrono::duration_cast<std::chrono::milliseconds>(now - e->enqueued).count() : 0;
+  }
+  std::vector<uint8_t> mine;
+  SerializeRequests(uncached_, &mine);
+  uncached_.clear();
+  std::vector<std::vector<uint8_t>> all;
+  Status s = mpi_->GatherBlobs(mine, &all);
+  std::vector<uint8_t> blob;
+  if (s.ok() && controller_) {
+    for (size_t r = 0; r < all.size() && s.ok(); ++r) {
+      std::vector<Request> reqs;
+      s = ParseRequests(all[r].data(), all[r].size(), &reqs);
+      for (const Request& q : reqs) {
+        if (timeline_.active() && q.op != HVDLITE_OP_JOIN && q.refusal.empty()) {
+          timeline_.BeginNegotiation(q.name, kNegotiateActivity[q.op]);
+          timeline_.Instant(q.name, "rank " + std::to_string(q.rank) + " ready");
+        }
+        controller_->AddRequest(q, now);
+      }
+    }
+    SerializeResponses(controller_->BuildResponses(now), &blob);
+  }
+  if (s.ok()) s = mpi_->BroadcastBlob(&blob);
+  std::vector<Response> fresh_responses;
+  if (s.ok()) s = ParseResponses(blob.data(), blob.size(), &fresh_responses);
+  if (!s.ok()) return EndLoop(s);
+  for (Response& r : fresh_responses) {
+    if (r.cacheable && cache_ && r.error.empty()) {
+      // Every rank submitted a cacheable tensor, so each has its own request here;
+      // Put runs on every rank in this same order, keeping slots identical.
+      TensorEntry* e = queue_.Find(r.name);
+      Request local = e ? e->request : Request();
+      if (!e) local.name = r.name;
+      cache_->Put(local, r);
+    }
+    ready->push_back(std::move(r));
+  }
+  return true;
+}
+
+}  // namespace hvdlite

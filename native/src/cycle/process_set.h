@@ -1,0 +1,213 @@
+// Process sets are worlds inside the world. Each set owns what a world needs to run
+// collectives on its own: a communicator (and its shared-memory group), the
+// coordinator of its negotiation, a response cache, a fusion buffer and its slice of
+// the request queue. The background loop serves every set this rank belongs to, each
+// cycle, in increasing id order; set 0 (every rank) is created at init like any other.
+//
+// Why sets cannot deadlock each other: every rank is in set 0 and runs exactly one
+// round of set 0 per cycle, so cycle k is the same on every rank, and in cycle k each
+// rank runs round k of each of its sets in id order. The collectives of all sets thus
+// follow one global order, (cycle, set id, response order), on every rank that takes
+// part in them. Changes to the table (add, remove) are ops of set 0, executed at the
+// same point of that order on every rank.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "cycle/autotune.h"
+#include "backend/backend_mpi.h"
+#include "common/config.h"
+#include "cycle/controller.h"
+#include "cycle/fusion.h"
+#include "cycle/handle_table.h"
+#include "cycle/response_cache.h"
+#include "cycle/tensor_queue.h"
+#include "cycle/timeline.h"
+
+namespace hvdlite {
+
+struct Counters {
+  std::atomic<int64_t> cycles{0}, coordinator_gathers{0}, cache_hits{0}, cache_misses{0},
+      collectives{0}, fused_collectives{0}, tensors{0}, bytes{0}, errors{0}, shm_collectives{0},
+      wire_bytes{0}, hierarchical_collectives{0};
+};
+
+// The topology-layer knobs of config, the same for every process set's communicator
+// (the world's and each subset's: a subset's hosts are its members' hosts).
+LayerSettings LayersOf(const Config& config);
+
+// Who is in a set. Immutable once made; framework threads read it (validation at
+// enqueue) while the background thread may be removing the set, hence shared.
+struct ProcessSetMembers {
+  ProcessSetMembers(int32_t id, std::vector<int> ranks, int global_rank);
+  int32_t id;
+  std::vector<int> ranks;  // global ranks, increasing
+  int rank;                // this process's rank in the set, -1 outside it
+  int size() const { return static_cast<int>(ranks.size()); }
+  bool included() const { return rank >= 0; }
+  // The set rank of a global rank, -1 when it is not a member.
+  int SetRank(int global_rank) const;
+  // "process set 1 (ranks 0, 2)".
+  std::string Describe() const;
+  // Where an error happened, appended to messages: "" in the global set (every rank),
+  // else " in process set 1 (ranks 0, 2)".
+  std::string Where() const;
+};
+
+class ProcessSetTable;
+
+// The flags every round ORs over the set's members: what this rank says, and what it
+// heard from any of its sets this cycle.
+struct RoundFlags {
+  bool shutdown = false;  // asks to stop the job
+  // Has ops in flight in another set than the round's. A rank that hears it cycles at
+  // the cycle time instead of the idle time: every rank takes part in set 0's round
+  // each cycle, so an idle rank's pace would hold back the rounds of the sets it is not
+  // in. (Ops of the round's own set cannot complete without this rank's requests
+  // anyway, so they leave its pace alone, as in a job with the global set only.)
+  bool elsewhere = false;
+};
+
+// What every set's world shares with the rest of the core; all owned by Core.
+struct CoreParts {
+  const Config& config;
+  TensorQueue& queue;
+  HandleTable& handles;
+  Counters& counters;
+  Timeline& timeline;
+  ProcessSetTable& sets;
+  Autotuner& autotune;  // the knobs in force; the global set's round carries them
+  std::function<void(const Status&)> end_loop;  // a transport failure ends the loop
+};
+
+// One set's world: its negotiation and execution, run by the background thread for
+// the members only (a non-member's table entry has no communicator and never runs).
+class ProcessSetState {
+ public:
+  ProcessSetState(std::shared_ptr<const ProcessSetMembers> members,
+                  std::unique_ptr<MpiBackend> mpi, CoreParts parts);
+  const std::shared_ptr<const ProcessSetMembers>& members() const { return members_; }
+  int32_t id() const { return members_->id; }
+  bool included() const { return members_->included(); }
+  // Something to coordinate even without requests (a join in progress).
+  bool Busy() const { return local_joined_ || join_active_; }
+
+  // Background thread. A request of this set popped from the queue this cycle.
+  void Accept(TensorEntry* e) { fresh_.push_back(e); }
+  // This rank refuses the op q names (q.refusal, see Core::Refuse): it goes to the
+  // coordinator this round, and the name's cache slot is marked invalid so that every
+  // member negotiates it afresh.
+  void Refuse(Request q);
+  // One round of this set: sort the new requests (cache hit or not), coordinate,
+  // negotiate what is not cached, execute, complete. heard collects the flags of the
+  // members (ORed into what it holds). Returns false when the loop must end.
+  bool RunCycle(Clock::time_point now, const RoundFlags& mine, RoundFlags* heard);
+  // Fails this set's ops in flight with s (the set is being removed).
+  void FailInFlight(const Status& s);
+  // Frees the communicator; collective over the members when transport_ok.
+  void Close(bool transport_ok) { mpi_->Shutdown(transport_ok); }
+
+ private:
+  // Steps of RunCycle.
+  void SortFresh(Clock::time_point now);
+  // The bit-vector round: fills ready with the cached responses every member is ready
+  // for; false (loop ends) on a transport failure.
+  bool Coordinate(Clock::time_point now, const RoundFlags& mine, bool* any_uncached,
+                  RoundFlags* heard, std::vector<Response>* ready);
+  bool Negotiate(Clock::time_point now, std::vector<Response>* ready);
+  void Execute(const std::vector<Response>& ready);
+  // Steps of Execute: which ready responses run as one collective (the end of each
+  // run), and their operation spans opened on the timeline.
+  std::vector<size_t> PlanFusion(const std::vector<Response>& ready) const;
+  void BeginOpsOnTimeline(const std::vector<Response>& ready, const std::vector<size_t>& ends);
+
+  void ExecuteAllreduce(const std::vector<const Response*>& fused);
+  // The layered (hierarchical) allreduce when it is on for this cycle, else null. With
+  // it, or with shared memory, an allreduce reads its tensors in place (no fusion buffer).
+  LayeredAllreduce* Hierarchical() const;
+  void ExecuteFusedAllgather(const std::vector<const Response*>& fused);
+  static int64_t AllgatherBytes(const Response& r);
+  // One response that is not fused: the op's own function below, then its completion.
+  void ExecuteOne(const Response& r);
+  // What one op moved, for the counters: bytes of its payload and (alltoall) the bytes
+  // sent to other ranks, -1 when counted from moved (WireBytes).
+  struct OpTally {
+    int64_t moved = 0;
+    int64_t sent_away = -1;
+  };
+  Status RunOp(const Response& r, TensorEntry* e, OpOutput* out, OpTally* tally);
+  Status ExecuteAllgather(const Response& r, TensorEntry* e, OpOutput* out, OpTally* tally);
+  Status ExecuteBroadcast(const Response& r, TensorEntry* e, OpTally* tally);
+  Status ExecuteAlltoall(const Response& r, TensorEntry* e, OpOutput* out, OpTally* tally);
+  Status ExecuteReducescatter(const Response& r, TensorEntry* e, OpTally* tally);
+  // The table changes, run where the response list puts them on every rank.
+  Status AddSet(const Response& r, OpOutput* out);
+  Status RemoveSet(const Response& r);
+  void Finish(TensorEntry* e, const Status& s, OpOutput out = OpOutput());
+  // Finish for ops without outputs of their own (a fused allreduce), in one go.
+  void FinishAll(const std::vector<TensorEntry*>& entries, const Status& s);
+  // A transport failure ends the loop after this round, with s as the reason; returns
+  // false (RunCycle's "stop").
+  bool EndLoop(const Status& s);
+
+  const std::shared_ptr<const ProcessSetMembers> members_;
+  const int rank_, size_;  // in the set
+  const Config& config_;
+  TensorQueue& queue_;
+  HandleTable& handles_;
+  Counters& counters_;
+  Timeline& timeline_;
+  ProcessSetTable& sets_;
+  Autotuner& autotune_;
+  std::function<void(const Status&)> end_loop_;
+
+  std::unique_ptr<MpiBackend> mpi_;
+  std::unique_ptr<ResponseCache> cache_;
+  std::unique_ptr<Controller> controller_;  // on the set's rank 0 only
+  FusionBuffer fusion_;
+  std::vector<TensorEntry*> fresh_;  // this cycle's new entries of this set
+  std::vector<Request> uncached_;
+  std::map<int64_t, Clock::time_point> cached_pending_;  // slot -> when it was enqueued
+  std::set<int64_t> invalid_slots_;
+  bool join_active_ = false;
+  bool local_joined_ = false;
+  bool failed_ = false;  // a transport failure: the loop ends after this round
+  int64_t queue_start_us_ = 0;  // timeline: when this cycle's operations began to queue
+};
+
+// Id -> set. The background thread changes it (under the mutex) and reads it freely;
+// framework threads read the members under the mutex.
+class ProcessSetTable {
+ public:
+  // Any thread. Null when there is no set of that id.
+  std::shared_ptr<const ProcessSetMembers> Members(int32_t id) const;
+  std::vector<std::shared_ptr<const ProcessSetMembers>> All() const;
+  // The id of the set of exactly these (increasing) ranks, or -1.
+  int32_t IdOf(const std::vector<int>& ranks) const;
+
+  // Background thread.
+  ProcessSetState* Find(int32_t id) const;
+  // The set after `id` (-1: the first) that this rank belongs to, in id order; null
+  // after the last.
+  ProcessSetState* NextMember(int32_t id) const;
+  // The lowest id no set has.
+  int32_t FreeId() const;
+  void Insert(std::unique_ptr<ProcessSetState> set);
+  std::unique_ptr<ProcessSetState> Take(int32_t id);
+  // Closes and drops every set, the highest id first (set 0, which may finalize MPI,
+  // last).
+  void Clear(bool transport_ok);
+
+ private:
+  mutable std::mutex mutex_;
+  std::map<int32_t, std::unique_ptr<ProcessSetState>> sets_;  // Written under mutex_.
+};
+
+}  // namespace hvdlite

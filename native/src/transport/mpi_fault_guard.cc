@@ -1,0 +1,83 @@
+// See mpi_fault_guard.h. Everything the handler does is async-signal-safe: it reads a
+// thread-local pointer, writes to fd 2 and sleeps in pause().
+#include "transport/mpi_fault_guard.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+
+namespace hvdlite {
+namespace {
+
+thread_local const char* t_mpi_call = nullptr;
+std::atomic<bool> g_faulted{false};
+std::atomic<bool> g_test_fault{false};
+// Read through a volatile so that the compiler cannot see the null: a real SIGSEGV.
+volatile std::uintptr_t g_null_address = 0;
+struct sigaction g_previous_segv, g_previous_bus;
+
+void WriteAll(const char* text) {
+  size_t left = std::strlen(text);
+  while (left > 0) {
+    ssize_t n = write(STDERR_FILENO, text, left);
+    if (n <= 0) return;
+    text += n;
+    left -= static_cast<size_t>(n);
+  }
+}
+
+void OnFault(int sig, siginfo_t* info, void*) {
+  const char* what = t_mpi_call;
+  if (what == nullptr) {
+    // Not ours: the previous handler gets the fault (returning re-runs the faulting
+    // instruction; a fault sent by kill or raise has to be sent again).
+    sigaction(sig, sig == SIGBUS ? &g_previous_bus : &g_previous_segv, nullptr);
+    if (info == nullptr || info->si_code <= 0) raise(sig);
+    return;
+  }
+  g_faulted.store(true);
+  WriteAll("hvdlite: ");
+  WriteAll(sig == SIGBUS ? "SIGBUS" : "SIGSEGV");
+  WriteAll(" inside ");
+  WriteAll(what);
+  WriteAll(" in the background thread: MPI failed on its error path (a peer was lost?). "
+           "The thread is stopped; pending collectives will not complete, and the job "
+           "must end (hvdliterun tells the other ranks which peer was lost)\n");
+  while (true) pause();
+}
+
+}  // namespace
+
+void InstallMpiFaultGuard() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction action;
+    std::memset(&action, 0, sizeof(action));
+    action.sa_sigaction = OnFault;
+    // On the alternate stack where the thread has one (Python's faulthandler gives the main
+    // thread one), so that a stack overflow still reaches the previous handler.
+    action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGSEGV, &action, &g_previous_segv);
+    sigaction(SIGBUS, &action, &g_previous_bus);
+  });
+}
+
+InMpiCall::InMpiCall(const char* what) : outer_(t_mpi_call) {
+  t_mpi_call = what;
+  if (g_test_fault.load(std::memory_order_relaxed) && g_test_fault.exchange(false)) {
+    *reinterpret_cast<volatile int*>(g_null_address) = 0;
+  }
+}
+
+InMpiCall::~InMpiCall() { t_mpi_call = outer_; }
+
+bool MpiFaulted() { return g_faulted.load(); }
+
+void RequestFaultInMpiForTest() { g_test_fault.store(true); }
+
+}  // namespace hvdlite

@@ -1,0 +1,168 @@
+// Allreduce among ranks that share one machine, through memory they all map.
+//
+// Each rank owns one segment of shared memory (the MPI backend allocates the segments
+// and hands their addresses over; this file knows nothing of MPI). The tensors of one
+// (fused) allreduce are taken as one flat buffer, which goes through in chunks of
+// kChunkBytes. Chunk k takes three steps:
+//
+//   1. every rank copies its chunk, straight from its tensors and prescaled, into its
+//      own "in" slot (all but its own part, when the reduction can read that part
+//      from the tensor itself);
+//   2. rank r reduces the r-th part of the chunk, reading every rank's in slot in rank
+//      order, into the same part of its own "out" slot, and postscales it there (and
+//      divides it, for Average) while it is in cache; a float Sum or Average does
+//      that in one pass that also writes the part into r's own output tensor;
+//   3. every rank copies each part (but its own, where step 2 wrote it) from its
+//      owner's out slot into its tensors' outputs, with memcpy.
+//
+// So there is no fusion buffer: packing, unpacking and scaling ride on the copies that
+// move data in and out of shared memory anyway.
+//
+// Every element is reduced once, by one rank, in rank order, and copied to all: the
+// result is bit-identical on every rank. Against MPICH's shared-memory allreduce this
+// moves less data (one copy in, one reduction pass, one copy out) and waits without
+// a blocked peer spinning on a core.
+//
+// The steps are pipelined without a barrier: each rank publishes, in its own segment,
+// how many chunks (counted over every call) it has copied in, reduced and copied out,
+// and before a step waits only for what that step reads or overwrites. Two sets of
+// slots alternate from chunk to chunk, so a rank copies chunk k+1 in once every rank
+// has reduced chunk k-1 (the last reader of that in slot), reduces chunk k once every
+// rank has copied it in and copied chunk k-2 out (the last readers of that out slot),
+// then copies chunk k-1 out once every rank has reduced it. Each wait is for a peer's
+// previous step, so a peer up to a chunk behind costs no wait at all; a rank that does
+// wait sleeps on the peer's progress futex and is woken when the peer publishes. (With
+// one barrier per chunk, every chunk cost a sleep and a wake-up on one rank or the
+// other: 33 of them for a 16 MB gradient, which took twice its CPU time.)
+//
+// ReduceScatter and Allgather go round by round over the barrier below; they start once
+// every peer has copied out the last Allreduce and end with a barrier, which frees the
+// slots for the next Allreduce.
+//
+// The barrier (a counter and a sense flag in rank 0's segment) does not spin: a rank
+// that arrives before its peers sleeps on the sense flag as a futex until the last
+// rank to arrive wakes it. A waiting rank takes no CPU from the training threads that
+// share its cores (a 20 us spin per chunk cost each rank ~0.7 ms of CPU per step of
+// the MLP benchmark's 23 MB), and a wake (the background thread asks for the kernel's
+// shortest slice, so it takes the core from a training thread at once) costs a few
+// microseconds, not a timer's late tens. Every 100 ms of waiting it checks that the
+// peer processes still exist, so a dead rank ends the wait with an error that names it
+// rather than a hang.
+//
+// The same segments carry the coordination's bit vector (AndBits): every rank writes
+// its vector to its segment, passes the barrier and ANDs all of them. A rank that gets
+// there before a peer sleeps until the peer arrives and is woken at once, where the
+// MPI collective could only be polled (with a backoff whose sleeps a peer's arrival
+// does not cut short). Two areas alternate, as the slots do: an area is written again
+// two calls later, after a barrier every rank passed once done reading it.
+//
+// Background thread only.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "common/common.h"
+
+namespace hvdlite {
+
+// out = parts[0] op parts[1] op ... element by element, in that order (Average: Sum;
+// 16-bit floats accumulate in float and round once). out may be parts[0]; no other
+// part may overlap it.
+void ReduceElements(void* out, const std::vector<const uint8_t*>& parts, int64_t n, int32_t dtype,
+                    int32_t reduce_op);
+
+class ShmAllreduce {
+ public:
+  // Bytes per chunk and per rank: two sets of in and out slots of this size.
+  static constexpr int64_t kChunkBytes = 1 << 19;
+  // Longest bit vector AndBits takes (a response cache of up to ~65,000 entries).
+  static constexpr int64_t kMaxBitsWords = 2048;
+  // Each segment: the barrier's control block (used in rank 0's), two bit-vector
+  // areas, then the two sets of in and out slots.
+  static constexpr int64_t kControlBytes = 4096;
+  static constexpr int64_t kHeaderBytes = kControlBytes + 2 * kMaxBitsWords * 8;
+  static constexpr int64_t kSegmentBytes = kHeaderBytes + 4 * kChunkBytes;
+
+  // segments[k]: rank k's segment as mapped in this process (each one's control area
+  // zeroed by its owner before any rank uses it); pids[k]: rank k's process id.
+  ShmAllreduce(int rank, std::vector<uint8_t*> segments, std::vector<int64_t> pids);
+
+  // One tensor of an allreduce: count elements read from in (null: zeros, from a rank
+  // that joined) and written to out (null: dropped; in == out reduces in place). An out
+  // must not overlap another piece's in.
+  struct Piece {
+    const void* in;
+    void* out;
+    int64_t count;
+  };
+  // Reduces the pieces over the ranks as one buffer: out = reduce(in * prescale) *
+  // postscale / divisor, with ScaledCopy's rules. Every rank calls it with the same
+  // counts, dtype, op and scaling, in the same order.
+  Status Allreduce(const std::vector<Piece>& pieces, int32_t dtype, int32_t reduce_op,
+                   double prescale, double postscale, int64_t divisor);
+
+  // The two halves of a hierarchical allreduce (HierarchicalAllreduce), over the flat
+  // elements [first, first + count) of the pieces: that block is cut into one
+  // contiguous shard per rank, rank k's being [ShardBegin(count, dtype, k),
+  // ShardBegin(count, dtype, k + 1)) of it. Each round moves a chunk's worth of every
+  // shard through the slots, 1/size of the in (or out) slot per shard, over one barrier
+  // per round, pipelined like Allreduce.
+  int64_t ShardBegin(int64_t count, int32_t dtype, int rank) const;
+  // shard = reduce over ranks of (the block of the pieces' ins * prescale), this rank's
+  // shard only. Every rank calls it with the same pieces' counts, block, dtype and op.
+  Status ReduceScatter(const std::vector<Piece>& pieces, int64_t first, int64_t count,
+                       int32_t dtype, int32_t reduce_op, double prescale, void* shard);
+  // The block of the pieces' outs = every rank's shard * postscale / divisor.
+  Status Allgather(const void* shard, const std::vector<Piece>& pieces, int64_t first,
+                   int64_t count, int32_t dtype, double postscale, int64_t divisor);
+  // Called between the rounds of ReduceScatter and Allgather, and every kIdleWakeUs
+  // while a barrier sleeps (instead of every 100 ms), while set: the hierarchical
+  // allreduce moves its network step on there. An error ends the call with it.
+  void SetIdle(std::function<Status()> idle) { idle_ = std::move(idle); }
+  // The chunk Allreduce moves per step of its pipeline (autotune.h), at most
+  // kChunkBytes, which sizes the slots. Every rank sets the same before the same call.
+  void set_chunk_bytes(int64_t bytes) { chunk_bytes_ = std::max<int64_t>(4096, std::min(bytes, kChunkBytes)); }
+
+  // bits[i] = AND over ranks of every rank's bits[i]; words <= kMaxBitsWords. Every
+  // rank calls it with the same length, in the same order relative to Allreduce.
+  Status AndBits(uint64_t* bits, int64_t words);
+
+ private:
+  uint64_t* Bits(int rank, int set) const;
+  uint8_t* In(int rank, int set) const;
+  uint8_t* Out(int rank, int set) const;
+  // The rounds of ReduceScatter and Allgather, over one barrier each: fill(0), then
+  // after barrier r drain(r) and fill(r + 1), each given round r's slot set.
+  Status Rounds(int64_t rounds, const std::function<void(int64_t, int)>& fill,
+                const std::function<void(int64_t, int)>& drain);
+  // Every rank arrives before any leaves; a rank that waits sleeps.
+  Status Barrier();
+  // Allreduce's progress: field 0 copied in, 1 reduced, 2 copied out. Publish sets this
+  // rank's count (in chunks over all calls) and wakes peers that wait for it; WaitFor
+  // sleeps until every peer's count is at least `chunks`.
+  void Publish(int field, int64_t chunks);
+  Status WaitFor(int field, int64_t chunks);
+  // How often a sleeping barrier wakes to call idle_: a ring step that ends while the
+  // host waits is noticed within this, and the next one posted.
+  static constexpr int64_t kIdleWakeUs = 200;
+  // The first rank whose process has ended, or -1.
+  int DeadPeer() const;
+  // After a futex wait that did not end the wait (a timeout, a signal): calls idle_ and
+  // returns an error naming a peer whose process has ended.
+  Status AfterWait();
+
+  const int rank_, size_;
+  const std::vector<uint8_t*> segments_;
+  const std::vector<int64_t> pids_;
+  int set_ = 0;    // slot set of the next round of ReduceScatter or Allgather
+  int64_t issued_ = 0;  // Allreduce chunks of every call so far (chunk g uses slot set g % 2)
+  int bits_set_ = 0;  // bit-vector area of the next AndBits
+  int sense_ = 0;  // this rank's barrier sense
+  int64_t chunk_bytes_ = kChunkBytes;
+  std::function<Status()> idle_;
+};
+
+}  // namespace hvdlite
