@@ -13,7 +13,7 @@ import importlib
 
 from hvdlite import errors
 
-__version__ = "0.1.0"  # keep in step with pyproject.toml
+__version__ = "0.1.0"  # the one source: pyproject.toml reads it (tool.setuptools.dynamic)
 
 # Public name -> the submodule that defines it (loaded, with the core, on first use).
 _LAZY = {
