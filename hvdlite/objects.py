@@ -4,7 +4,7 @@ Eager only (they return Python objects). The adapters re-export them.
 """
 import numpy as np
 
-from hvdlite import ops, process_sets, runtime
+from hvdlite import _names, core, ops, process_sets
 from hvdlite.process_sets import global_process_set
 
 try:  # Horovod pickles with cloudpickle (lambdas, local classes); plain pickle otherwise.
@@ -30,8 +30,8 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     Raises:
         InvalidArgumentError, HorovodInternalError: as for ``broadcast``.
     """
-    base = name or ops.auto_name("broadcast_object", process_sets.process_set_id(process_set))
-    is_root = runtime.rank() == root_rank
+    base = name or _names.auto_name("broadcast_object", process_sets.process_set_id(process_set))
+    is_root = core.rank() == root_rank
     payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if is_root else None
     length = np.array([payload.size if is_root else 0], dtype=np.int64)
     length = ops.broadcast(length, root_rank, f"{base}.sz", process_set=process_set)
@@ -53,7 +53,7 @@ def allgather_object(obj, name=None, process_set=global_process_set):
     Raises:
         InvalidArgumentError, HorovodInternalError: as for ``allgather``.
     """
-    base = name or ops.auto_name("allgather_object", process_sets.process_set_id(process_set))
+    base = name or _names.auto_name("allgather_object", process_sets.process_set_id(process_set))
     payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
     sizes = ops.allgather(np.array([payload.size], dtype=np.int64), f"{base}.sz",
                           process_set=process_set)

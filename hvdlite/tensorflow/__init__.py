@@ -25,9 +25,10 @@ from hvdlite.tensorflow.functions import (BroadcastGlobalVariablesHook, allgathe
                                           broadcast_global_variables,
                                           broadcast_object, broadcast_object_fn,
                                           broadcast_variables)
-from hvdlite.tensorflow.gradient_tape import (DistributedGradientTape, DistributedOptimizer,
-                                              PartialDistributedGradientTape,
-                                              allreduce_gradients)
+from hvdlite.tensorflow.gradient_tape import (DistributedGradientTape,
+                                              PartialDistributedGradientTape)
+from hvdlite.tensorflow.gradients import allreduce_gradients
+from hvdlite.tensorflow.optimizer import DistributedOptimizer
 from hvdlite.tensorflow.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
                                         add_process_set, allgather, allreduce, alltoall,
                                         barrier, broadcast, broadcast_, broadcast_group,

@@ -38,7 +38,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from hvdlite import ops, process_sets, runtime
+from hvdlite import _checks, _names, _refusals, ops, process_sets, runtime
 from hvdlite.errors import HvdliteError, InvalidArgumentError
 from hvdlite.process_sets import (ProcessSet, add_process_set,  # noqa: F401 (API)
                                   global_process_set, remove_process_set)
@@ -66,9 +66,9 @@ def _op_name(kind, name, tensor, process_set=global_process_set):
     """Returns the name of one collective, fixed now (eager call or graph trace)."""
     psid = process_sets.process_set_id(process_set)
     if name is not None:
-        return ops._resolve_name(kind, name, psid)
+        return _refusals.resolve_name(kind, name, psid)
     if tf.executing_eagerly():
-        return ops.auto_name(kind, psid)
+        return _names.auto_name(kind, psid)
     graph = tf.compat.v1.get_default_graph()
     base = f"{kind}.{tensor.name}" if psid == 0 else f"{kind}.ps{psid}.{tensor.name}"
     with _graph_names_lock:
@@ -89,16 +89,16 @@ def _check_static(tensor, name, op=None, scales=None, min_ndim=0):
     tensors.check_dtype(tensor, label)
     is_bool = tensors.numpy_dtype(tensor.dtype) == np.bool_
     if op is not None:
-        ops._check_reduce_op(op, is_bool, label)
+        _checks.check_reduce_op(op, is_bool, label)
     if scales is not None:
-        ops._check_scale(scales[0], scales[1], is_bool, label)
+        _checks.check_scale(scales[0], scales[1], is_bool, label)
     if tensor.shape.rank is not None and tensor.shape.rank < min_ndim:
         raise InvalidArgumentError(
             f"tensor '{label}' must have at least {min_ndim} dimension(s), "
             f"got shape {tensor.shape}")
 
 
-_check_rank = errors.tf_errors(ops._check_rank)
+_check_rank = errors.tf_errors(_checks.check_rank)
 
 # graph -> (op, ran) of its last collective node (see the module doc): ``ran`` is set
 # once the node has run. Weak keys.
@@ -214,7 +214,7 @@ def _reducescatter_now(tensor_list, names, op, prescale, postscale, process_set)
     for arr in arrays:
         rows = None
         if arr.ndim >= 1:  # else ops refuses it, naming the tensor
-            rows = ops.reducescatter_rows(arr.shape[0], size, rank)
+            rows = _checks.reducescatter_rows(arr.shape[0], size, rank)
         outs.append(None if rows is None
                     else tensors.empty_aligned((rows,) + arr.shape[1:], arr.dtype))
     return _wait_all([ops.reducescatter_async(arr, name, op, prescale, postscale, out=out,
@@ -239,7 +239,7 @@ def _wait_all(handles, outs=None):
     return [tensors.to_tensor(r) for r in (results if outs is None else outs)]
 
 
-def _names(kind, name, tensor_list, process_set):
+def _group_names(kind, name, tensor_list, process_set):
     """Returns the names of a group's tensors: ``"<group>.<i>"``."""
     group = _op_name(kind, name, tensor_list[0], process_set)
     return [f"{group}.{i}" for i in range(len(tensor_list))]
@@ -332,7 +332,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
             or with scale factors (as Horovod).
     """
     _check_process_set(process_set)
-    op = ops.resolve_op(op, average)
+    op = _checks.resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
         return _sparse_allreduce(tensor, name, op, compression, prescale_factor,
                                  postscale_factor, process_set)
@@ -391,7 +391,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
         As ``allreduce``; nothing is enqueued if any tensor is refused at the call.
     """
     _check_process_set(process_set)
-    op = ops.resolve_op(op, average)
+    op = _checks.resolve_op(op, average)
     tensors_in = list(tensors)
     results = [None] * len(tensors_in)
     sparse_index = [i for i, t in enumerate(tensors_in) if isinstance(t, tf.IndexedSlices)]
@@ -440,7 +440,7 @@ def _grouped_allgather(tensor_list, name, process_set=global_process_set):
 
     @tf.custom_gradient
     def allgather_fn(*xs):
-        names = _names("allgather", name, xs, process_set)
+        names = _group_names("allgather", name, xs, process_set)
         ys = _run(lambda *ts: _allgather_now(ts, names, process_set), list(xs),
                   [x.dtype for x in xs], [_trailing(x.shape) for x in xs])
 
@@ -559,7 +559,7 @@ def broadcast_group(tensor_list, root_rank, name=None, process_set=global_proces
     for tensor in tensor_list:
         _check_static(tensor, name)
     _check_rank(root_rank, "root_rank", name or "unnamed")
-    names = _names("broadcast_group", name, tensor_list, process_set)
+    names = _group_names("broadcast_group", name, tensor_list, process_set)
     return list(_run(lambda *ts: _broadcast_now(ts, names, root_rank, process_set),
                      tensor_list,
                      [t.dtype for t in tensor_list], [t.shape for t in tensor_list]))
@@ -668,13 +668,13 @@ def _grouped_reducescatter(tensor_list, name, op, prescale, postscale,
 
     @tf.custom_gradient
     def reducescatter_fn(*xs):
-        names = _names("reducescatter", name, xs, process_set)
+        names = _group_names("reducescatter", name, xs, process_set)
         size, rank = process_sets.members(process_set)
         shapes = []
         for x in xs:
             rows = None
             if x.shape.rank and x.shape[0] is not None:
-                rows = ops.reducescatter_rows(x.shape[0], size, rank)
+                rows = _checks.reducescatter_rows(x.shape[0], size, rank)
             shapes.append(_trailing(x.shape, rows))
         ys = _run(lambda *ts: _reducescatter_now(ts, names, op, prescale, postscale,
                                                  process_set),

@@ -23,7 +23,7 @@ every rank makes the same unnamed calls in the same order.
 import numpy as np
 import torch
 
-from hvdlite import adasum, dtypes, ops, process_sets, runtime
+from hvdlite import _checks, _enqueue, _refusals, adasum, dtypes, ops, process_sets, runtime
 from hvdlite.errors import InvalidArgumentError, UnsupportedDtypeError
 from hvdlite.torch.compression import Compression
 
@@ -150,21 +150,21 @@ def _from_core(handle, index, dtype, trailing_shape):
 def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor,
                      process_set):
     psid = _process_set_id(process_set)
-    name = ops._resolve_name("allreduce", name, psid)
+    name = _refusals.resolve_name("allreduce", name, psid)
     code = _tensor_code(tensor, name)
     if op != Adasum:
-        ops._check_reduction(op, prescale_factor, postscale_factor, code, name)
+        _checks.check_reduction(op, prescale_factor, postscale_factor, code, name)
     if output is None:
         output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     if op == Adasum:
-        ops._check_adasum_set(psid, name)
+        _checks.check_adasum_set(psid, name)
         return adasum.allreduce_async(_host_array(tensor, name), name, prescale_factor,
                                       postscale_factor, _host_array(output, name), output)
     # The per-gradient path: every argument in order, no keywords.
-    return ops.enqueue_fields(ops.ALLREDUCE, name, code, tensor.shape,
-                              ops.pointer_at(tensor.data_ptr()),
-                              ops.pointer_at(output.data_ptr()), op, prescale_factor,
-                              postscale_factor, 0, psid, -1, (tensor, output), None, output)
+    return _enqueue.enqueue_fields(_enqueue.ALLREDUCE, name, code, tensor.shape,
+                                   _enqueue.pointer_at(tensor.data_ptr()),
+                                   _enqueue.pointer_at(output.data_ptr()), op, prescale_factor,
+                                   postscale_factor, 0, psid, -1, (tensor, output), None, output)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -188,7 +188,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
         DuplicateNameError: a tensor of that name is in flight.
         NotInitializedError: before init() or after shutdown().
     """
-    op = ops.resolve_op(op, average)
+    op = _checks.resolve_op(op, average)
     return _allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor,
                             process_set)
 
@@ -199,7 +199,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 
     See ``allreduce_async`` for the arguments and errors.
     """
-    op = ops.resolve_op(op, average)
+    op = _checks.resolve_op(op, average)
     return _allreduce_async(tensor, tensor, name, op, prescale_factor, postscale_factor,
                             process_set)
 
@@ -251,7 +251,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
         InvalidArgumentError, DuplicateNameError, NotInitializedError: refused.
         HorovodInternalError: the collective failed (e.g. MismatchError across ranks).
     """
-    op = ops.resolve_op(op, average)
+    op = _checks.resolve_op(op, average)
     compressed, ctx = compression.compress(tensor)
     reduced = _AllreduceFunction.apply(compressed, name, op, prescale_factor,
                                        postscale_factor, process_set)
@@ -266,7 +266,7 @@ def _grouped_allreduce_async(tensors, outputs, names, op, prescale_factor,
     """Enqueues allreduces that negotiate and run together; all or nothing."""
     psid = _process_set_id(process_set)
     if op == Adasum:
-        ops._check_adasum_set(psid, label)
+        _checks.check_adasum_set(psid, label)
         for tensor, name in zip(tensors, names):
             _tensor_code(tensor, name)
         outputs = [torch.empty_like(t, memory_format=torch.contiguous_format)
@@ -277,24 +277,24 @@ def _grouped_allreduce_async(tensors, outputs, names, op, prescale_factor,
     specs, keep = [], []
     for tensor, output, name in zip(tensors, outputs, names):
         code = _tensor_code(tensor, name)
-        ops._check_reduction(op, prescale_factor, postscale_factor, code, name)
+        _checks.check_reduction(op, prescale_factor, postscale_factor, code, name)
         if output is None:
             output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        specs.append(ops.TensorSpec(ops.ALLREDUCE, name, code, tuple(tensor.shape),
-                                    tensor.data_ptr(), output.data_ptr(), op,
-                                    prescale_factor, postscale_factor,
-                                    process_set_id=psid))
+        specs.append(_enqueue.TensorSpec(_enqueue.ALLREDUCE, name, code, tuple(tensor.shape),
+                                         tensor.data_ptr(), output.data_ptr(), op,
+                                         prescale_factor, postscale_factor,
+                                         process_set_id=psid))
         keep += [tensor, output]
     results = keep[1::2]
-    return ops.enqueue_group(specs, name=label, keepalive=keep, result=results)
+    return _enqueue.enqueue_group(specs, name=label, keepalive=keep, result=results)
 
 
 def _group_names(tensors, name, process_set, kind="grouped_allreduce"):
     tensors = list(tensors)
     psid = _process_set_id(process_set)
-    group = ops._resolve_name(kind, name, psid)
+    group = _refusals.resolve_name(kind, name, psid)
     names = [f"{group}.{i}" for i in range(len(tensors))]
-    ops.note_names(names, psid)
+    _refusals.note_names(names, psid)
     return tensors, names, group
 
 
@@ -315,7 +315,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
         InvalidArgumentError, DuplicateNameError, NotInitializedError: refused; nothing
             is enqueued if any tensor is refused.
     """
-    op = ops.resolve_op(op, average)
+    op = _checks.resolve_op(op, average)
     tensors, names, group = _group_names(tensors, name, process_set)
     return _grouped_allreduce_async(tensors, [None] * len(tensors), names, op,
                                     prescale_factor, postscale_factor, process_set, group)
@@ -324,7 +324,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set):
     """In-place ``grouped_allreduce_async``: the result list holds the given tensors."""
-    op = ops.resolve_op(op, average)
+    op = _checks.resolve_op(op, average)
     tensors, names, group = _group_names(tensors, name, process_set)
     return _grouped_allreduce_async(tensors, tensors, names, op, prescale_factor,
                                     postscale_factor, process_set, group)
@@ -365,7 +365,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 
     See ``grouped_allreduce_async`` and ``allreduce``.
     """
-    op = ops.resolve_op(op, average)
+    op = _checks.resolve_op(op, average)
     pairs = [compression.compress(t) for t in tensors]
     reduced = _GroupedAllreduceFunction.apply(name, op, prescale_factor, postscale_factor,
                                               process_set, *[c for c, _ in pairs])
@@ -393,12 +393,12 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
         InvalidArgumentError, DuplicateNameError, NotInitializedError: refused.
     """
     psid = _process_set_id(process_set)
-    name = ops._resolve_name("allgather", name, psid)
+    name = _refusals.resolve_name("allgather", name, psid)
     code = _tensor_code(tensor, name, min_ndim=1)
     dtype, trailing = tensor.dtype, tuple(tensor.shape[1:])
-    return ops.enqueue(ops.ALLGATHER, name, code, tuple(tensor.shape), tensor.data_ptr(),
-                       None, process_set_id=psid, keepalive=(tensor,),
-                       finisher=lambda handle: _from_core(handle, 0, dtype, trailing))
+    return _enqueue.enqueue(_enqueue.ALLGATHER, name, code, tuple(tensor.shape), tensor.data_ptr(),
+                            None, process_set_id=psid, keepalive=(tensor,),
+                            finisher=lambda handle: _from_core(handle, 0, dtype, trailing))
 
 
 class _AllgatherFunction(torch.autograd.Function):
@@ -485,7 +485,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
             or values of an unsupported dtype.
         DuplicateNameError, NotInitializedError: refused.
     """
-    name = ops._resolve_name("sparse_allreduce", name)
+    name = _refusals.resolve_name("sparse_allreduce", name)
     if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
         raise InvalidArgumentError(
             f"tensor '{name}' must be a sparse COO tensor, not "
@@ -507,14 +507,14 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
 
 def _broadcast_async(tensor, output, root_rank, name, process_set):
     psid = _process_set_id(process_set)
-    name = ops._resolve_name("broadcast", name, psid)
+    name = _refusals.resolve_name("broadcast", name, psid)
     code = _tensor_code(tensor, name)
-    root = ops._check_rank(root_rank, "root_rank", name)
+    root = _checks.check_rank(root_rank, "root_rank", name)
     if output is None:
         output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    return ops.enqueue(ops.BROADCAST, name, code, tuple(tensor.shape), tensor.data_ptr(),
-                       output.data_ptr(), root_rank=root, process_set_id=psid,
-                       keepalive=(tensor, output), result=output)
+    return _enqueue.enqueue(_enqueue.BROADCAST, name, code, tuple(tensor.shape), tensor.data_ptr(),
+                            output.data_ptr(), root_rank=root, process_set_id=psid,
+                            keepalive=(tensor, output), result=output)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
@@ -604,10 +604,10 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         DuplicateNameError, NotInitializedError: refused.
     """
     psid = _process_set_id(process_set)
-    name = ops._resolve_name("alltoall", name, psid)
+    name = _refusals.resolve_name("alltoall", name, psid)
     code = _tensor_code(tensor, name, min_ndim=1)
     size, _ = process_sets.members(process_set)
-    checked = ops._check_splits(_splits_list(splits), tensor.shape[0], name, size)
+    checked = _checks.check_splits(_splits_list(splits), tensor.shape[0], name, size)
     dtype, trailing = tensor.dtype, tuple(tensor.shape[1:])
 
     def finish(handle):
@@ -615,9 +615,9 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         recv_splits = torch.from_numpy(handle.recv_splits(0, size).astype(np.int32))
         return received, recv_splits
 
-    return ops.enqueue(ops.ALLTOALL, name, code, tuple(tensor.shape), tensor.data_ptr(),
-                       None, splits=checked, process_set_id=psid, keepalive=(tensor,),
-                       finisher=finish)
+    return _enqueue.enqueue(_enqueue.ALLTOALL, name, code, tuple(tensor.shape), tensor.data_ptr(),
+                            None, splits=checked, process_set_id=psid, keepalive=(tensor,),
+                            finisher=finish)
 
 
 class _AlltoallFunction(torch.autograd.Function):
@@ -659,15 +659,16 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 
 def _reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, process_set):
     psid = _process_set_id(process_set)
-    name = ops._resolve_name("reducescatter", name, psid)
+    name = _refusals.resolve_name("reducescatter", name, psid)
     code = _tensor_code(tensor, name, min_ndim=1)
-    ops._check_reduction(op, prescale_factor, postscale_factor, code, name)
-    rows = ops.reducescatter_rows(tensor.shape[0], *process_sets.members(process_set))
+    _checks.check_reduction(op, prescale_factor, postscale_factor, code, name)
+    rows = _checks.reducescatter_rows(tensor.shape[0], *process_sets.members(process_set))
     output = torch.empty((rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
-    return ops.enqueue(ops.REDUCESCATTER, name, code, tuple(tensor.shape), tensor.data_ptr(),
-                       output.data_ptr(), reduce_op=op, prescale=prescale_factor,
-                       postscale=postscale_factor, process_set_id=psid,
-                       keepalive=(tensor, output), result=output)
+    return _enqueue.enqueue(_enqueue.REDUCESCATTER, name, code, tuple(tensor.shape),
+                            tensor.data_ptr(),
+                            output.data_ptr(), reduce_op=op, prescale=prescale_factor,
+                            postscale=postscale_factor, process_set_id=psid,
+                            keepalive=(tensor, output), result=output)
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
@@ -739,15 +740,15 @@ def _grouped_allgather_async(tensors, names, group, process_set):
     specs, layouts = [], []
     for tensor, name in zip(tensors, names):
         code = _tensor_code(tensor, name, min_ndim=1)
-        specs.append(ops.TensorSpec(ops.ALLGATHER, name, code, tuple(tensor.shape),
-                                    tensor.data_ptr(), process_set_id=psid))
+        specs.append(_enqueue.TensorSpec(_enqueue.ALLGATHER, name, code, tuple(tensor.shape),
+                                         tensor.data_ptr(), process_set_id=psid))
         layouts.append((tensor.dtype, tuple(tensor.shape[1:])))
 
     def finish(handle):
         return [_from_core(handle, i, dtype, trailing)
                 for i, (dtype, trailing) in enumerate(layouts)]
 
-    return ops.enqueue_group(specs, name=group, keepalive=list(tensors), finisher=finish)
+    return _enqueue.enqueue_group(specs, name=group, keepalive=list(tensors), finisher=finish)
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
@@ -808,14 +809,14 @@ def _grouped_reducescatter_async(tensors, names, group, op, prescale_factor,
     specs, keep = [], []
     for tensor, name in zip(tensors, names):
         code = _tensor_code(tensor, name, min_ndim=1)
-        ops._check_reduction(op, prescale_factor, postscale_factor, code, name)
-        rows = ops.reducescatter_rows(tensor.shape[0], size, rank)
+        _checks.check_reduction(op, prescale_factor, postscale_factor, code, name)
+        rows = _checks.reducescatter_rows(tensor.shape[0], size, rank)
         output = torch.empty((rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
-        specs.append(ops.TensorSpec(ops.REDUCESCATTER, name, code, tuple(tensor.shape),
-                                    tensor.data_ptr(), output.data_ptr(), op,
-                                    prescale_factor, postscale_factor, process_set_id=psid))
+        specs.append(_enqueue.TensorSpec(_enqueue.REDUCESCATTER, name, code, tuple(tensor.shape),
+                                         tensor.data_ptr(), output.data_ptr(), op,
+                                         prescale_factor, postscale_factor, process_set_id=psid))
         keep += [tensor, output]
-    return ops.enqueue_group(specs, name=group, keepalive=keep, result=keep[1::2])
+    return _enqueue.enqueue_group(specs, name=group, keepalive=keep, result=keep[1::2])
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average,
@@ -918,17 +919,18 @@ def barrier(process_set=global_process_set):
 # that ranks which submitted the same tensor fail at once instead of waiting for it
 # (see hvdlite.ops.refusing). Wrapped here, in one place, rather than at each def.
 for _fn_name, _op in (
-        ("allreduce_async", ops.ALLREDUCE), ("allreduce_async_", ops.ALLREDUCE),
-        ("allreduce", ops.ALLREDUCE), ("allreduce_", ops.ALLREDUCE),
-        ("grouped_allreduce_async", ops.ALLREDUCE), ("grouped_allreduce_async_", ops.ALLREDUCE),
-        ("grouped_allreduce", ops.ALLREDUCE), ("grouped_allreduce_", ops.ALLREDUCE),
-        ("allgather_async", ops.ALLGATHER), ("allgather", ops.ALLGATHER),
-        ("grouped_allgather_async", ops.ALLGATHER), ("grouped_allgather", ops.ALLGATHER),
-        ("broadcast_async", ops.BROADCAST), ("broadcast_async_", ops.BROADCAST),
-        ("broadcast", ops.BROADCAST), ("broadcast_", ops.BROADCAST),
-        ("alltoall_async", ops.ALLTOALL), ("alltoall", ops.ALLTOALL),
-        ("reducescatter_async", ops.REDUCESCATTER), ("reducescatter", ops.REDUCESCATTER),
-        ("grouped_reducescatter_async", ops.REDUCESCATTER),
-        ("grouped_reducescatter", ops.REDUCESCATTER)):
-    globals()[_fn_name] = ops.refusing(_op)(globals()[_fn_name])
+        ("allreduce_async", _enqueue.ALLREDUCE), ("allreduce_async_", _enqueue.ALLREDUCE),
+        ("allreduce", _enqueue.ALLREDUCE), ("allreduce_", _enqueue.ALLREDUCE),
+        ("grouped_allreduce_async", _enqueue.ALLREDUCE),
+        ("grouped_allreduce_async_", _enqueue.ALLREDUCE),
+        ("grouped_allreduce", _enqueue.ALLREDUCE), ("grouped_allreduce_", _enqueue.ALLREDUCE),
+        ("allgather_async", _enqueue.ALLGATHER), ("allgather", _enqueue.ALLGATHER),
+        ("grouped_allgather_async", _enqueue.ALLGATHER), ("grouped_allgather", _enqueue.ALLGATHER),
+        ("broadcast_async", _enqueue.BROADCAST), ("broadcast_async_", _enqueue.BROADCAST),
+        ("broadcast", _enqueue.BROADCAST), ("broadcast_", _enqueue.BROADCAST),
+        ("alltoall_async", _enqueue.ALLTOALL), ("alltoall", _enqueue.ALLTOALL),
+        ("reducescatter_async", _enqueue.REDUCESCATTER), ("reducescatter", _enqueue.REDUCESCATTER),
+        ("grouped_reducescatter_async", _enqueue.REDUCESCATTER),
+        ("grouped_reducescatter", _enqueue.REDUCESCATTER)):
+    globals()[_fn_name] = _refusals.refusing(_op)(globals()[_fn_name])
 del _fn_name, _op
