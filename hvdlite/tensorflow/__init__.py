@@ -11,9 +11,9 @@ has Horovod's gradient; which path copies memory, per case, is in ``tensors``. N
 here is compiled against TensorFlow. The names are Horovod's (README, "TensorFlow and
 Keras"); what is absent is listed there.
 """
-from hvdlite.build_info import (ccl_built, check_num_rank_power_of_2, cuda_built,
-                                ddl_built, gloo_built, gloo_enabled, is_homogeneous,
-                                mpi_built, mpi_enabled, nccl_built, rocm_built)
+from hvdlite.capabilities import (ccl_built, check_num_rank_power_of_2, cuda_built,
+                                  ddl_built, gloo_built, gloo_enabled, is_homogeneous,
+                                  mpi_built, mpi_enabled, nccl_built, rocm_built)
 from hvdlite.errors import (HorovodInternalError, HvdliteError, InvalidArgumentError,
                             MismatchError)
 from hvdlite.ops import resolve_op as handle_average_backwards_compatibility
