@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from hvdlite import core, ops
+from hvdlite import core, objects, ops
 from hvdlite.elastic import protocol
 from hvdlite.elastic.store import CommitStore
 from hvdlite.errors import HorovodInternalError, HostsUpdatedInterrupt, MismatchError
@@ -92,7 +92,7 @@ class State:
             root_rank: the rank whose state everyone takes.
         """
         blob = self._blob() if core.rank() == root_rank else None
-        self._load_blob(_broadcast_bytes(blob, root_rank, "hvdlite.elastic.sync"))
+        self._load_blob(objects.broadcast_bytes(blob, root_rank, "hvdlite.elastic.sync"))
 
     def check_host_updates(self):
         """Raises HostsUpdatedInterrupt on every rank when the driver has added slots.
@@ -177,7 +177,7 @@ class State:
                 f"hosts that held it are all gone")
         source = ids.index(best)
         blob = np.fromfile(path, dtype=np.uint8) if core.rank() == source else None
-        self._load_blob(_broadcast_bytes(blob, source, "hvdlite.elastic.handover"))
+        self._load_blob(objects.broadcast_bytes(blob, source, "hvdlite.elastic.handover"))
 
 
 class ObjectState(State):
@@ -198,19 +198,6 @@ class ObjectState(State):
     def _deserialize(self, data):
         for name, value in pickle.loads(data).items():
             setattr(self, name, value)
-
-
-def _broadcast_bytes(blob, root_rank, name):
-    """Returns ``root_rank``'s bytes (any buffer) on every rank, as a uint8 array."""
-    is_root = core.rank() == root_rank
-    payload = np.frombuffer(blob, dtype=np.uint8) if is_root else None
-    length = np.array([payload.size if is_root else 0], dtype=np.int64)
-    length = int(ops.broadcast(length, root_rank, name=f"{name}.size")[0])
-    if is_root:
-        payload = np.require(payload, requirements="W")  # in place below: writable
-    else:
-        payload = np.empty(length, dtype=np.uint8)
-    return ops.broadcast(payload, root_rank, name=f"{name}.bytes", out=payload)
 
 
 def _leave_for_reset(reason):
