@@ -15,7 +15,7 @@ import contextlib
 
 import torch
 
-from hvdlite import _checks, runtime
+from hvdlite import _checks, process_sets, runtime
 from hvdlite.torch import mpi_ops, parameters
 from hvdlite.torch.compression import Compression
 
@@ -28,7 +28,7 @@ class _DistributedAdasumOptimizer:
         parameters.check_backward_passes(backward_passes_per_step)
         if gradient_predivide_factor != 1.0:
             raise ValueError("gradient_predivide_factor is supported only with op=Average")
-        _checks.check_adasum_set(mpi_ops._process_set_id(process_set), "adasum.updates")
+        _checks.check_adasum_set(process_sets.process_set_id(process_set), "adasum.updates")
         self.op = op
         self.process_set = process_set
         self.backward_passes_per_step = backward_passes_per_step

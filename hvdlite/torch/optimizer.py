@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from hvdlite import _checks, runtime
+from hvdlite import _checks, process_sets, runtime
 from hvdlite.torch import mpi_ops, parameters, reduction
 from hvdlite.torch.adasum import _DistributedAdasumOptimizer
 from hvdlite.torch.compression import Compression
@@ -39,7 +39,7 @@ class _DistributedOptimizer:
                    gradient_predivide_factor, groups, sparse_as_dense, process_set):
         parameters.check_backward_passes(backward_passes_per_step)
         _, *scale = _checks.predivide_scaling(op, gradient_predivide_factor)
-        mpi_ops._process_set_id(process_set)
+        process_sets.process_set_id(process_set)
         self._reducer = reduction.reducer_for(compression, op, scale, process_set)
         if hasattr(compression, "use_optimizer_momentum"):
             self._sgd_momentum(compression)

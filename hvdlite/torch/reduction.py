@@ -10,7 +10,7 @@ import torch
 
 from hvdlite import process_sets, reducers
 from hvdlite.reducers import Reducer
-from hvdlite.torch import mpi_ops
+from hvdlite.torch import async_collectives, mpi_ops
 
 
 class CompressedAllreduce(Reducer):
@@ -25,12 +25,12 @@ class CompressedAllreduce(Reducer):
         sent = [self.compression.compress(grad) for grad in grads]
         tensors = [tensor for tensor, _ in sent]
         if len(tensors) == 1:
-            handle = mpi_ops._allreduce_async(tensors[0], tensors[0], names[0], self.op,
-                                              *self.scale, self.process_set)
+            handle = async_collectives.enqueue_allreduce(tensors[0], tensors[0], names[0], self.op,
+                                                         *self.scale, self.process_set)
         else:
-            handle = mpi_ops._grouped_allreduce_async(tensors, tensors, names, self.op,
-                                                      *self.scale, self.process_set,
-                                                      names[0])
+            handle = async_collectives.enqueue_grouped_allreduce(tensors, tensors, names, self.op,
+                                                                 *self.scale, self.process_set,
+                                                                 names[0])
         return handle, sent
 
     def finish(self, token):
