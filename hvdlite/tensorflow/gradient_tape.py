@@ -7,9 +7,10 @@ importable from here); the TF1 optimizer is in ``hvdlite.tensorflow.optimizer``.
 import tensorflow as tf
 
 from hvdlite import process_sets
-from hvdlite.tensorflow import mpi_ops
+from hvdlite.tensorflow import execution, mpi_ops
 from hvdlite.tensorflow.compression import Compression
 from hvdlite.tensorflow.gradients import allreduce_gradients  # noqa: F401 (former home)
+
 
 class DistributedGradientTape:
     """Wraps a tf.GradientTape; ``gradient()`` returns gradients allreduced across ranks.
@@ -42,7 +43,7 @@ class DistributedGradientTape:
             process_set: the ProcessSet whose members average the gradients.
             scale_local_gradients: see ``PartialDistributedGradientTape``.
         """
-        mpi_ops._check_process_set(process_set)
+        execution.check_process_set(process_set)
         self._tape = gradtape
         self._compression = compression
         self._sparse_as_dense = sparse_as_dense

@@ -2,7 +2,7 @@
 allreduces, or, for a Keras optimizer, ``hvdlite.keras.DistributedOptimizer``."""
 import tensorflow as tf
 
-from hvdlite.tensorflow import mpi_ops
+from hvdlite.tensorflow import execution, mpi_ops
 from hvdlite.tensorflow.compression import Compression
 from hvdlite.tensorflow.gradients import allreduce_gradients
 
@@ -62,7 +62,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         ValueError: backward_passes_per_step > 1 for a TF1 optimizer (not supported
             here).
     """
-    mpi_ops._check_process_set(process_set)
+    execution.check_process_set(process_set)
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         if backward_passes_per_step != 1:
             raise ValueError("backward_passes_per_step > 1 is not supported for "

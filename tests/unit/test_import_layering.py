@@ -33,8 +33,7 @@ LAYERS = [
     ("the framework-free API on numpy arrays", [
         "hvdlite.adasum", "hvdlite.ops", "hvdlite.objects", "hvdlite.reducers",
         "hvdlite.compression"]),
-    ("init, and the build's capabilities", ["hvdlite.runtime", "hvdlite.capabilities",
-                                             "hvdlite.build_info"]),
+    ("init, and the build's capabilities", ["hvdlite.runtime", "hvdlite.capabilities"]),
     # The framework-free elastic state; the adapters' elastic modules build on it.
     ("elastic", ["hvdlite.elastic", "hvdlite.elastic.state", "hvdlite.elastic.variables"]),
     ("torch and tensorflow adapters", [
@@ -42,7 +41,7 @@ LAYERS = [
         "hvdlite.tensorflow.compression", "hvdlite.tensorflow.elastic",
         "hvdlite.tensorflow.errors", "hvdlite.tensorflow.functions",
         "hvdlite.tensorflow.gradient_tape", "hvdlite.tensorflow.gradients",
-        "hvdlite.tensorflow.mpi_ops", "hvdlite.tensorflow.collectives",
+        "hvdlite.tensorflow.mpi_ops", "hvdlite.tensorflow.execution",
         "hvdlite.tensorflow.sync_batch_norm", "hvdlite.tensorflow.tensors",
         "hvdlite.tensorflow.util"]),
     # Keras 3, on whichever backend runs (it reaches the torch and tensorflow adapters).
