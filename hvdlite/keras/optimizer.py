@@ -19,11 +19,9 @@ train step is a pure function traced by XLA, with no place for a host collective
 """
 import keras
 
-from hvdlite import _checks, _names, ops, process_sets, reducers
+from hvdlite import _checks, _names, process_sets, reducers
+from hvdlite._enqueue import Average, Sum  # noqa: F401 (Horovod's names)
 from hvdlite.keras.compression import Compression
-
-Average = ops.Average
-Sum = ops.Sum
 
 
 def _allreduce_tensorflow(grads, settings, postscale):

@@ -39,6 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdlite import _checks, ops, process_sets, runtime
+from hvdlite._enqueue import Adasum, Average, Max, Min, Product, Sum  # noqa: F401 (Horovod)
 from hvdlite.process_sets import (ProcessSet, add_process_set,  # noqa: F401 (API)
                                   global_process_set, remove_process_set)
 from hvdlite.tensorflow import errors, tensors
@@ -49,12 +50,6 @@ from hvdlite.tensorflow.execution import (allgather_now, allreduce_now, broadcas
                                           grouped_allreduce_now, reducescatter_now, run,
                                           trailing)
 
-Average = ops.Average
-Sum = ops.Sum
-Min = ops.Min
-Max = ops.Max
-Product = ops.Product
-Adasum = ops.Adasum  # allreduce only, global set (hvdlite.adasum)
 _basics = process_sets.basics
 
 

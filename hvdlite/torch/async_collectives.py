@@ -9,12 +9,10 @@ import numpy as np
 import torch
 
 from hvdlite import _checks, _enqueue, _refusals, adasum, ops, process_sets, runtime
+from hvdlite._enqueue import Adasum, Average, Sum
 from hvdlite.errors import InvalidArgumentError
 from hvdlite.torch.tensors import from_core, host_array, tensor_code
 
-Average = ops.Average
-Sum = ops.Sum
-Adasum = ops.Adasum
 global_process_set = process_sets.global_process_set
 
 

@@ -6,14 +6,12 @@ backward runs the collective that Horovod defines as its gradient.
 import torch
 
 from hvdlite import ops, process_sets, runtime
+from hvdlite._enqueue import Average, Sum
 from hvdlite.torch.async_collectives import (allgather_async, alltoall_async, enqueue_allreduce,
                                              enqueue_broadcast, enqueue_grouped_allgather,
                                              enqueue_grouped_allreduce, enqueue_reducescatter,
                                              group_names, grouped_allgather_async,
                                              grouped_reducescatter_async)
-
-Average = ops.Average
-Sum = ops.Sum
 
 
 class AllreduceFunction(torch.autograd.Function):

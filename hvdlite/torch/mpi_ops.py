@@ -25,6 +25,7 @@ differentiable forms; the rest is by role: ``tensors`` (dtype table, tensor chec
 """
 
 from hvdlite import _checks, _enqueue, _refusals, ops, process_sets
+from hvdlite._enqueue import Adasum, Average, Max, Min, Product, Sum  # noqa: F401 (Horovod)
 from hvdlite.torch import async_collectives, autograd
 # The asynchronous collectives (and control), where Horovod scripts import them from.
 from hvdlite.torch.async_collectives import (SparseHandle, allgather_async,  # noqa: F401
@@ -39,12 +40,6 @@ from hvdlite.torch.compression import Compression
 from hvdlite.torch.tensors import (TORCH_DTYPE_NAMES, native_dtype_code,  # noqa: F401
                                    torch_dtype_name)
 
-Average = ops.Average
-Sum = ops.Sum
-Min = ops.Min
-Max = ops.Max
-Product = ops.Product
-Adasum = ops.Adasum
 
 # Process sets: the framework-free ones (hvdlite.process_sets), as Horovod's torch
 # module exports them.
