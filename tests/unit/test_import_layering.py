@@ -7,13 +7,13 @@ are resolved; ``from pkg import name`` counts as an import of ``pkg.name`` when 
 a module, else of ``pkg``. The parent packages that Python imports implicitly are not
 edges: a package's ``__init__`` is a module of its own, placed in the table like the rest.
 
-``LAYERS`` is the order, lowest first (CONTRIBUTING.md and STYLE.md describe it): a module
-may import modules of its own layer or below, never above; inside one layer the imports
-must not form a cycle. Every module under hvdlite/ must be in the table, so a new one is
-placed on purpose. A name ending in ``.*`` places a package and all its modules.
+``LAYERS`` is the order, lowest first (the contributors' folder map describes it): a
+module may import modules of its own layer or below, never above; inside one layer the
+imports must not form a cycle. Every module under hvdlite/ must be in the table, so a new
+one is placed on purpose. A name ending in ``.*`` places a package and all its modules.
+A name in the table may come before its module (``hvdlite.build_record``).
 """
 import ast
-import os
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parents[2] / "hvdlite"
