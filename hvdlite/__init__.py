@@ -17,8 +17,9 @@ __version__ = "0.1.0"  # the one source: pyproject.toml reads it (tool.setuptool
 
 # Public name -> the submodule that defines it (loaded, with the core, on first use).
 _LAZY = {
-    **{name: "hvdlite.runtime" for name in (
-        "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
+    "init": "hvdlite.runtime",
+    **{name: "hvdlite.core" for name in (
+        "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
         "cross_size", "cross_rank", "mpi_threads_supported", "stats", "start_timeline",
         "stop_timeline", "autotune_state")},
     **{name: "hvdlite.ops" for name in (

@@ -32,7 +32,7 @@ import os
 import re
 import sys
 
-from hvdlite import build_record
+from hvdlite import build_record, errors
 
 _log = logging.getLogger("hvdlite")
 
@@ -279,11 +279,23 @@ def error_for(status, message=None):
     Returns:
         An instance of the HvdliteError subclass mapped to ``status``.
     """
-    from hvdlite import errors
-
     if message is None:
         message = last_error()
-    return errors.error_class(status)(status, status_name(status), message)
+    name = status_name(status)
+    return errors.class_for(name)(status, name, message)
+
+
+def error_class(status):
+    """Returns the exception class for a status code.
+
+    Args:
+        status: a status code returned by the core.
+
+    Returns:
+        The mapped subclass, or HvdliteError itself for a code the table in
+        ``hvdlite.errors`` does not know (a newer core).
+    """
+    return errors.class_for(status_name(status))
 
 
 def check(status):

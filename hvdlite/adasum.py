@@ -19,7 +19,8 @@ result.
 """
 import numpy as np
 
-from hvdlite import ops
+from hvdlite import _checks, _enqueue
+from hvdlite._enqueue import from_buffer
 from hvdlite.errors import InvalidArgumentError
 
 #: The dtypes Adasum takes (Horovod: float16, float32, float64).
@@ -62,10 +63,10 @@ def _check(arr, name):
 
 
 def _prepare(array, name, prescale_factor, postscale_factor, out):
-    arr, code = ops._input_array(array, name)
+    arr, code = _checks.input_array(array, name)
     _check(arr, name)
-    ops._check_scale(prescale_factor, postscale_factor, False, name)
-    out = ops._output_array(out, arr.shape, arr.dtype, name)
+    _checks.check_scale(prescale_factor, postscale_factor, False, name)
+    out = _checks.output_array(out, arr.shape, arr.dtype, name)
     flat = arr.reshape(1, -1)
     if prescale_factor != 1.0:
         flat = (flat.astype(np.float64) * prescale_factor).astype(arr.dtype)
@@ -94,8 +95,8 @@ def allreduce_async(array, name, prescale_factor=1.0, postscale_factor=1.0, out=
                     postscale_factor)
         return out if result is None else result
 
-    return ops.enqueue(ops.ALLGATHER, name, code, flat.shape, ops._from_buffer(flat), None,
-                       keepalive=(flat, out), finisher=finish)
+    return _enqueue.enqueue(_enqueue.ALLGATHER, name, code, flat.shape, from_buffer(flat), None,
+                            keepalive=(flat, out), finisher=finish)
 
 
 def grouped_allreduce_async(arrays, group, prescale_factor=1.0, postscale_factor=1.0,
@@ -106,8 +107,8 @@ def grouped_allreduce_async(arrays, group, prescale_factor=1.0, postscale_factor
         tensor_name = f"{group}.{i}"
         flat, code, out = _prepare(array, tensor_name, prescale_factor, postscale_factor,
                                    None if outs is None else outs[i])
-        specs.append(ops.TensorSpec(ops.ALLGATHER, tensor_name, code, flat.shape,
-                                    ops._from_buffer(flat)))
+        specs.append(_enqueue.TensorSpec(_enqueue.ALLGATHER, tensor_name, code, flat.shape,
+                                         from_buffer(flat)))
         keep += [flat, out]
         prepared.append((flat, out))
 
@@ -117,4 +118,4 @@ def grouped_allreduce_async(arrays, group, prescale_factor=1.0, postscale_factor
                 for i, (flat, out) in enumerate(prepared)]
         return done if results is None else results
 
-    return ops.enqueue_group(specs, name=group, keepalive=keep, finisher=finish)
+    return _enqueue.enqueue_group(specs, name=group, keepalive=keep, finisher=finish)

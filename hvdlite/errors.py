@@ -1,7 +1,8 @@
 """Exceptions: HvdliteError and one subclass per status code of the C API.
 
 ``STATUS_CLASSES`` is the one table, keyed by the status constant's name; the numbers
-are read from the loaded library, never written here. Importing this module does not
+belong to the loaded library (``hvdlite._native`` maps a code to its name), never written
+here. Importing this module does not
 load the native library, so scripts can catch these classes on a broken install.
 
 Where natural a class also derives from a builtin (``ValueError`` for bad arguments,
@@ -10,7 +11,6 @@ Where natural a class also derives from a builtin (``ValueError`` for bad argume
 shutdown, stall, transport, a lost rank), as Horovod scripts expect when they catch it.
 """
 import builtins
-import threading
 
 
 class HvdliteError(Exception):
@@ -143,30 +143,15 @@ STATUS_CLASSES = {
     "HVDLITE_ERR_ABORTED": AbortedError,
 }
 
-_by_code = None
-_by_code_lock = threading.Lock()
 
-
-def _code_table():
-    """Returns {status code: class}, built on first use from the library's constants."""
-    global _by_code
-    if _by_code is None:
-        from hvdlite._native import lib  # first use only: keeps this module import-light
-
-        with _by_code_lock:
-            if _by_code is None:
-                _by_code = {getattr(lib, name): cls for name, cls in STATUS_CLASSES.items()}
-    return _by_code
-
-
-def error_class(status):
-    """Returns the exception class for a status code.
+def class_for(status_name):
+    """Returns the exception class for a status constant's name.
 
     Args:
-        status: a status code returned by the core.
+        status_name: e.g. ``"HVDLITE_ERR_MISMATCH"`` (``_native.status_name(code)``).
 
     Returns:
-        The mapped subclass, or HvdliteError itself for a code this table does not know
+        The mapped subclass, or HvdliteError itself for a name this table does not know
         (a newer core); the message still says what happened.
     """
-    return _code_table().get(status, HvdliteError)
+    return STATUS_CLASSES.get(status_name, HvdliteError)

@@ -17,8 +17,9 @@ of the members' global ranks, ``reducescatter`` splits rows among the members.
 """
 import threading
 
-from hvdlite import runtime
+from hvdlite import core
 from hvdlite._native import check, ffi, lib
+from hvdlite.elastic import protocol
 from hvdlite.errors import InvalidArgumentError
 
 _lock = threading.Lock()
@@ -76,7 +77,7 @@ class ProcessSet:
         """Returns whether this process is in the set, or None if its ranks are unknown."""
         if self.ranks is None:
             return None
-        return runtime.rank() in self.ranks
+        return core.rank() in self.ranks
 
     def invalidate(self):
         """Forgets the registration (after the set was removed)."""
@@ -172,14 +173,9 @@ def members(process_set):
     offsets are computed from. The global set answers without a native call per op."""
     psid = process_set_id(process_set)
     if psid == 0:
-        return runtime.size(), runtime.rank()
+        return core.size(), core.rank()
     return (_query(lib.hvdlite_process_set_size, psid),
             _query(lib.hvdlite_process_set_rank, psid))
-
-
-def _comm_ranks(comm):
-    """The global ranks of an mpi4py communicator's members (collective over it)."""
-    return sorted(comm.allgather(runtime.rank()))
 
 
 def add_process_set(process_set):
@@ -210,7 +206,7 @@ def add_process_set(process_set):
     except InvalidArgumentError as exc:
         _explain_for_elastic(exc, process_set.ranks)
         raise
-    _register(process_set, int(out[0]))
+    register(process_set, int(out[0]))
     return process_set
 
 
@@ -221,18 +217,17 @@ def _explain_for_elastic(exc, ranks):
     sets again (``init(process_sets=...)``, ``add_process_set``): sets written for one
     size (``[0, 2]``) do not fit a world of 2.
     """
-    from hvdlite.elastic import protocol
-
-    if protocol.in_elastic_job() and any(r >= runtime.size() for r in ranks):
+    if protocol.in_elastic_job() and any(r >= core.size() for r in ranks):
         exc.message += (
-            f" (world {protocol.generation()} of an elastic job has {runtime.size()} "
+            f" (world {protocol.generation()} of an elastic job has {core.size()} "
             "ranks: a reset starts the script again with the new world's size, so make "
             "process sets from hvdlite.size(), e.g. range(0, hvd.size(), 2), not from "
             "fixed ranks)")
         exc.args = (exc.message,)
 
 
-def _register(process_set, psid):
+def register(process_set, psid):
+    """Records ``process_set`` as registered under id ``psid`` (in this process)."""
     process_set.process_set_id = psid
     with _lock:
         _known.setdefault(psid, []).append(process_set)
@@ -279,44 +274,10 @@ def add_change_hook(fn):
     _change_hooks.append(fn)
 
 
-def _forget_all():
+def forget_all():
+    """Invalidates every ProcessSet this process knows (a new world starts)."""
     with _lock:
         stale = [ps for sets in _known.values() for ps in sets]
         _known.clear()
     for ps in stale:
         ps.invalidate()
-
-
-def init_process_sets(process_sets):
-    """Registers the sets given to ``init``; collective over every rank.
-
-    Sets made from ranks are added in the order given (every rank gives the same list).
-    Sets made from mpi4py communicators may differ between ranks (each passes the
-    communicator it is in): their ranks are gathered from every rank and each distinct
-    set is added once, in order of its ranks.
-    """
-    _forget_all()
-    global_process_set.ranks = list(range(runtime.size()))
-    if process_sets is None or isinstance(process_sets, str):
-        if process_sets not in (None, "dynamic"):
-            raise ValueError(f"process_sets must be a list or 'dynamic', not {process_sets!r}")
-        return
-    given = [ps if isinstance(ps, ProcessSet) else ProcessSet(ps) for ps in process_sets]
-    everyone = tuple(range(runtime.size()))
-    from_comms = [ps for ps in given if ps.ranks is None]
-    for ps in from_comms:
-        ps.ranks = _comm_ranks(ps.mpi_comm)
-    if from_comms:
-        from hvdlite import objects
-        mine = sorted({tuple(ps.ranks) for ps in from_comms})
-        for ranks in sorted({r for theirs in objects.allgather_object(mine) for r in theirs}):
-            matching = [ps for ps in from_comms if tuple(ps.ranks) == ranks]
-            if ranks == everyone:
-                psid = 0
-            else:
-                psid = add_process_set(ProcessSet(list(ranks))).process_set_id
-            for ps in matching:
-                _register(ps, psid)
-    for ps in given:
-        if ps.mpi_comm is None:
-            add_process_set(ps)

@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from hvdlite import ops, runtime
+from hvdlite import core, ops
 from hvdlite.errors import InvalidArgumentError
 
 
@@ -50,6 +50,36 @@ class Reducer:
         """What error feedback holds back for ``name`` (zeros when nothing), or None if
         this reducer keeps no residual."""
         return None
+
+
+def is_reducer(compression):
+    """Whether an optimizer's ``compression`` is a reducer (else a cast compressor)."""
+    return getattr(compression, "is_reducer", False)
+
+
+def check_reducer(reducer, op, scaled, process_set_id, error=ValueError):
+    """The preconditions of a reducer given as an optimizer's compression, one rule for
+    the torch, TensorFlow and Keras optimizers.
+
+    Args:
+        reducer: the ``compression`` argument (``is_reducer`` holds).
+        op: the optimizer's reduce op.
+        scaled: whether a gradient_predivide_factor scales the gradients.
+        process_set_id: the id of the optimizer's process set.
+        error: the exception class the caller's framework raises for bad arguments.
+
+    Raises:
+        error: a reducer class rather than an instance, an op other than Average, a
+            predivide factor, or a process set other than the global one.
+    """
+    if isinstance(reducer, type):
+        raise error(f"{reducer.__name__} is a reducer class: pass an instance, "
+                    f"e.g. Compression.topk(0.01)")
+    if op != ops.Average or scaled:
+        raise error(f"{reducer!r} averages gradients: it takes op=Average and no "
+                    "gradient_predivide_factor")
+    if process_set_id != 0:
+        raise error(f"{reducer!r} runs on the global process set only")
 
 
 def _as_float32(array):
@@ -93,7 +123,7 @@ class _TwoGathers(Reducer):
         return mean
 
     def finish(self, token):
-        size = runtime.size()
+        size = core.size()
         return [self.applied(name, self.total(array.size, ops.synchronize(first),
                                               ops.synchronize(second)) / size)
                 .reshape(array.shape).astype(array.dtype, copy=False)
@@ -251,7 +281,7 @@ class Quantize(_TwoGathers):
 
     def _generator(self):
         if self._rng is None:  # independent rounding per rank, reproducible with a seed
-            seed = None if self._seed is None else (self._seed, runtime.rank())
+            seed = None if self._seed is None else (self._seed, core.rank())
             self._rng = np.random.default_rng(seed)
         return self._rng
 
@@ -288,7 +318,7 @@ class Quantize(_TwoGathers):
         return self.encode(flat)
 
     def total(self, count, codes, scales):
-        ranks = runtime.size()
+        ranks = core.size()
         total = np.zeros(scales.size // ranks * self.chunk, np.float32)
         for part_codes, part_scales in zip(np.split(codes, ranks), np.split(scales, ranks)):
             total += self.decode(part_codes, part_scales)

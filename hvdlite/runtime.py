@@ -1,40 +1,30 @@
 """Process-wide state: init/shutdown, rank and size, counters, timeline.
 
+``init`` starts the core (``hvdlite.core``) and registers the process sets it was given;
+every other name here is the core's, re-exported (``hvdlite.runtime`` is where the
+adapters and scripts find them). Registering sets made from mpi4py communicators
+gathers them from every rank (``hvdlite.objects``), which is why ``init`` sits above the
+collectives while the modules they are built on import ``hvdlite.core`` only.
+
 Configuration is read by the core itself from the ``HVDLITE_*`` environment variables
 at ``init()`` (fusion threshold, cycle time, cache capacity, stall times, timeline, log
 level); a bad value makes ``init()`` raise InvalidArgumentError with the core's message.
 Horovod's names of these (``HOROVOD_CYCLE_TIME``...) are copied to ours first, where
 ours are unset (``env_aliases``).
 """
-import atexit
 import logging
-import os
 import threading
 
-from hvdlite import _native, env_aliases, peer_faults
-from hvdlite._native import check, ffi, lib
+from hvdlite import core, objects
+from hvdlite import process_sets as sets
+from hvdlite.core import (add_init_hook, autotune_state, cross_rank, cross_size,  # noqa: F401
+                          is_initialized, local_rank, local_size, mpi_library_version,
+                          mpi_threads_supported, rank, shutdown, size, start_timeline,
+                          stats, stop_timeline, version)
 
 _log = logging.getLogger("hvdlite")
 
 _init_lock = threading.Lock()
-_atexit_registered = False
-# Called after every successful init(), e.g. to reset the counters of unnamed tensors.
-_init_hooks = []
-
-
-def add_init_hook(fn):
-    """Registers ``fn()`` to run after every successful ``init()`` (in order)."""
-    _init_hooks.append(fn)
-
-
-def _comm_f2c(comm):
-    if comm is None:
-        return -1
-    py2f = getattr(comm, "py2f", None)
-    if py2f is None:
-        raise TypeError(f"hvdlite.init(comm=...) takes an mpi4py communicator, "
-                        f"not {type(comm).__name__}")
-    return int(py2f())
 
 
 def init(comm=None, process_sets=None):
@@ -57,196 +47,49 @@ def init(comm=None, process_sets=None):
             has a bad value.
         HvdliteError: the core could not start (the message says why).
     """
-    global _atexit_registered
     with _init_lock:
-        if is_initialized():
+        if core.is_initialized():
             _log.warning("hvdlite.init() called while already initialized; ignoring it")
             return
-        env_aliases.apply()
-        options = ffi.new("hvdlite_init_options_t *")
-        options.comm_f2c = _comm_f2c(comm)
-        check(lib.hvdlite_init(options))
-        peer_faults.start_listening()
-        if not _atexit_registered:
-            atexit.register(_shutdown_at_exit)
-            _atexit_registered = True
-        for hook in _init_hooks:
-            hook()
-        from hvdlite import process_sets as sets  # imports this module
-        sets.init_process_sets(process_sets)
+        core.start(comm)
+        _register_process_sets(process_sets)
 
 
-def shutdown():
-    """Stops the core on every rank; pending handles fail with ShutdownError.
+def _comm_ranks(comm):
+    """The global ranks of an mpi4py communicator's members (collective over it)."""
+    return sorted(comm.allgather(core.rank()))
 
-    Idempotent: calling it when not initialized does nothing. After the launcher
-    reported lost peers it does nothing either: the core's thread may be blocked on a
-    peer that will never answer, and the launcher ends the job.
 
-    Raises:
-        HvdliteError: the core reported an error while stopping.
+def _register_process_sets(process_sets):
+    """Registers the sets given to ``init``; collective over every rank.
+
+    Sets made from ranks are added in the order given (every rank gives the same list).
+    Sets made from mpi4py communicators may differ between ranks (each passes the
+    communicator it is in): their ranks are gathered from every rank and each distinct
+    set is added once, in order of its ranks.
     """
-    if peer_faults.failure() is not None:
-        _log.warning("hvdlite: not shutting down the core after lost peers (%s)",
-                     peer_faults.failure())
+    sets.forget_all()
+    sets.global_process_set.ranks = list(range(core.size()))
+    if process_sets is None or isinstance(process_sets, str):
+        if process_sets not in (None, "dynamic"):
+            raise ValueError(f"process_sets must be a list or 'dynamic', not {process_sets!r}")
         return
-    check(lib.hvdlite_shutdown())
-
-
-def _shutdown_at_exit():
-    try:
-        shutdown()
-    except Exception as e:  # at exit there is no caller left to raise to
-        _log.warning("hvdlite: shutdown at exit failed: %s", e)
-
-
-def is_initialized():
-    """Returns True between ``init()`` and ``shutdown()``."""
-    out = ffi.new("int32_t *")
-    check(lib.hvdlite_is_initialized(out))
-    return bool(out[0])
-
-
-def _int_query(fn):
-    out = ffi.new("int32_t *")
-    check(fn(out))
-    return int(out[0])
-
-
-def size():
-    """Returns the number of ranks.
-
-    Raises:
-        NotInitializedError: before ``init()`` or after ``shutdown()``.
-    """
-    return _int_query(lib.hvdlite_size)
-
-
-def rank():
-    """Returns this process's rank, 0 <= rank < size().
-
-    Raises:
-        NotInitializedError: before ``init()`` or after ``shutdown()``.
-    """
-    return _int_query(lib.hvdlite_rank)
-
-
-def local_size():
-    """Returns the number of ranks on this host.
-
-    Raises:
-        NotInitializedError: before ``init()`` or after ``shutdown()``.
-    """
-    return _int_query(lib.hvdlite_local_size)
-
-
-def local_rank():
-    """Returns this process's rank among the ranks on its host.
-
-    Raises:
-        NotInitializedError: before ``init()`` or after ``shutdown()``.
-    """
-    return _int_query(lib.hvdlite_local_rank)
-
-
-def cross_size():
-    """Returns the number of hosts that have a rank with this local rank.
-
-    Raises:
-        NotInitializedError: before ``init()`` or after ``shutdown()``.
-    """
-    return _int_query(lib.hvdlite_cross_size)
-
-
-def cross_rank():
-    """Returns this host's index among the ranks with this local rank.
-
-    Raises:
-        NotInitializedError: before ``init()`` or after ``shutdown()``.
-    """
-    return _int_query(lib.hvdlite_cross_rank)
-
-
-def mpi_threads_supported():
-    """Returns True if MPI runs with MPI_THREAD_MULTIPLE (mpi4py can be used alongside).
-
-    Raises:
-        NotInitializedError: before ``init()`` or after ``shutdown()``.
-    """
-    return bool(_int_query(lib.hvdlite_mpi_threads_supported))
-
-
-def stats():
-    """Returns the core's counters since init, as a dict of ints.
-
-    Keys are the fields of ``hvdlite_stats_t``: cycles, coordinator_gathers, cache_hits,
-    cache_misses, collectives, fused_collectives, tensors, bytes, errors,
-    shm_collectives (allreduces through shared memory), wire_bytes (bytes this rank
-    sent to the others, counted as a bandwidth-optimal algorithm sends them: an
-    allreduce of S bytes on n ranks counts 2(n-1)/n S, an allgather whose result is S
-    bytes (n-1)/n S; what compression saves shows here), hierarchical_collectives
-    (allreduces over hosts in layers: README, "Hierarchical collectives"). The core
-    answers at any time (after ``shutdown()`` it keeps the last counts).
-    """
-    out = ffi.new("hvdlite_stats_t *")
-    check(lib.hvdlite_stats(out))
-    return {name: int(getattr(out, name)) for name, _ in ffi.typeof("hvdlite_stats_t").fields}
-
-
-def autotune_state():
-    """Returns what autotune (``HVDLITE_AUTOTUNE=1``) uses now on this rank, as a dict.
-
-    Keys: enabled, settled (the search ended and the values stay), trials (measured so
-    far), fusion_threshold (bytes), cycle_time_ms, shm_chunk_bytes, hierarchical (the
-    hierarchical allreduce is used where there are several hosts). Every rank holds the
-    same values from one cycle to the next; with autotune off they are the defaults (or
-    what ``HVDLITE_*`` set). README, "Autotune".
-
-    Returns:
-        The dict; cycle_time_ms is a float, the rest ints (enabled, settled and
-        hierarchical as bools).
-    """
-    out = ffi.new("hvdlite_autotune_t *")
-    check(lib.hvdlite_autotune_state(out))
-    state = {name: getattr(out, name) for name, _ in ffi.typeof("hvdlite_autotune_t").fields}
-    for flag in ("enabled", "settled", "hierarchical"):
-        state[flag] = bool(state[flag])
-    return state
-
-
-def start_timeline(path, mark_cycles=False):
-    """Starts writing a Chrome-trace timeline (rank 0 writes it; elsewhere a no-op).
-
-    A timeline already running is stopped first. The file is overwritten; it is valid
-    JSON once ``stop_timeline()`` or ``shutdown()`` returns. Summarize it with
-    ``hvdlite timeline summary PATH`` (README, "Timeline").
-
-    Args:
-        path: the JSON file to write (on rank 0's machine).
-        mark_cycles: also mark every background-loop cycle.
-
-    Raises:
-        NotInitializedError: before ``init()`` or after ``shutdown()``.
-        InvalidArgumentError: on rank 0, the file cannot be opened for writing (the
-            message names the path and the reason); no timeline runs then.
-    """
-    check(lib.hvdlite_start_timeline(os.fsencode(path), 1 if mark_cycles else 0))
-
-
-def stop_timeline():
-    """Stops the timeline: writes what is queued, closes open spans, ends the JSON array.
-
-    Raises:
-        NotInitializedError: before ``init()`` or after ``shutdown()``.
-    """
-    check(lib.hvdlite_stop_timeline())
-
-
-def version():
-    """Returns the version string of the loaded core."""
-    return ffi.string(lib.hvdlite_version()).decode("utf-8", "replace")
-
-
-def mpi_library_version():
-    """Returns the linked MPI library's version string."""
-    return _native.mpi_library_version()
+    given = [ps if isinstance(ps, sets.ProcessSet) else sets.ProcessSet(ps)
+             for ps in process_sets]
+    everyone = tuple(range(core.size()))
+    from_comms = [ps for ps in given if ps.ranks is None]
+    for ps in from_comms:
+        ps.ranks = _comm_ranks(ps.mpi_comm)
+    if from_comms:
+        mine = sorted({tuple(ps.ranks) for ps in from_comms})
+        for ranks in sorted({r for theirs in objects.allgather_object(mine) for r in theirs}):
+            matching = [ps for ps in from_comms if tuple(ps.ranks) == ranks]
+            if ranks == everyone:
+                psid = 0
+            else:
+                psid = sets.add_process_set(sets.ProcessSet(list(ranks))).process_set_id
+            for ps in matching:
+                sets.register(ps, psid)
+    for ps in given:
+        if ps.mpi_comm is None:
+            sets.add_process_set(ps)

@@ -18,6 +18,7 @@ import sys
 
 import numpy as np
 
+from hvdlite import core, objects, ops
 from hvdlite.elastic import protocol
 from hvdlite.elastic.store import CommitStore
 from hvdlite.errors import HorovodInternalError, HostsUpdatedInterrupt, MismatchError
@@ -90,10 +91,8 @@ class State:
         Args:
             root_rank: the rank whose state everyone takes.
         """
-        from hvdlite import runtime
-
-        blob = self._blob() if runtime.rank() == root_rank else None
-        self._load_blob(_broadcast_bytes(blob, root_rank, "hvdlite.elastic.sync"))
+        blob = self._blob() if core.rank() == root_rank else None
+        self._load_blob(objects.broadcast_bytes(blob, root_rank, "hvdlite.elastic.sync"))
 
     def check_host_updates(self):
         """Raises HostsUpdatedInterrupt on every rank when the driver has added slots.
@@ -106,9 +105,7 @@ class State:
         """
         if self._store is None:
             return
-        from hvdlite import ops, runtime
-
-        flag = np.array([1 if runtime.rank() == 0 and protocol.ask_hosts_updated() else 0],
+        flag = np.array([1 if core.rank() == 0 and protocol.ask_hosts_updated() else 0],
                         dtype=np.int32)
         if ops.broadcast(flag, 0, name="hvdlite.elastic.hosts_updated")[0]:
             raise HostsUpdatedInterrupt(skip_sync=True)
@@ -150,22 +147,18 @@ class State:
 
     def _enter_world(self):
         """Brings this rank's state to the job's last commit at the start of a world."""
-        from hvdlite import runtime
-
         if not protocol.in_elastic_job():
             self.sync()
             self.save()
             return
         self._store = CommitStore(protocol.state_dir(), protocol.generation(),
-                                  runtime.rank())
+                                  core.rank())
         if protocol.generation() == 0:
             self.sync()
         else:
             self._hand_over()
         self.save()
         # Every rank now holds this world's commit on its host: older worlds' files go.
-        from hvdlite import ops
-
         ops.allreduce(np.zeros(1, np.int32), name="hvdlite.elastic.saved", op=ops.Sum)
         self._store.drop_older_generations()
         if protocol.generation() > 0:
@@ -173,8 +166,6 @@ class State:
 
     def _hand_over(self):
         """Finds the newest commit on the world's hosts and broadcasts it from its owner."""
-        from hvdlite import ops, runtime
-
         commit_id, path = self._store.newest()
         ids = ops.allgather(np.array([commit_id], dtype=np.int64),
                             name="hvdlite.elastic.newest").tolist()
@@ -185,8 +176,8 @@ class State:
                 f"any host of the new world (generation {protocol.generation()}); the "
                 f"hosts that held it are all gone")
         source = ids.index(best)
-        blob = np.fromfile(path, dtype=np.uint8) if runtime.rank() == source else None
-        self._load_blob(_broadcast_bytes(blob, source, "hvdlite.elastic.handover"))
+        blob = np.fromfile(path, dtype=np.uint8) if core.rank() == source else None
+        self._load_blob(objects.broadcast_bytes(blob, source, "hvdlite.elastic.handover"))
 
 
 class ObjectState(State):
@@ -209,26 +200,9 @@ class ObjectState(State):
             setattr(self, name, value)
 
 
-def _broadcast_bytes(blob, root_rank, name):
-    """Returns ``root_rank``'s bytes (any buffer) on every rank, as a uint8 array."""
-    from hvdlite import ops, runtime
-
-    is_root = runtime.rank() == root_rank
-    payload = np.frombuffer(blob, dtype=np.uint8) if is_root else None
-    length = np.array([payload.size if is_root else 0], dtype=np.int64)
-    length = int(ops.broadcast(length, root_rank, name=f"{name}.size")[0])
-    if is_root:
-        payload = np.require(payload, requirements="W")  # in place below: writable
-    else:
-        payload = np.empty(length, dtype=np.uint8)
-    return ops.broadcast(payload, root_rank, name=f"{name}.bytes", out=payload)
-
-
 def _leave_for_reset(reason):
     """Ends this rank so that the driver starts the next world (never returns)."""
-    from hvdlite import runtime
-
-    rank = runtime.rank() if runtime.is_initialized() else "?"
+    rank = core.rank() if core.is_initialized() else "?"
     sys.stdout.flush()
     sys.stderr.write(f"hvdlite elastic: rank {rank} leaves world "
                      f"{protocol.generation()} for a reset: {reason}\n")

@@ -14,7 +14,7 @@ backend (through ``hvdlite.torch``); the callbacks and the numpy-level ``allredu
 import keras
 import numpy as np
 
-from hvdlite import ops
+from hvdlite import _checks, ops
 from hvdlite.errors import HorovodInternalError, HvdliteError, MismatchError
 from hvdlite.keras import callbacks, elastic
 from hvdlite.keras.compression import Compression
@@ -43,7 +43,7 @@ def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_fac
         average: deprecated; True means op=Average, False op=Sum.
         prescale_factor, postscale_factor, op: as for ``hvdlite.allreduce``.
     """
-    op = ops.resolve_op(op, average)
+    op = _checks.resolve_op(op, average)
     return ops.allreduce(_to_numpy(value), name, op, prescale_factor, postscale_factor)
 
 

@@ -8,7 +8,7 @@ import logging
 import keras
 import numpy as np
 
-from hvdlite import ops, runtime
+from hvdlite import _names, ops, runtime
 
 _log = logging.getLogger("hvdlite")
 
@@ -24,7 +24,7 @@ def broadcast_keras_variables(variables, root_rank, name=None):
         root_rank: the rank whose values everyone receives.
         name: a base name, equal across ranks; None names them automatically.
     """
-    base = name or ops.auto_name("broadcast_keras_variables")
+    base = name or _names.auto_name("broadcast_keras_variables")
     handles = []
     for i, variable in enumerate(variables):
         value = np.array(keras.ops.convert_to_numpy(variable), order="C")

@@ -47,6 +47,7 @@ def run(func):
     """Decorator for the training function, as ``hvdlite.elastic.run``; on the
     TensorFlow backend a collective that failed inside ``fit``'s graph counts too."""
     if keras.backend.backend() == "tensorflow":
+        # hvdlite.tensorflow is imported when the tensorflow backend runs, never on the others.
         from hvdlite.tensorflow import elastic as tf_elastic
 
         return tf_elastic.run(func)

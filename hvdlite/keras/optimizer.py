@@ -19,15 +19,14 @@ train step is a pure function traced by XLA, with no place for a host collective
 """
 import keras
 
-from hvdlite import ops, process_sets
+from hvdlite import _checks, _names, process_sets, reducers
+from hvdlite._enqueue import Average, Sum  # noqa: F401 (Horovod's names)
 from hvdlite.keras.compression import Compression
-
-Average = ops.Average
-Sum = ops.Sum
 
 
 def _allreduce_tensorflow(grads, settings, postscale):
-    from hvdlite.tensorflow.gradient_tape import allreduce_gradients
+    # hvdlite.tensorflow is imported when the tensorflow backend runs, never on the others.
+    from hvdlite.tensorflow.gradients import allreduce_gradients
 
     if postscale != 1.0:
         grads = [g if g is None else g * postscale for g in grads]
@@ -38,34 +37,31 @@ def _allreduce_tensorflow(grads, settings, postscale):
 
 
 def _allreduce_torch(grads, settings, postscale):
-    import hvdlite.torch as hvd_torch
+    # hvdlite.torch is imported when the torch backend runs, never on the others.
+    from hvdlite.torch import reduction
 
     compression = settings["compression"]
+    psid = process_sets.process_set_id(settings["process_set"])
     present = [i for i, g in enumerate(grads) if g is not None]
-    if getattr(compression, "is_reducer", False):
-        from hvdlite.torch.optimizer import reduce_through
-
-        if settings["process_set"] is not process_sets.global_process_set:
-            raise ValueError(f"{compression!r} runs on the global process set only")
-
-        out = list(grads)
-        scaled = [grads[i] * postscale if postscale != 1.0 else grads[i] for i in present]
-        for i, g in zip(present, reduce_through(compression, scaled,
-                                                [f"grad.{i}" for i in present])):
-            out[i] = g
-        return out
-    wire, contexts = [], []
-    for i in present:
-        tensor, ctx = compression.compress(grads[i].contiguous())
-        wire.append(tensor)
-        contexts.append(ctx)
-    op, prescale, post = ops.predivide_scaling(settings["op"], settings["gradient_predivide_factor"])
-    hvd_torch.grouped_allreduce_(wire, op=op, prescale_factor=prescale,
-                                 postscale_factor=postscale * post,
-                                 process_set=settings["process_set"])
+    if reducers.is_reducer(compression):
+        # A reducer averages: the optimizer's op and predivide factor do not apply.
+        reducers.check_reducer(compression, Average, False, psid)
+        values = [grads[i] * postscale if postscale != 1.0 else grads[i] for i in present]
+        names, op, scale = [f"grad.{i}" for i in present], Average, (1.0, 1.0)
+    else:
+        values = [grads[i].contiguous() for i in present]
+        # Named as an unnamed grouped_allreduce's members are: "<group>.<i>".
+        group = _names.auto_name("grouped_allreduce", psid)
+        names = [f"{group}.{i}" for i in range(len(present))]
+        op, prescale, post = _checks.predivide_scaling(settings["op"],
+                                                       settings["gradient_predivide_factor"])
+        scale = (prescale, postscale * post)
     out = list(grads)
-    for i, tensor, ctx in zip(present, wire, contexts):
-        out[i] = compression.decompress(tensor, ctx)
+    if present:
+        reduced = reduction.reduce_gradients(compression, values, names, op, scale,
+                                             settings["process_set"])
+        for i, g in zip(present, reduced):
+            out[i] = g
     return out
 
 
@@ -87,7 +83,7 @@ def _settings(compression=Compression.none, sparse_as_dense=False,
               process_set=None):
     if op not in (Average, Sum):
         raise ValueError("DistributedOptimizer reduces gradients with op=Average or Sum")
-    ops.predivide_scaling(op, gradient_predivide_factor)  # refused here, not at a step
+    _checks.predivide_scaling(op, gradient_predivide_factor)  # refused here, not at a step
     process_set = process_sets.global_process_set if process_set is None else process_set
     process_sets.process_set_id(process_set)  # a set that is not registered: refused here
     return {"compression": compression, "sparse_as_dense": sparse_as_dense,

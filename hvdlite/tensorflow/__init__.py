@@ -11,9 +11,9 @@ has Horovod's gradient; which path copies memory, per case, is in ``tensors``. N
 here is compiled against TensorFlow. The names are Horovod's (README, "TensorFlow and
 Keras"); what is absent is listed there.
 """
-from hvdlite.build_info import (ccl_built, check_num_rank_power_of_2, cuda_built,
-                                ddl_built, gloo_built, gloo_enabled, is_homogeneous,
-                                mpi_built, mpi_enabled, nccl_built, rocm_built)
+from hvdlite.capabilities import (ccl_built, check_num_rank_power_of_2, cuda_built,
+                                  ddl_built, gloo_built, gloo_enabled, is_homogeneous,
+                                  mpi_built, mpi_enabled, nccl_built, rocm_built)
 from hvdlite.errors import (HorovodInternalError, HvdliteError, InvalidArgumentError,
                             MismatchError)
 from hvdlite.ops import resolve_op as handle_average_backwards_compatibility
@@ -25,9 +25,10 @@ from hvdlite.tensorflow.functions import (BroadcastGlobalVariablesHook, allgathe
                                           broadcast_global_variables,
                                           broadcast_object, broadcast_object_fn,
                                           broadcast_variables)
-from hvdlite.tensorflow.gradient_tape import (DistributedGradientTape, DistributedOptimizer,
-                                              PartialDistributedGradientTape,
-                                              allreduce_gradients)
+from hvdlite.tensorflow.gradient_tape import (DistributedGradientTape,
+                                              PartialDistributedGradientTape)
+from hvdlite.tensorflow.gradients import allreduce_gradients
+from hvdlite.tensorflow.optimizer import DistributedOptimizer
 from hvdlite.tensorflow.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
                                         add_process_set, allgather, allreduce, alltoall,
                                         barrier, broadcast, broadcast_, broadcast_group,

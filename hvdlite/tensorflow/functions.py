@@ -5,7 +5,7 @@ import tensorflow as tf
 
 from hvdlite import objects
 from hvdlite.process_sets import global_process_set
-from hvdlite.tensorflow import mpi_ops
+from hvdlite.tensorflow import execution, mpi_ops
 
 
 def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False,
@@ -30,7 +30,7 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
         tf.errors.InvalidArgumentError: a root out of range or an unsupported dtype.
         tf.errors.FailedPreconditionError: shapes or dtypes differ across ranks.
     """
-    mpi_ops._check_process_set(process_set)
+    execution.check_process_set(process_set)
     variables = list(variables)
     if not variables:
         return _runnable()
@@ -75,7 +75,7 @@ def broadcast_object(obj, root_rank=0, session=None, name=None,
     Raises:
         As ``broadcast``.
     """
-    mpi_ops._check_process_set(process_set)
+    execution.check_process_set(process_set)
     return objects.broadcast_object(obj, root_rank, name, process_set)
 
 
@@ -93,7 +93,7 @@ def allgather_object(obj, session=None, name=None, process_set=global_process_se
         session, process_set: as for ``broadcast_object``.
         name: a base name, equal across ranks; None names it automatically.
     """
-    mpi_ops._check_process_set(process_set)
+    execution.check_process_set(process_set)
     return objects.allgather_object(obj, name, process_set)
 
 

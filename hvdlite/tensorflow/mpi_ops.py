@@ -31,218 +31,26 @@ Nothing here is compiled against TensorFlow.
 * Errors are the ``tf.errors`` classes Horovod raises (``errors.py``): a mismatch
   across ranks is ``FailedPreconditionError``, bad splits ``InvalidArgumentError``,
   eagerly and in graphs; each is also the hvdlite class (e.g. ``MismatchError``).
-"""
-import threading
-import weakref
 
+How one collective runs (its name, the checks at the call, the eager implementation,
+the ordered graph node) is ``hvdlite.tensorflow.execution``; this module holds the ops.
+"""
 import numpy as np
 import tensorflow as tf
 
-from hvdlite import ops, process_sets, runtime
-from hvdlite.errors import HvdliteError, InvalidArgumentError
+from hvdlite import _checks, ops, process_sets, runtime
+from hvdlite._enqueue import Adasum, Average, Max, Min, Product, Sum  # noqa: F401 (Horovod)
 from hvdlite.process_sets import (ProcessSet, add_process_set,  # noqa: F401 (API)
                                   global_process_set, remove_process_set)
 from hvdlite.tensorflow import errors, tensors
 from hvdlite.tensorflow.compression import Compression
+from hvdlite.tensorflow.execution import (allgather_now, allreduce_now, broadcast_now,
+                                          check_process_set, check_rank, check_static,
+                                          collective_name, group_names,
+                                          grouped_allreduce_now, reducescatter_now, run,
+                                          trailing)
 
-Average = ops.Average
-Sum = ops.Sum
-Min = ops.Min
-Max = ops.Max
-Product = ops.Product
-Adasum = ops.Adasum  # allreduce only, global set (hvdlite.adasum)
 _basics = process_sets.basics
-
-
-# -- names -------------------------------------------------------------------------------
-
-# graph -> {base name: times used}: the same tensor reduced twice in one graph gets
-# "<name>", then "<name>.1"... Weak keys: a graph's entry goes with the graph.
-_graph_names = weakref.WeakKeyDictionary()
-_graph_names_lock = threading.Lock()
-
-
-def _op_name(kind, name, tensor, process_set=global_process_set):
-    """Returns the name of one collective, fixed now (eager call or graph trace)."""
-    psid = process_sets.process_set_id(process_set)
-    if name is not None:
-        return ops._resolve_name(kind, name, psid)
-    if tf.executing_eagerly():
-        return ops.auto_name(kind, psid)
-    graph = tf.compat.v1.get_default_graph()
-    base = f"{kind}.{tensor.name}" if psid == 0 else f"{kind}.ps{psid}.{tensor.name}"
-    with _graph_names_lock:
-        used = _graph_names.setdefault(graph, {})
-        count = used.get(base, 0)
-        used[base] = count + 1
-    return base if count == 0 else f"{base}.{count}"
-
-
-@errors.tf_errors
-def _check_static(tensor, name, op=None, scales=None, min_ndim=0):
-    """Refuses what can be refused before running (also while tracing a graph).
-
-    The checks are those of ``hvdlite.ops``, applied to the tensor's dtype; the rest
-    (e.g. shapes) is checked when the op runs.
-    """
-    label = name or "unnamed"
-    tensors.check_dtype(tensor, label)
-    is_bool = tensors.numpy_dtype(tensor.dtype) == np.bool_
-    if op is not None:
-        ops._check_reduce_op(op, is_bool, label)
-    if scales is not None:
-        ops._check_scale(scales[0], scales[1], is_bool, label)
-    if tensor.shape.rank is not None and tensor.shape.rank < min_ndim:
-        raise InvalidArgumentError(
-            f"tensor '{label}' must have at least {min_ndim} dimension(s), "
-            f"got shape {tensor.shape}")
-
-
-_check_rank = errors.tf_errors(ops._check_rank)
-
-# graph -> (op, ran) of its last collective node (see the module doc): ``ran`` is set
-# once the node has run. Weak keys.
-_last_collective = weakref.WeakKeyDictionary()
-
-
-def _run(fn, inputs, out_dtypes, out_shapes):
-    """Runs ``fn(*eager_inputs) -> list of tensors`` now, or as a graph node.
-
-    Returns:
-        The list of output tensors.
-
-    Raises:
-        tf.errors.OpError: eagerly, the collective failed (see ``errors.py``).
-    """
-    if tf.executing_eagerly():
-        return errors.tf_errors(fn)(*inputs)
-    return _graph_node(fn, inputs, out_dtypes, out_shapes)
-
-
-def _graph_node(fn, inputs, out_dtypes, out_shapes):
-    """Adds ``fn`` to the default graph, after its previous collective node.
-
-    The py_function returns the error's code and message with its outputs (TF would
-    turn a raised error into UnknownError); the outputs pass through identities that
-    wait on ``errors.raise_in_graph``, which fails the step with the right class.
-    """
-    ran = threading.Event()
-
-    def node(*args):
-        ran.set()
-        try:
-            outputs = list(fn(*args))
-            code, message = errors.OK, ""
-        except HvdliteError as e:
-            coded = errors.graph_code(e)
-            if coded is None:
-                raise
-            code, message = coded
-            outputs = [tf.zeros([0], dtype) for dtype in out_dtypes]
-        return outputs + [tf.constant(code, tf.int32), tf.constant(message)]
-
-    graph = tf.compat.v1.get_default_graph()
-    with tf.control_dependencies(_follow(graph)):
-        results = tf.py_function(node, inputs, Tout=list(out_dtypes) + [tf.int32,
-                                                                        tf.string])
-    _last_collective[graph] = (results[0].op, ran)
-    with tf.control_dependencies([errors.raise_in_graph(results[-2], results[-1])]):
-        outputs = [tf.identity(result) for result in results[:-2]]
-    for output, shape in zip(outputs, out_shapes):
-        output.set_shape(shape)
-    return outputs
-
-
-def _follow(graph):
-    """Returns the control inputs of a new collective node of ``graph``.
-
-    The previous collective node, unless it has already run: then the program is at a
-    new step (build a node, run it, build the next...), every rank has run it, and a
-    dependency would only make each later run of a TF1 session run it again.
-    """
-    previous = _last_collective.get(graph)
-    if previous is None or previous[1].is_set():
-        return []
-    return [previous[0]]
-
-
-def _trailing(shape, first=None):
-    """``[first] + shape[1:]`` as a TensorShape (unknown rank stays unknown)."""
-    if shape.rank is None:
-        return tf.TensorShape(None)
-    return tf.TensorShape([first]).concatenate(shape[1:])
-
-
-# -- eager implementations: EagerTensors in, EagerTensors out --------------------------
-
-
-def _allreduce_now(tensor, name, op, prescale, postscale, process_set):
-    arr = tensors.host_array(tensor)
-    out = tensors.empty_aligned(arr.shape, arr.dtype)
-    ops.allreduce(arr, name, op, prescale, postscale, out=out, process_set=process_set)
-    return tensors.to_tensor(out)
-
-
-def _grouped_allreduce_now(tensor_list, group, op, prescale, postscale, process_set):
-    arrays = [tensors.host_array(tensor) for tensor in tensor_list]
-    outs = [tensors.empty_aligned(arr.shape, arr.dtype) for arr in arrays]
-    ops.grouped_allreduce(arrays, group, op, prescale, postscale, outs=outs,
-                          process_set=process_set)
-    return [tensors.to_tensor(out) for out in outs]
-
-
-def _broadcast_now(tensor_list, names, root_rank, process_set):
-    """Broadcasts several tensors: all enqueued before any wait, so they can fuse."""
-    arrays = [tensors.host_array(tensor) for tensor in tensor_list]
-    outs = [tensors.empty_aligned(arr.shape, arr.dtype) for arr in arrays]
-    return _wait_all([ops.broadcast_async(arr, root_rank, name, out=out,
-                                          process_set=process_set)
-                      for arr, name, out in zip(arrays, names, outs)], outs)
-
-
-def _allgather_now(tensor_list, names, process_set):
-    """Allgathers several tensors: all enqueued before any wait, so they can fuse."""
-    return _wait_all([ops.allgather_async(tensors.host_array(tensor), name, process_set)
-                      for tensor, name in zip(tensor_list, names)])
-
-
-def _reducescatter_now(tensor_list, names, op, prescale, postscale, process_set):
-    """Reduce-scatters several tensors: all enqueued before any wait."""
-    arrays = [tensors.host_array(tensor) for tensor in tensor_list]
-    size, rank = process_sets.members(process_set)
-    outs = []
-    for arr in arrays:
-        rows = None
-        if arr.ndim >= 1:  # else ops refuses it, naming the tensor
-            rows = ops.reducescatter_rows(arr.shape[0], size, rank)
-        outs.append(None if rows is None
-                    else tensors.empty_aligned((rows,) + arr.shape[1:], arr.dtype))
-    return _wait_all([ops.reducescatter_async(arr, name, op, prescale, postscale, out=out,
-                                              process_set=process_set)
-                      for arr, name, out in zip(arrays, names, outs)])
-
-
-def _wait_all(handles, outs=None):
-    """Waits every handle (even after one failed), then raises the first error.
-
-    Returns:
-        The results as tensors: ``outs`` if given, else each handle's result.
-    """
-    results, failure = [], None
-    for handle in handles:
-        try:
-            results.append(ops.synchronize(handle))
-        except HvdliteError as e:
-            failure = failure or e
-    if failure is not None:
-        raise failure
-    return [tensors.to_tensor(r) for r in (results if outs is None else outs)]
-
-
-def _names(kind, name, tensor_list, process_set):
-    """Returns the names of a group's tensors: ``"<group>.<i>"``."""
-    group = _op_name(kind, name, tensor_list[0], process_set)
-    return [f"{group}.{i}" for i in range(len(tensor_list))]
 
 
 # -- allreduce ---------------------------------------------------------------------------
@@ -251,14 +59,14 @@ def _names(kind, name, tensor_list, process_set):
 def _allreduce(tensor, name, op, prescale, postscale, process_set=global_process_set):
     """Dense allreduce with its gradient; ``name`` None means automatic."""
     # Adasum is checked where it runs (hvdlite.adasum: float types, the global set).
-    _check_static(tensor, name, None if op == Adasum else op, (prescale, postscale))
+    check_static(tensor, name, None if op == Adasum else op, (prescale, postscale))
 
     @tf.custom_gradient
     def allreduce_fn(x):
-        op_name = _op_name("allreduce", name, x, process_set)
-        y = _run(lambda t: [_allreduce_now(t, op_name, op, prescale, postscale,
-                                           process_set)],
-                 [x], [x.dtype], [x.shape])[0]
+        op_name = collective_name("allreduce", name, x, process_set)
+        y = run(lambda t: [allreduce_now(t, op_name, op, prescale, postscale,
+                                         process_set)],
+                [x], [x.dtype], [x.shape])[0]
 
         def grad(dy):
             if op not in (Average, Sum):
@@ -331,8 +139,8 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
         NotImplementedError: an IndexedSlices with an op other than Average and Sum,
             or with scale factors (as Horovod).
     """
-    _check_process_set(process_set)
-    op = ops.resolve_op(op, average)
+    check_process_set(process_set)
+    op = _checks.resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
         return _sparse_allreduce(tensor, name, op, compression, prescale_factor,
                                  postscale_factor, process_set)
@@ -346,15 +154,15 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
 def _grouped_allreduce(tensor_list, name, op, prescale, postscale,
                        process_set=global_process_set):
     for i, tensor in enumerate(tensor_list):
-        _check_static(tensor, None if name is None else f"{name}.{i}", op,
-                      (prescale, postscale))
+        check_static(tensor, None if name is None else f"{name}.{i}", op,
+                     (prescale, postscale))
 
     @tf.custom_gradient
     def grouped_fn(*xs):
-        group = _op_name("grouped_allreduce", name, xs[0], process_set)
-        ys = _run(lambda *ts: _grouped_allreduce_now(ts, group, op, prescale, postscale,
-                                                     process_set),
-                  list(xs), [x.dtype for x in xs], [x.shape for x in xs])
+        group = collective_name("grouped_allreduce", name, xs[0], process_set)
+        ys = run(lambda *ts: grouped_allreduce_now(ts, group, op, prescale, postscale,
+                                                   process_set),
+                 list(xs), [x.dtype for x in xs], [x.shape for x in xs])
 
         def grad(*dys):
             if op not in (Average, Sum):
@@ -390,8 +198,8 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     Raises:
         As ``allreduce``; nothing is enqueued if any tensor is refused at the call.
     """
-    _check_process_set(process_set)
-    op = ops.resolve_op(op, average)
+    check_process_set(process_set)
+    op = _checks.resolve_op(op, average)
     tensors_in = list(tensors)
     results = [None] * len(tensors_in)
     sparse_index = [i for i, t in enumerate(tensors_in) if isinstance(t, tf.IndexedSlices)]
@@ -436,13 +244,13 @@ def _my_rows(gradient, x, process_set):
 def _grouped_allgather(tensor_list, name, process_set=global_process_set):
     tensor_list = [tf.convert_to_tensor(t) for t in tensor_list]
     for i, tensor in enumerate(tensor_list):
-        _check_static(tensor, None if name is None else f"{name}.{i}", min_ndim=1)
+        check_static(tensor, None if name is None else f"{name}.{i}", min_ndim=1)
 
     @tf.custom_gradient
     def allgather_fn(*xs):
-        names = _names("allgather", name, xs, process_set)
-        ys = _run(lambda *ts: _allgather_now(ts, names, process_set), list(xs),
-                  [x.dtype for x in xs], [_trailing(x.shape) for x in xs])
+        names = group_names("allgather", name, xs, process_set)
+        ys = run(lambda *ts: allgather_now(ts, names, process_set), list(xs),
+                 [x.dtype for x in xs], [trailing(x.shape) for x in xs])
 
         def grad(*dys):
             # Horovod's: the average over ranks, then this rank's rows (one allreduce
@@ -477,7 +285,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     Raises:
         As ``allreduce``.
     """
-    _check_process_set(process_set)
+    check_process_set(process_set)
     return _allgather(tensor, name, process_set)
 
 
@@ -497,21 +305,21 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
     Raises:
         As ``allreduce``.
     """
-    _check_process_set(process_set)
+    check_process_set(process_set)
     tensors = list(tensors)
     return _grouped_allgather(tensors, name, process_set) if tensors else []
 
 
 def _broadcast(tensor, root_rank, name, process_set=global_process_set):
     tensor = tf.convert_to_tensor(tensor)
-    _check_static(tensor, name)
-    _check_rank(root_rank, "root_rank", name or "unnamed")
+    check_static(tensor, name)
+    check_rank(root_rank, "root_rank", name or "unnamed")
 
     @tf.custom_gradient
     def broadcast_fn(x):
-        op_name = _op_name("broadcast", name, x, process_set)
-        y = _run(lambda t: _broadcast_now([t], [op_name], root_rank, process_set),
-                 [x], [x.dtype], [x.shape])[0]
+        op_name = collective_name("broadcast", name, x, process_set)
+        y = run(lambda t: broadcast_now([t], [op_name], root_rank, process_set),
+                [x], [x.dtype], [x.shape])[0]
 
         def grad(dy):
             # Horovod's: the average over ranks on the root, zeros elsewhere (a
@@ -541,7 +349,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
     Raises:
         As ``allreduce``; tf.errors.InvalidArgumentError for a root out of range.
     """
-    _check_process_set(process_set)
+    check_process_set(process_set)
     return _broadcast(tensor, root_rank, name, process_set)
 
 
@@ -557,12 +365,12 @@ def broadcast_group(tensor_list, root_rank, name=None, process_set=global_proces
     if not tensor_list:
         return []
     for tensor in tensor_list:
-        _check_static(tensor, name)
-    _check_rank(root_rank, "root_rank", name or "unnamed")
-    names = _names("broadcast_group", name, tensor_list, process_set)
-    return list(_run(lambda *ts: _broadcast_now(ts, names, root_rank, process_set),
-                     tensor_list,
-                     [t.dtype for t in tensor_list], [t.shape for t in tensor_list]))
+        check_static(tensor, name)
+    check_rank(root_rank, "root_rank", name or "unnamed")
+    names = group_names("broadcast_group", name, tensor_list, process_set)
+    return list(run(lambda *ts: broadcast_now(ts, names, root_rank, process_set),
+                    tensor_list,
+                    [t.dtype for t in tensor_list], [t.shape for t in tensor_list]))
 
 
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
@@ -579,7 +387,7 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     Raises:
         As ``broadcast``.
     """
-    _check_process_set(process_set)
+    check_process_set(process_set)
     variables = list(variables)
     values = broadcast_group(variables, root_rank, name, process_set)
     assigned = [variable.assign(value) for variable, value in zip(variables, values)]
@@ -591,10 +399,7 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
 
 
 def _even_splits(rows, label, size):
-    if rows % size:
-        raise InvalidArgumentError(
-            f"tensor '{label}': the first dimension {rows} is not a multiple of the "
-            f"number of ranks ({size}); pass splits")
+    _checks.check_even_split(rows, size, label)
     return np.full(size, rows // size, dtype=np.int64)
 
 
@@ -612,12 +417,12 @@ def _alltoall_now(tensor, splits, name, process_set):
 def _alltoall(tensor, splits, name, process_set=global_process_set):
     @tf.custom_gradient
     def alltoall_fn(x):
-        op_name = _op_name("alltoall", name, x, process_set)
+        op_name = collective_name("alltoall", name, x, process_set)
         inputs = [x] if splits is None else [x, splits]
-        received, received_splits = _run(
+        received, received_splits = run(
             lambda t, s=None: _alltoall_now(t, s, op_name, process_set), inputs,
             [x.dtype, tf.int32],
-            [_trailing(x.shape), tf.TensorShape([process_sets.members(process_set)[0]])])
+            [trailing(x.shape), tf.TensorShape([process_sets.members(process_set)[0]])])
 
         def grad(d_received, d_splits=None):
             # Horovod's: the gradient goes back along the splits it came by.
@@ -648,9 +453,9 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
     Raises:
         As ``allreduce``; tf.errors.InvalidArgumentError for bad splits.
     """
-    _check_process_set(process_set)
+    check_process_set(process_set)
     tensor = tf.convert_to_tensor(tensor)
-    _check_static(tensor, name, min_ndim=1)
+    check_static(tensor, name, min_ndim=1)
     if splits is None and tensor.shape.rank and tensor.shape[0] is not None:
         errors.tf_errors(_even_splits)(tensor.shape[0], name or "unnamed",
                                        process_sets.members(process_set)[0])
@@ -663,22 +468,22 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
 def _grouped_reducescatter(tensor_list, name, op, prescale, postscale,
                            process_set=global_process_set):
     for i, tensor in enumerate(tensor_list):
-        _check_static(tensor, None if name is None else f"{name}.{i}", op,
-                      (prescale, postscale), min_ndim=1)
+        check_static(tensor, None if name is None else f"{name}.{i}", op,
+                     (prescale, postscale), min_ndim=1)
 
     @tf.custom_gradient
     def reducescatter_fn(*xs):
-        names = _names("reducescatter", name, xs, process_set)
+        names = group_names("reducescatter", name, xs, process_set)
         size, rank = process_sets.members(process_set)
         shapes = []
         for x in xs:
             rows = None
             if x.shape.rank and x.shape[0] is not None:
-                rows = ops.reducescatter_rows(x.shape[0], size, rank)
-            shapes.append(_trailing(x.shape, rows))
-        ys = _run(lambda *ts: _reducescatter_now(ts, names, op, prescale, postscale,
-                                                 process_set),
-                  list(xs), [x.dtype for x in xs], shapes)
+                rows = _checks.reducescatter_rows(x.shape[0], size, rank)
+            shapes.append(trailing(x.shape, rows))
+        ys = run(lambda *ts: reducescatter_now(ts, names, op, prescale, postscale,
+                                               process_set),
+                 list(xs), [x.dtype for x in xs], shapes)
 
         def grad(*dys):
             # Horovod's: the allgathered gradient, times the set's size for Sum and
@@ -731,7 +536,7 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
     Returns:
         A list of this rank's rows of each reduction, in order.
     """
-    _check_process_set(process_set)
+    check_process_set(process_set)
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
@@ -747,14 +552,14 @@ def join():
     Returns:
         The rank that joined last (an int32 scalar tensor).
     """
-    return _run(lambda: [tf.constant(ops.join(), tf.int32)], [], [tf.int32],
-                [tf.TensorShape([])])[0]
+    return run(lambda: [tf.constant(ops.join(), tf.int32)], [], [tf.int32],
+               [tf.TensorShape([])])[0]
 
 
 def barrier(process_set=global_process_set):
     """Blocks until every rank (of ``process_set``) has reached the barrier (in a graph:
     when it runs)."""
-    _check_process_set(process_set)
+    check_process_set(process_set)
 
     def now():
         ops.barrier(process_set)
@@ -762,20 +567,10 @@ def barrier(process_set=global_process_set):
 
     # In a graph the node runs in program order with the other collectives (module
     # doc); returned, so that a TF1 session can run it.
-    return _run(now, [], [tf.int32], [tf.TensorShape([])])[0]
+    return run(now, [], [tf.int32], [tf.TensorShape([])])[0]
 
 
 # -- the process, as tensors ----------------------------------------------------------
-
-
-@errors.tf_errors
-def _check_process_set(process_set):
-    """Refuses, at the call, a process set that is not a registered ProcessSet.
-
-    Returns:
-        Its id (0 for None and the global set).
-    """
-    return process_sets.process_set_id(process_set)
 
 
 def size_op(process_set_id=0, name=None):

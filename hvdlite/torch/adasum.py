@@ -15,10 +15,9 @@ import contextlib
 
 import torch
 
-from hvdlite import ops, runtime
-from hvdlite.torch import mpi_ops
+from hvdlite import _checks, process_sets, runtime
+from hvdlite.torch import mpi_ops, parameters
 from hvdlite.torch.compression import Compression
-from hvdlite.torch.optimizer import _DistributedOptimizer
 
 
 class _DistributedAdasumOptimizer:
@@ -26,12 +25,10 @@ class _DistributedAdasumOptimizer:
 
     def _hvd_setup(self, named_parameters, compression, backward_passes_per_step, op,
                    gradient_predivide_factor, groups, sparse_as_dense, process_set):
-        if backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, got "
-                             f"{backward_passes_per_step}")
+        parameters.check_backward_passes(backward_passes_per_step)
         if gradient_predivide_factor != 1.0:
             raise ValueError("gradient_predivide_factor is supported only with op=Average")
-        ops._check_adasum_set(mpi_ops._process_set_id(process_set), "adasum.updates")
+        _checks.check_adasum_set(process_sets.process_set_id(process_set), "adasum.updates")
         self.op = op
         self.process_set = process_set
         self.backward_passes_per_step = backward_passes_per_step
@@ -41,7 +38,7 @@ class _DistributedAdasumOptimizer:
             raise ValueError(f"op=Adasum takes no compression (got {compression!r})")
         params = [p for group in self.param_groups for p in group["params"]]
         # The same checks of named_parameters as the gradient-averaging optimizer's.
-        _DistributedOptimizer._name_parameters(named_parameters, params)
+        parameters.name_parameters(named_parameters, params)
         self._adasum_params = [p for p in params if p.requires_grad]
 
     def synchronize(self):

@@ -15,77 +15,11 @@ import warnings
 
 import torch
 
-from hvdlite import ops, runtime
-from hvdlite.reducers import Reducer
-from hvdlite.torch import mpi_ops
+from hvdlite import _checks, process_sets, runtime
+from hvdlite.torch import mpi_ops, parameters, reduction
+from hvdlite.torch.adasum import _DistributedAdasumOptimizer
 from hvdlite.torch.compression import Compression
-
-
-class _CompressedAllreduce(Reducer):
-    """compress -> allreduce in place -> decompress: the reducer of the cast compressors
-    (Compression.none, fp16, bf16), on torch tensors with no copy beyond the casts."""
-
-    def __init__(self, compression, op, scale, process_set):
-        self.compression, self.op, self.scale = compression, op, scale
-        self.process_set = process_set
-
-    def start(self, names, grads):
-        sent = [self.compression.compress(grad) for grad in grads]
-        tensors = [tensor for tensor, _ in sent]
-        if len(tensors) == 1:
-            handle = mpi_ops._allreduce_async(tensors[0], tensors[0], names[0], self.op,
-                                              *self.scale, self.process_set)
-        else:
-            handle = mpi_ops._grouped_allreduce_async(tensors, tensors, names, self.op,
-                                                      *self.scale, self.process_set,
-                                                      names[0])
-        return handle, sent
-
-    def finish(self, token):
-        handle, sent = token
-        mpi_ops.synchronize(handle)
-        return [self.compression.decompress(tensor, ctx) for tensor, ctx in sent]
-
-
-class _OnCpuArrays(Reducer):
-    """Runs a framework-free reducer (``hvdlite.reducers``) on numpy views of the
-    gradients, and gives its updates back as tensors of the gradients' dtype and device."""
-
-    def __init__(self, reducer):
-        self.reducer = reducer
-
-    def start(self, names, grads):
-        arrays = [grad.detach().to("cpu", torch.float32).numpy() for grad in grads]
-        return self.reducer.start(names, arrays), [(g.dtype, g.device) for g in grads]
-
-    def finish_all(self, tokens):
-        updates = self.reducer.finish_all([token for token, _ in tokens])
-        return [[torch.from_numpy(u).to(device, dtype) for u, (dtype, device) in zip(us, kinds)]
-                for us, (_, kinds) in zip(updates, tokens)]
-
-
-def reduce_through(reducer, grads, names):
-    """Averages torch gradients through a framework-free reducer, in one go; returns the
-    updates (for callers outside the optimizer, e.g. Keras on the torch backend)."""
-    on_cpu = _reducer_for(reducer, mpi_ops.Average, [1.0, 1.0], mpi_ops.global_process_set)
-    (updates,) = on_cpu.finish_all([on_cpu.start(names, grads)])
-    return updates
-
-
-def _reducer_for(compression, op, scale, process_set):
-    """The optimizer's reducer: ``compression`` itself when it is one, else the
-    compressed allreduce of a cast compressor."""
-    if not getattr(compression, "is_reducer", False):
-        return _CompressedAllreduce(compression, op, scale, process_set)
-    if isinstance(compression, type):
-        raise ValueError(f"{compression.__name__} is a reducer class: pass an instance, "
-                         f"e.g. Compression.topk(0.01)")
-    if op != mpi_ops.Average or scale != [1.0, 1.0]:
-        raise ValueError(f"{compression!r} averages gradients: it takes op=Average and no "
-                         "gradient_predivide_factor")
-    if process_set is not mpi_ops.global_process_set:
-        raise ValueError(f"{compression!r} runs on the global process set only")
-    return _OnCpuArrays(compression)
+from hvdlite.torch.reduction import reduce_through  # noqa: F401 (its former home)
 
 
 def _sparse_op(op, name):
@@ -103,12 +37,10 @@ class _DistributedOptimizer:
 
     def _hvd_setup(self, named_parameters, compression, backward_passes_per_step, op,
                    gradient_predivide_factor, groups, sparse_as_dense, process_set):
-        if backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, got "
-                             f"{backward_passes_per_step}")
-        _, *scale = ops.predivide_scaling(op, gradient_predivide_factor)
-        mpi_ops._process_set_id(process_set)
-        self._reducer = _reducer_for(compression, op, scale, process_set)
+        parameters.check_backward_passes(backward_passes_per_step)
+        _, *scale = _checks.predivide_scaling(op, gradient_predivide_factor)
+        process_sets.process_set_id(process_set)
+        self._reducer = reduction.reducer_for(compression, op, scale, process_set)
         if hasattr(compression, "use_optimizer_momentum"):
             self._sgd_momentum(compression)
         self.backward_passes_per_step = backward_passes_per_step
@@ -118,7 +50,7 @@ class _DistributedOptimizer:
         self.process_set = process_set
 
         all_params = [p for group in self.param_groups for p in group["params"]]
-        self._parameter_names = self._name_parameters(named_parameters, all_params)
+        self._parameter_names = parameters.name_parameters(named_parameters, all_params)
         self._requires_update = [p for p in all_params if p.requires_grad]
         self._units = self._make_units(groups, self._requires_update)
         # Units are keyed by index: tuples of tensors must never be compared (a hash
@@ -160,27 +92,6 @@ class _DistributedOptimizer:
                              f"groups have (momentum, dampening, nesterov) {sorted(momenta)}")
         momentum, dampening, nesterov = min(momenta)
         reducer.use_optimizer_momentum(momentum, plain=not (dampening or nesterov))
-
-    @staticmethod
-    def _name_parameters(named_parameters, all_params):
-        if named_parameters is None:
-            return {p: f"grad.noname.{i}" for i, p in enumerate(all_params)}
-        named = list(named_parameters)
-        if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
-            raise ValueError("named_parameters should be a sequence of (name, parameter) "
-                             "tuples, usually model.named_parameters()")
-        names = [name for name, _ in named]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise ValueError("parameter names in named_parameters must be unique; "
-                             f"duplicates: {', '.join(duplicates)}")
-        by_param = {p: name for name, p in named}
-        unnamed = [p for p in all_params if p not in by_param]
-        if unnamed:
-            raise ValueError(f"named_parameters was given, but {len(unnamed)} of the "
-                             "optimizer's parameters are not in it (shapes "
-                             f"{[tuple(p.shape) for p in unnamed][:5]})")
-        return by_param
 
     def _make_units(self, groups, params):
         """Returns the allreduce units: tuples of parameters enqueued together."""
@@ -424,9 +335,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     base = optimizer.__class__
     if getattr(optimizer, "_hvd_base", None) is not None:
         raise ValueError("the optimizer is already a DistributedOptimizer")
-    mixin = _DistributedOptimizer
-    if op == mpi_ops.Adasum:
-        from hvdlite.torch.adasum import _DistributedAdasumOptimizer as mixin
+    mixin = _DistributedAdasumOptimizer if op == mpi_ops.Adasum else _DistributedOptimizer
     methods = {k: v for k, v in mixin.__dict__.items() if not k.startswith("__")}
     cls = type(base.__name__, (base,), {**methods, "_hvd_base": base,
                                         "__module__": __name__,

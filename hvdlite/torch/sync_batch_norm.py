@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from hvdlite import ops, runtime
-from hvdlite.torch import mpi_ops
+from hvdlite.torch import async_collectives, mpi_ops
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -137,7 +137,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         grad_input = grad_weight = grad_bias = None
         if need_input:
             sums = torch.cat([sum_dy, sum_dy_xhat]).double()
-            sums = ops.synchronize(mpi_ops._allreduce_async(
+            sums = ops.synchronize(async_collectives.enqueue_allreduce(
                 sums, None, "sync_batch_norm.grad_sums", mpi_ops.Sum, 1.0, 1.0,
                 mpi_ops.global_process_set))
             mean_dy, mean_dy_xhat = (sums / ctx.total).to(x.dtype).chunk(2)

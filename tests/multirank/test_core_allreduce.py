@@ -310,7 +310,7 @@ WAITERS_SCRIPT = r"""
 import json, threading, time
 import numpy as np
 import hvdlite as hvd
-from hvdlite import ops
+from hvdlite import _enqueue
 from hvdlite._native import ffi, lib
 
 hvd.init()
@@ -319,8 +319,8 @@ x = np.full(4, rank + 1.0, np.float32)
 if rank == 0:
     o = np.empty_like(x)
     struct = ffi.new("hvdlite_tensor_t *")
-    keep = ops._fill(struct, ops.ALLREDUCE, "waiters.c", lib.HVDLITE_FLOAT32, x.shape, None,
-                     None, hvd.Sum, 1.0, 1.0, 0, None, 0, -1)
+    keep = _enqueue.fill(struct, _enqueue.ALLREDUCE, "waiters.c", lib.HVDLITE_FLOAT32, x.shape,
+                         None, None, hvd.Sum, 1.0, 1.0, 0, None, 0, -1)
     cell = ffi.new("hvdlite_handle_t *")
     status = lib.hvdlite_enqueue_buffers(struct, ffi.from_buffer(x), ffi.from_buffer(o), cell)
     native = cell[0]

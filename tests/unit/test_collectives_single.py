@@ -244,13 +244,13 @@ def test_allreduce_property(hvd, shape, dtype, seed):
 def test_names_used_once_do_not_keep_repeated_names_out_of_the_c_cache(hvd):
     # The C copies of names are cached, bounded; thousands of automatic names must not
     # fill it for good (every later named tensor would then pay for a new copy).
-    from hvdlite import ops
+    from hvdlite import _enqueue
     x = np.ones(2, np.float32)
-    for _ in range(ops._C_CACHE_LIMIT + 10):
+    for _ in range(_enqueue.C_CACHE_LIMIT + 10):
         hvd.allreduce(x)  # an automatic name each time
     hvd.allreduce(x, name="repeated.after.auto")
-    assert "repeated.after.auto" in ops._c_names
-    assert len(ops._c_names) <= ops._C_CACHE_LIMIT
+    assert "repeated.after.auto" in _enqueue._c_names
+    assert len(_enqueue._c_names) <= _enqueue.C_CACHE_LIMIT
 
 
 def test_results_land_in_the_given_buffers(hvd):

@@ -17,8 +17,8 @@ import tensorflow as tf
 import hvdlite.tensorflow as _hvd_tf
 from hvdlite.process_sets import (ProcessSet, add_process_set, global_process_set,
                                   remove_process_set)
-from hvdlite.build_info import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
-                                mpi_built, mpi_enabled, nccl_built, rocm_built)
+from hvdlite.capabilities import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
+                                  mpi_built, mpi_enabled, nccl_built, rocm_built)
 from hvdlite.errors import HorovodInternalError, HvdliteError, MismatchError
 from hvdlite import keras as _hvd_keras
 from hvdlite.keras import DistributedOptimizer

@@ -19,6 +19,7 @@ import os
 import signal
 import time
 
+from hvdlite import objects as objects_module
 from hvdlite.elastic import protocol
 from hvdlite.elastic import state as state_module
 from hvdlite.elastic import store as store_module
@@ -83,12 +84,12 @@ class Probe:
                 probe.kill_here("commit", probe.step_now)
             write(store, writer, commit_id)
 
-        broadcast_bytes = state_module._broadcast_bytes
+        broadcast_bytes = objects_module.broadcast_bytes
 
-        def broadcast_or_die(blob, root_rank, name):
+        def broadcast_or_die(blob, root_rank, name, *args, **kwargs):
             if name == "hvdlite.elastic.handover":
                 probe.kill_here("handover", 0)
-            return broadcast_bytes(blob, root_rank, name)
+            return broadcast_bytes(blob, root_rank, name, *args, **kwargs)
 
         save = state_module.State.save
 
@@ -99,5 +100,5 @@ class Probe:
                           digest=digest())
 
         store_module.CommitStore.write = write_or_die
-        state_module._broadcast_bytes = broadcast_or_die
+        objects_module.broadcast_bytes = broadcast_or_die
         state_module.State.save = save_and_log

@@ -1,10 +1,12 @@
-"""What this build has, by the names Horovod scripts query (``hvd.nccl_built()``...).
+"""What this build can do, by the names Horovod scripts query (``hvd.nccl_built()``...).
 
-Shared by the framework modules. Collectives run over MPI on host memory; the other
-transports Horovod can be built with are absent, so their queries answer False (0 for
-``nccl_built``, which Horovod answers with a version number).
+Not the build record (``hvdlite/_build_info.json``, what the build found: MPI, paths):
+these are Horovod's capability queries, re-exported by the framework modules.
+Collectives run over MPI on host memory; the other transports Horovod can be built with
+are absent, so their queries answer False (0 for ``nccl_built``, which Horovod answers
+with a version number).
 """
-from hvdlite import runtime
+from hvdlite import core
 
 
 def mpi_built():
@@ -58,7 +60,7 @@ def is_homogeneous():
     Raises:
         NotInitializedError: before ``init()`` or after ``shutdown()``.
     """
-    return runtime.size() == runtime.local_size() * runtime.cross_size()
+    return core.size() == core.local_size() * core.cross_size()
 
 
 def check_num_rank_power_of_2(num_rank):

@@ -1,0 +1,280 @@
+"""The C-struct enqueue layer: (pointer, native dtype code, shape) -> Handle.
+
+The framework adapters and the numpy API (``hvdlite.ops``) build on it: they validate
+their tensors (``hvdlite._checks``), pass pointers and keep the tensors alive through the
+Handle. Here are the op kinds and reduction ops (values read from the library), one
+tensor's fields (``TensorSpec``), and the structs kept from step to step so that a
+training step's repeated tensors cost a lookup, not a fill.
+"""
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from hvdlite._native import check, ffi, lib
+from hvdlite.handle import Handle, OpHandle
+
+# Reduction ops (values read from the library).
+Average = lib.HVDLITE_AVERAGE
+Sum = lib.HVDLITE_SUM
+Min = lib.HVDLITE_MIN
+Max = lib.HVDLITE_MAX
+Product = lib.HVDLITE_PRODUCT
+Adasum = lib.HVDLITE_ADASUM  # allreduce only; runs in hvdlite.adasum
+
+REDUCE_OP_NAMES = {Average: "Average", Sum: "Sum", Min: "Min", Max: "Max",
+                   Product: "Product"}
+
+# Collective kinds, also used as the prefixes of automatic names.
+ALLREDUCE = lib.HVDLITE_OP_ALLREDUCE
+ALLGATHER = lib.HVDLITE_OP_ALLGATHER
+BROADCAST = lib.HVDLITE_OP_BROADCAST
+ALLTOALL = lib.HVDLITE_OP_ALLTOALL
+REDUCESCATTER = lib.HVDLITE_OP_REDUCESCATTER
+BARRIER = lib.HVDLITE_OP_BARRIER
+JOIN = lib.HVDLITE_OP_JOIN
+
+
+@dataclass
+class TensorSpec:
+    """One tensor for ``enqueue_group``: the fields of ``hvdlite_tensor_t``.
+
+    ``input`` and ``output`` are addresses (int), cffi pointers, or None for NULL.
+    """
+
+    op: int
+    name: str
+    dtype: int
+    shape: Sequence[int]
+    input: Any
+    output: Any = None
+    reduce_op: int = Average
+    prescale: float = 1.0
+    postscale: float = 1.0
+    root_rank: int = 0
+    splits: Optional[Sequence[int]] = None
+    process_set_id: int = 0
+    device: int = -1
+
+
+# Pointers by address: a framework's tensors keep their memory from step to step, and a
+# cast costs several times a lookup. A pointer references nothing, so an entry for
+# memory since freed is harmless. Bounded like the caches below.
+_pointers = {}
+
+
+def pointer_at(address):
+    """``ffi.cast("void *", address)``, kept for the next call with that address."""
+    p = _pointers.get(address)
+    if p is None:
+        p = ffi.cast("void *", address)
+        remember(_pointers, address, p)
+    return p
+
+
+def pointer(p):
+    """A cffi pointer for an address (int), a cffi pointer, or None (NULL)."""
+    if p is None:
+        return ffi.NULL
+    if isinstance(p, ffi.CData):
+        return p
+    return pointer_at(p)
+
+
+_OK = lib.HVDLITE_OK
+# Looked up once: the per-tensor path calls them for every gradient of every step.
+_enqueue_buffers = lib.hvdlite_enqueue_buffers
+# An array's memory as a cffi pointer (several times cheaper than ``arr.ctypes.data``;
+# the pointer references the array).
+from_buffer = ffi.from_buffer
+
+# Names and shapes repeat every training step; their C copies are reused (the core
+# copies both at enqueue, so sharing them between calls is safe). Bounded, so that
+# automatically named tensors cannot grow it without end.
+C_CACHE_LIMIT = 1 << 12
+_c_names = {}
+_c_shapes = {}
+
+
+def c_name(name):
+    """The C copy of a tensor name (kept for the next call with that name)."""
+    c = _c_names.get(name)
+    if c is None:
+        c = ffi.new("char[]", name.encode("utf-8"))
+        remember(_c_names, name, c)
+    return c
+
+
+def _c_shape(shape):
+    key = tuple(shape)
+    c = _c_shapes.get(key)
+    if c is None:
+        c = ffi.new("int64_t[]", [int(d) for d in key] or [0])
+        remember(_c_shapes, key, c)
+    return c
+
+
+def remember(cache, key, value):
+    """Stores ``cache[key] = value`` in one of the bounded caches of the per-step path."""
+    # A full cache starts over, so that names used once (automatic names, say) cannot
+    # keep the ones every step repeats out of it for good.
+    if len(cache) >= C_CACHE_LIMIT:
+        cache.clear()
+    cache[key] = value
+
+
+def fill(struct, op, name, dtype, shape, input, output, reduce_op, prescale, postscale,
+         root_rank, splits, process_set_id, device):
+    """Fills one hvdlite_tensor_t.
+
+    Returns the cffi objects the struct points to, which must stay referenced until the
+    enqueue call returns (the core copies name, shape and splits at enqueue).
+    """
+    name_c = c_name(name)
+    c_shape = _c_shape(shape)
+    c_splits = ffi.NULL
+    if splits is not None:
+        c_splits = ffi.new("int64_t[]", [int(s) for s in splits] or [0])
+    struct.name = name_c
+    struct.op = op
+    struct.dtype = dtype
+    struct.ndim = len(shape)
+    struct.shape = c_shape
+    struct.input = pointer(input)
+    struct.output = pointer(output)
+    struct.reduce_op = reduce_op
+    struct.prescale_factor = prescale
+    struct.postscale_factor = postscale
+    struct.root_rank = root_rank
+    struct.splits = c_splits
+    struct.process_set_id = process_set_id
+    struct.device = device
+    return name_c, c_shape, c_splits
+
+
+def enqueue(op, name, dtype_code, shape, input_ptr, output_ptr=None, *, reduce_op=Average,
+            prescale=1.0, postscale=1.0, root_rank=0, splits=None, process_set_id=0,
+            device=-1, keepalive=(), finisher=None, result=None):
+    """Enqueues one tensor with the core; returns at once.
+
+    The caller has validated the tensor; the core checks what it can (and names in
+    flight, and agreement across ranks during negotiation).
+
+    Args:
+        op: the collective (ALLREDUCE, ALLGATHER, ...).
+        name: the tensor's name, equal across ranks.
+        dtype_code: a native dtype code (see ``dtypes.native_code``).
+        shape: the dimensions (empty for a scalar).
+        input_ptr: address of the C-contiguous input (int or cffi pointer).
+        output_ptr: address of the result for ALLREDUCE, BROADCAST, REDUCESCATTER (may
+            equal input_ptr); None for ALLGATHER and ALLTOALL (the core allocates it).
+        reduce_op, prescale, postscale: for ALLREDUCE and REDUCESCATTER.
+        root_rank: for BROADCAST.
+        splits: for ALLTOALL: rows sent to each rank (size() entries) or None.
+        process_set_id: 0 for all ranks.
+        device: -1 for host memory, else the device ordinal.
+        keepalive: objects (the tensors) referenced until the op has ended.
+        finisher: ``finisher(handle) -> result``, run once after success.
+        result: what the Handle returns on success when there is no finisher (the
+            output the core writes into).
+
+    Returns:
+        A Handle.
+
+    Raises:
+        NotInitializedError, InvalidArgumentError, DuplicateNameError: refused by the
+            core; nothing was enqueued.
+    """
+    if splits is None:
+        return enqueue_fields(op, name, dtype_code, tuple(shape), pointer(input_ptr),
+                              pointer(output_ptr), reduce_op, prescale, postscale,
+                              root_rank, process_set_id, device, keepalive, finisher,
+                              result)
+    out = ffi.new("hvdlite_handle_t *")
+    struct = ffi.new("hvdlite_tensor_t *")
+    keep = fill(struct, op, name, dtype_code, shape, input_ptr, output_ptr, reduce_op,
+                prescale, postscale, root_rank, splits, process_set_id, device)
+    check(lib.hvdlite_enqueue(struct, out))
+    return Handle([out[0]], finisher, (keepalive, keep), name, result)
+
+
+# A training step submits the same tensors, with the same properties, every step. Each
+# one's hvdlite_tensor_t is filled once and kept here, keyed by those properties, with
+# the objects it points to; a call then hands the core only its buffers
+# (hvdlite_enqueue_buffers). Bounded like the caches above.
+_templates = {}
+# The out cell of hvdlite_enqueue_buffers, one per thread: allocating one per call would
+# cost more than the enqueue itself.
+_cells = threading.local()
+
+
+def template(op, name, dtype, shape, reduce_op, prescale, postscale, root_rank,
+             process_set_id, device):
+    """The kept struct of a tensor (with what it points to), filled on first use."""
+    key = (op, name, dtype, shape, reduce_op, prescale, postscale, root_rank, process_set_id,
+           device)
+    kept = _templates.get(key)
+    # 0.0 and -0.0 are one key, yet the sign of a zero factor shows in the results.
+    if kept is None or not prescale or not postscale:
+        struct = ffi.new("hvdlite_tensor_t *")
+        keep = fill(struct, op, name, dtype, shape, None, None, reduce_op, prescale,
+                    postscale, root_rank, None, process_set_id, device)
+        kept = (struct, keep)
+        remember(_templates, key, kept)
+    return kept
+
+
+def submit(kept, input_ptr, output_ptr, keepalive, finisher, name, result):
+    """Enqueues a kept struct with these buffers; returns the Handle."""
+    try:
+        cell = _cells.handle
+    except AttributeError:
+        cell = _cells.handle = ffi.new("hvdlite_handle_t *")
+    status = _enqueue_buffers(kept[0], input_ptr, output_ptr, cell)
+    if status != _OK:
+        check(status)
+    if finisher is None:
+        return OpHandle(cell[0], keepalive, name, result)
+    return Handle([cell[0]], finisher, keepalive, name, result)
+
+
+def enqueue_fields(op, name, dtype_code, shape, input_ptr, output_ptr, reduce_op, prescale,
+                   postscale, root_rank, process_set_id, device, keepalive, finisher, result):
+    """``enqueue`` of one tensor without splits, every argument given in order: the
+    per-tensor path (a training step's gradients), several times cheaper than a struct
+    filled per call and keyword arguments. ``input_ptr`` and ``output_ptr`` are cffi
+    pointers (``ffi.from_buffer`` of an array, ``ffi.cast("void *", address)``)."""
+    return submit(template(op, name, dtype_code, shape, reduce_op, prescale, postscale,
+                           root_rank, process_set_id, device),
+                  input_ptr, output_ptr, keepalive, finisher, name, result)
+
+
+def enqueue_group(specs, *, name=None, keepalive=(), finisher=None, result=None):
+    """Enqueues tensors that are negotiated and executed together; all or nothing.
+
+    Args:
+        specs: TensorSpec objects.
+        name: a label for the Handle (e.g. the group's name).
+        keepalive: objects referenced until every op has ended.
+        finisher: ``finisher(handle) -> result``, run once after all succeeded.
+        result: what the Handle returns on success when there is no finisher.
+
+    Returns:
+        One Handle for the whole group.
+
+    Raises:
+        NotInitializedError, InvalidArgumentError, DuplicateNameError: refused by the
+            core; none was enqueued.
+    """
+    specs = list(specs)
+    if not specs:
+        # Nothing to negotiate; still a Handle so callers need no special case.
+        return Handle([], finisher, keepalive, name, result)
+    keep = []
+    structs = ffi.new("hvdlite_tensor_t[]", len(specs))
+    for i, q in enumerate(specs):
+        keep.append(fill(structs[i], q.op, q.name, q.dtype, q.shape, q.input, q.output,
+                         q.reduce_op, q.prescale, q.postscale, q.root_rank, q.splits,
+                         q.process_set_id, q.device))
+    handles = ffi.new("hvdlite_handle_t[]", len(specs))
+    check(lib.hvdlite_enqueue_group(structs, len(specs), handles))
+    return Handle(list(handles), finisher, (keepalive, keep), name, result)

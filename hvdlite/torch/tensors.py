@@ -1,0 +1,110 @@
+"""Torch tensors as the core takes them: the dtype table, the checks of a tensor handed
+by pointer, and numpy views (Adasum) and wrappers (core-allocated results) of them.
+
+Nothing here copies a tensor: the core reads and writes its memory
+(``tensor.data_ptr()``).
+"""
+import numpy as np
+import torch
+
+from hvdlite import dtypes
+from hvdlite.errors import InvalidArgumentError, UnsupportedDtypeError
+
+# torch dtype -> canonical name of hvdlite.dtypes (the adapter's half of the one table).
+# torch.uint16 (and uint32/uint64) stay out, as in horovod.torch, which refuses them.
+TORCH_DTYPE_NAMES = {
+    torch.uint8: "uint8",
+    torch.int8: "int8",
+    torch.int16: "int16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.bool: "bool",
+}
+
+
+def torch_dtype_name(dtype):
+    """Returns the canonical hvdlite name of a torch dtype, or None if unsupported."""
+    return TORCH_DTYPE_NAMES.get(dtype)
+
+
+def native_dtype_code(dtype, tensor_name=None):
+    """Returns the native dtype code for a torch dtype.
+
+    Args:
+        dtype: a ``torch.dtype``.
+        tensor_name: names the tensor in the error message.
+
+    Raises:
+        InvalidArgumentError: the dtype is not supported; the message lists those that are.
+    """
+    name = torch_dtype_name(dtype)
+    if name is None:
+        label = f"tensor '{tensor_name}'" if tensor_name else "tensor"
+        supported = ", ".join(str(d) for d in TORCH_DTYPE_NAMES)
+        raise UnsupportedDtypeError(f"{label} has unsupported dtype {dtype}; supported: "
+                                    f"{supported}")
+    return dtypes.native_code(name, tensor_name)
+
+
+_codes = {}
+
+
+def tensor_code(tensor, name, min_ndim=0):
+    """Checks that the core can take ``tensor`` by pointer; returns its dtype code.
+
+    This runs for every gradient of every step, so it asks torch only what it must and
+    builds nothing (no numpy view).
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidArgumentError(
+            f"tensor '{name}' must be a torch.Tensor, not {type(tensor).__name__}")
+    code = _codes.get(tensor.dtype)
+    if code is None:
+        code = _codes[tensor.dtype] = native_dtype_code(tensor.dtype, name)
+    if not tensor.is_cpu:
+        raise InvalidArgumentError(
+            f"tensor '{name}' is on {tensor.device}: hvdlite's GPU path has not landed yet, "
+            "only CPU tensors are supported (move it with .cpu())")
+    if tensor.layout != torch.strided:
+        raise InvalidArgumentError(
+            f"tensor '{name}' has layout {tensor.layout}; only dense (strided) tensors are "
+            "supported (use .to_dense())")
+    if not tensor.is_contiguous():
+        raise InvalidArgumentError(
+            f"tensor '{name}' is not contiguous (strides {tuple(tensor.stride())} for shape "
+            f"{tuple(tensor.shape)}); pass tensor.contiguous()")
+    if tensor.is_neg() or tensor.is_conj():
+        # Its memory does not hold its values: the core would reduce the wrong ones.
+        raise InvalidArgumentError(
+            f"tensor '{name}' is a lazily negated or conjugated view; pass "
+            "tensor.resolve_neg().resolve_conj()")
+    if tensor.dim() < min_ndim:
+        raise InvalidArgumentError(
+            f"tensor '{name}' must have at least {min_ndim} dimension(s), "
+            f"got shape {tuple(tensor.shape)}")
+    return code
+
+
+def host_array(tensor, name):
+    """A zero-copy numpy view of a checked CPU tensor (Adasum computes in numpy)."""
+    if tensor.dtype == torch.bfloat16:
+        raise InvalidArgumentError(
+            f"tensor '{name}': Adasum takes float16, float32 and float64 tensors, not "
+            "torch.bfloat16")
+    return tensor.detach().numpy()
+
+
+def from_core(handle, index, dtype, trailing_shape):
+    """Wraps a core-allocated ALLGATHER/ALLTOALL result as a tensor, without a copy."""
+    if dtype == torch.bfloat16:
+        # numpy has no bfloat16 that torch.from_numpy accepts: such results travel as
+        # int16 and are reinterpreted (a view, no copy).
+        arr = handle.output_array(index, np.int16, trailing_shape)
+        return torch.from_numpy(arr).view(torch.bfloat16)
+    arr = handle.output_array(index, dtypes.numpy_dtype(TORCH_DTYPE_NAMES[dtype]),
+                              trailing_shape)
+    return torch.from_numpy(arr)
