@@ -20,9 +20,10 @@ class ProgressWhileWaiting {
 }  // namespace
 
 Status HierarchicalAllreduce::Allreduce(const std::vector<ShmAllreduce::Piece>& pieces,
-                                        int32_t dtype, int32_t reduce_op, double prescale,
-                                        double postscale, int64_t divisor,
-                                        const StepDone& step_done) {
+                                        const AllreduceOptions& options, const StepDone& step_done) {
+  const int32_t dtype = options.dtype, reduce_op = options.reduce_op;
+  const double prescale = options.prescale, postscale = options.postscale;
+  const int64_t divisor = options.divisor;
   const int64_t elem = ElementSize(dtype);
   int64_t count = 0;
   for (const ShmAllreduce::Piece& p : pieces) count += p.count;

@@ -6,9 +6,11 @@
 
 namespace hvdlite {
 
-Status LeaderAllreduce::Allreduce(const std::vector<ShmAllreduce::Piece>& pieces, int32_t dtype,
-                                  int32_t reduce_op, double prescale, double postscale,
-                                  int64_t divisor, const StepDone& step_done) {
+Status LeaderAllreduce::Allreduce(const std::vector<ShmAllreduce::Piece>& pieces,
+                                  const AllreduceOptions& options, const StepDone& step_done) {
+  const int32_t dtype = options.dtype, reduce_op = options.reduce_op;
+  const double prescale = options.prescale, postscale = options.postscale;
+  const int64_t divisor = options.divisor;
   const int64_t elem = ElementSize(dtype);
   int64_t count = 0;
   for (const ShmAllreduce::Piece& p : pieces) count += p.count;
@@ -28,7 +30,7 @@ Status LeaderAllreduce::Allreduce(const std::vector<ShmAllreduce::Piece>& pieces
     at += p.count;
   }
   Status s;
-  if (host_->size() > 1) s = host_->shm().Allreduce(into_sum, dtype, reduce_op, prescale, 1.0, 1);
+  if (host_->size() > 1) s = host_->shm().Allreduce(into_sum, {dtype, reduce_op, prescale, 1.0, 1});
   step_done("SHM_ALLREDUCE");
   // 2. Across hosts, by the leaders.
   if (s.ok() && leaders_) s = leaders_->Allreduce(sum_.data(), count, dtype, reduce_op);

@@ -8,6 +8,7 @@
 #include <climits>
 #include <cstring>
 
+#include "common/elementwise.h"
 #include "common/half.h"
 #include "transport/mpi_fault_guard.h"
 #include "common/poll_backoff.h"
@@ -224,13 +225,13 @@ Status MpiBackend::SetUpLayers(const LayerSettings& settings, const MpiTopology&
     if (s.ok() && all_ok && plan.hierarchical_allreduce) {
       cross_.reset(new CrossLayer(cross));
       cross = nullptr;
-      hierarchical_.reset(new HierarchicalAllreduce(host_.get(), cross_.get()));
+      layered_allreduce_.reset(new HierarchicalAllreduce(host_.get(), cross_.get()));
     } else if (s.ok() && all_ok) {
       if (topo.local_rank == 0) {  // cross is then the leaders
         cross_.reset(new CrossLayer(cross));
         cross = nullptr;
       }
-      hierarchical_.reset(new LeaderAllreduce(host_.get(), cross_.get(), host_group_.get()));
+      layered_allreduce_.reset(new LeaderAllreduce(host_.get(), cross_.get(), host_group_.get()));
     } else if (host_) {
       host_->Close(true);
       host_.reset();
@@ -246,7 +247,7 @@ Status MpiBackend::SetUpLayers(const LayerSettings& settings, const MpiTopology&
 
 void MpiBackend::Shutdown(bool finalize) {
   // Freeing is collective: only on a shutdown every rank takes part in.
-  hierarchical_.reset();
+  layered_allreduce_.reset();
   hierarchical_allgather_.reset();
   hierarchical_broadcast_.reset();
   for (std::unique_ptr<GroupLayer>* group : {&host_group_, &leaders_}) {
@@ -354,8 +355,77 @@ Status MpiBackend::BroadcastBlob(std::vector<uint8_t>* blob) {
   return WaitBackoff(&req, "MPI_Ibcast (responses)");
 }
 
-Status MpiBackend::Allreduce(const void* in, void* out, int64_t count, int32_t dtype,
-                             int32_t reduce_op) {
+Status MpiBackend::Allreduce(const std::vector<ShmAllreduce::Piece>& pieces,
+                             const AllreduceOptions& options, const AllreduceTuning& tuning,
+                             FusionBuffer* fusion, const LayeredAllreduce::StepDone& step_done) {
+  switch (ChooseAllreduce(tuning)) {
+    case AllreduceAlgorithm::kLayers:
+      // The plan's steps over the topology layers (hierarchical_allreduce.h).
+      return layered_allreduce_->Allreduce(pieces, options, step_done);
+    case AllreduceAlgorithm::kSharedMemory: {
+      // Straight from the inputs through shared memory into the outputs, scaled on the
+      // way: no fusion buffer and no separate scaling pass.
+      host_->shm().set_chunk_bytes(tuning.shm_chunk_bytes);
+      Status s = host_->shm().Allreduce(pieces, options);
+      step_done("SHM_ALLREDUCE");
+      return s;
+    }
+    case AllreduceAlgorithm::kMpi:
+      break;
+  }
+  return FlatAllreduce(pieces, options, fusion, step_done);
+}
+
+Status MpiBackend::FlatAllreduce(const std::vector<ShmAllreduce::Piece>& pieces,
+                                 const AllreduceOptions& options, FusionBuffer* fusion,
+                                 const LayeredAllreduce::StepDone& step_done) {
+  const int32_t dtype = options.dtype;
+  const int elem = ElementSize(dtype);
+  int64_t total = 0;
+  for (const ShmAllreduce::Piece& p : pieces) total += p.count;
+  Status s;
+  if (pieces.size() == 1 && pieces[0].out) {
+    // One tensor: reduce in its output buffer, no fusion-buffer round trip.
+    const ShmAllreduce::Piece& p = pieces[0];
+    // Unscaled input goes to MPI as the send buffer: no copy at all.
+    const void* send = p.in;
+    if (options.prescale != 1.0) {
+      ScaledCopy(p.out, p.in, total, dtype, options.prescale, 1);
+      send = p.out;
+    }
+    step_done("MEMCPY_IN_FUSION_BUFFER");
+    s = MpiAllreduce(send, p.out, total, dtype, options.reduce_op);
+    step_done("MPI_ALLREDUCE");
+    if (s.ok()) ScaledCopy(p.out, p.out, total, dtype, options.postscale, options.divisor);
+    step_done("MEMCPY_OUT_FUSION_BUFFER");
+    return s;
+  }
+  uint8_t* buf = fusion->Get(total * elem);
+  int64_t off = 0;
+  for (const ShmAllreduce::Piece& p : pieces) {
+    if (p.in) {
+      ScaledCopy(buf + off * elem, p.in, p.count, dtype, options.prescale, 1);
+    } else {
+      std::memset(buf + off * elem, 0, p.count * elem);  // a joined rank contributes zeros
+    }
+    off += p.count;
+  }
+  step_done("MEMCPY_IN_FUSION_BUFFER");
+  s = MpiAllreduce(buf, buf, total, dtype, options.reduce_op);
+  step_done("MPI_ALLREDUCE");
+  off = 0;
+  for (size_t k = 0; k < pieces.size() && s.ok(); ++k) {
+    if (pieces[k].out) {
+      ScaledCopy(pieces[k].out, buf + off * elem, pieces[k].count, dtype, options.postscale, options.divisor);
+    }
+    off += pieces[k].count;
+  }
+  step_done("MEMCPY_OUT_FUSION_BUFFER");
+  return s;
+}
+
+Status MpiBackend::MpiAllreduce(const void* in, void* out, int64_t count, int32_t dtype,
+                                int32_t reduce_op) {
   MPI_Datatype type = MpiType(dtype);
   MPI_Op op = StandardOp(reduce_op);
   if (dtype == HVDLITE_FLOAT16 || dtype == HVDLITE_BFLOAT16) {

@@ -337,8 +337,10 @@ void ForEachPiece(const std::vector<ShmAllreduce::Piece>& pieces, const std::vec
 
 }  // namespace
 
-Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, int32_t dtype, int32_t reduce_op,
-                               double prescale, double postscale, int64_t divisor) {
+Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, const AllreduceOptions& options) {
+  const int32_t dtype = options.dtype, reduce_op = options.reduce_op;
+  const double prescale = options.prescale, postscale = options.postscale;
+  const int64_t divisor = options.divisor;
   const int64_t elem = ElementSize(dtype);
   const int64_t per_chunk = chunk_bytes_ / elem;
   // Parts start on 64-byte boundaries, for the vectorized loops.

@@ -64,6 +64,7 @@
 #include <functional>
 #include <vector>
 
+#include "common/allreduce_options.h"
 #include "common/common.h"
 
 namespace hvdlite {
@@ -98,11 +99,9 @@ class ShmAllreduce {
     void* out;
     int64_t count;
   };
-  // Reduces the pieces over the ranks as one buffer: out = reduce(in * prescale) *
-  // postscale / divisor, with ScaledCopy's rules. Every rank calls it with the same
-  // counts, dtype, op and scaling, in the same order.
-  Status Allreduce(const std::vector<Piece>& pieces, int32_t dtype, int32_t reduce_op,
-                   double prescale, double postscale, int64_t divisor);
+  // Reduces the pieces over the ranks as one buffer, as options say. Every rank calls
+  // it with the same counts and options, in the same order.
+  Status Allreduce(const std::vector<Piece>& pieces, const AllreduceOptions& options);
 
   // The two halves of a hierarchical allreduce (HierarchicalAllreduce), over the flat
   // elements [first, first + count) of the pieces: that block is cut into one
