@@ -1,15 +1,12 @@
 #include "backend/backend_mpi.h"
 
-#include <mpi.h>
-
-
 #include <algorithm>
 #include <chrono>
 #include <climits>
 #include <cstring>
 
 #include "common/elementwise.h"
-#include "common/half.h"
+#include "common/mpi_glue.h"
 #include "transport/mpi_fault_guard.h"
 #include "common/poll_backoff.h"
 #include "common/thread_sched.h"
@@ -17,32 +14,20 @@
 namespace hvdlite {
 namespace {
 
-MPI_Comm& Comm(void* p) { return *static_cast<MPI_Comm*>(p); }
-
-// Elementwise reductions over 16-bit floats, which MPI has no type for.
-template <float (*ToF)(uint16_t), uint16_t (*FromF)(float), int kOp>
+// Elementwise reductions over 16-bit floats, which MPI has no type for: MPI's
+// user-defined ops compute inout = in op inout, as ReduceHalfInto does.
+template <int32_t kDtype, int32_t kOp>
 void HalfReduce(void* in, void* inout, int* len, MPI_Datatype*) {
-  const uint16_t* a = static_cast<const uint16_t*>(in);
-  uint16_t* b = static_cast<uint16_t*>(inout);
-  for (int i = 0; i < *len; ++i) {
-    float x = ToF(a[i]), y = ToF(b[i]), r;
-    switch (kOp) {
-      case HVDLITE_MIN: r = std::min(x, y); break;
-      case HVDLITE_MAX: r = std::max(x, y); break;
-      case HVDLITE_PRODUCT: r = x * y; break;
-      default: r = x + y; break;
-    }
-    b[i] = FromF(r);
-  }
+  ReduceHalfInto(static_cast<uint16_t*>(inout), static_cast<const uint16_t*>(in), *len, kDtype, kOp);
 }
 
 MPI_User_function* kHalfFns[2][5] = {
-    {HalfReduce<HalfToFloat, FloatToHalf, HVDLITE_AVERAGE>, HalfReduce<HalfToFloat, FloatToHalf, HVDLITE_SUM>,
-     HalfReduce<HalfToFloat, FloatToHalf, HVDLITE_MIN>, HalfReduce<HalfToFloat, FloatToHalf, HVDLITE_MAX>,
-     HalfReduce<HalfToFloat, FloatToHalf, HVDLITE_PRODUCT>},
-    {HalfReduce<Bf16ToFloat, FloatToBf16, HVDLITE_AVERAGE>, HalfReduce<Bf16ToFloat, FloatToBf16, HVDLITE_SUM>,
-     HalfReduce<Bf16ToFloat, FloatToBf16, HVDLITE_MIN>, HalfReduce<Bf16ToFloat, FloatToBf16, HVDLITE_MAX>,
-     HalfReduce<Bf16ToFloat, FloatToBf16, HVDLITE_PRODUCT>}};
+    {HalfReduce<HVDLITE_FLOAT16, HVDLITE_AVERAGE>, HalfReduce<HVDLITE_FLOAT16, HVDLITE_SUM>,
+     HalfReduce<HVDLITE_FLOAT16, HVDLITE_MIN>, HalfReduce<HVDLITE_FLOAT16, HVDLITE_MAX>,
+     HalfReduce<HVDLITE_FLOAT16, HVDLITE_PRODUCT>},
+    {HalfReduce<HVDLITE_BFLOAT16, HVDLITE_AVERAGE>, HalfReduce<HVDLITE_BFLOAT16, HVDLITE_SUM>,
+     HalfReduce<HVDLITE_BFLOAT16, HVDLITE_MIN>, HalfReduce<HVDLITE_BFLOAT16, HVDLITE_MAX>,
+     HalfReduce<HVDLITE_BFLOAT16, HVDLITE_PRODUCT>}};
 
 MPI_Datatype MpiType(int32_t dtype) {
   switch (dtype) {
@@ -71,14 +56,6 @@ MPI_Op StandardOp(int32_t reduce_op) {
 constexpr int64_t kMaxChunk = 1 << 30;
 
 }  // namespace
-
-Status MpiBackend::Check(int rc, const char* what) {
-  if (rc == MPI_SUCCESS) return Status::OK();
-  char text[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  MPI_Error_string(rc, text, &len);
-  return Status(HVDLITE_ERR_MPI, std::string(what) + " failed: " + std::string(text, len));
-}
 
 Status MpiBackend::Init(int64_t comm_f2c, bool thread_multiple, const LayerSettings& layers,
                         MpiTopology* topo) {

@@ -109,7 +109,6 @@ class MpiBackend {
   static std::string LibraryVersion();
 
  private:
-  Status Check(int rc, const char* what);
   // Allreduce over MPI (kMpi): packs several pieces into fusion.
   Status FlatAllreduce(const std::vector<ShmAllreduce::Piece>& pieces, const AllreduceOptions& options,
                        FusionBuffer* fusion, const LayeredAllreduce::StepDone& step_done);
@@ -128,7 +127,7 @@ class MpiBackend {
   // communicator `local` and the cross-host one `cross` (both MPI_Comm*, taken over).
   Status SetUpLayers(const LayerSettings& settings, const MpiTopology& topo, void* local, void* cross);
 
-  void* comm_ = nullptr;  // MPI_Comm*, kept opaque so mpi.h stays in one file
+  void* comm_ = nullptr;  // MPI_Comm*, kept opaque so that only common/mpi_glue.h includes mpi.h
   bool initialized_mpi_ = false;
   bool spans_hosts_ = false;  // this communicator's ranks are on more than one host
   std::vector<void*> ops_;  // user-defined reductions for 16-bit floats

@@ -66,14 +66,9 @@
 
 #include "common/allreduce_options.h"
 #include "common/common.h"
+#include "common/elementwise.h"
 
 namespace hvdlite {
-
-// out = parts[0] op parts[1] op ... element by element, in that order (Average: Sum;
-// 16-bit floats accumulate in float and round once). out may be parts[0]; no other
-// part may overlap it.
-void ReduceElements(void* out, const std::vector<const uint8_t*>& parts, int64_t n, int32_t dtype,
-                    int32_t reduce_op);
 
 class ShmAllreduce {
  public:

@@ -1,7 +1,5 @@
 #include "transport/topology_layers.h"
 
-#include <mpi.h>
-
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,21 +7,12 @@
 #include <cstdint>
 #include <cstring>
 
-#include "transport/mpi_fault_guard.h"
+#include "common/mpi_glue.h"
 #include "common/poll_backoff.h"
+#include "transport/mpi_fault_guard.h"
 
 namespace hvdlite {
 namespace {
-
-MPI_Comm& Comm(void* p) { return *static_cast<MPI_Comm*>(p); }
-
-Status Check(int rc, const char* what) {
-  if (rc == MPI_SUCCESS) return Status::OK();
-  char text[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  MPI_Error_string(rc, text, &len);
-  return Status(HVDLITE_ERR_MPI, std::string(what) + " failed: " + std::string(text, len));
-}
 
 // Longest HVDLITE_HOST_ID, so that every rank sends the same number of bytes.
 constexpr size_t kMaxHostId = 255;

@@ -3,8 +3,9 @@
 // their own. Each layer is an object with its own communicator and buffers, built from
 // communicators handed to it, so that a process set can own a set of them.
 //
-// This file and backend_mpi.cc are the only ones that include mpi.h; communicators
-// travel as void* (MPI_Comm*) everywhere else. Background thread only.
+// topology_layers.cc and backend/backend_mpi.cc are the only files that call MPI (through
+// common/mpi_glue.h); communicators travel as void* (MPI_Comm*) everywhere else.
+// Background thread only.
 #pragma once
 
 #include <cstdint>
