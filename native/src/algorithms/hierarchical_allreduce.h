@@ -36,9 +36,9 @@ class LayeredAllreduce {
   // Called after each step with its timeline activity name.
   using StepDone = std::function<void(const char* activity)>;
   // The pieces' outs = reduce over every rank of the pieces' ins, as options say (as
-  // ShmAllreduce::Allreduce). Every rank calls it with the same counts and options, in
+  // ShmCollectives::Allreduce). Every rank calls it with the same counts and options, in
   // the same order.
-  virtual Status Allreduce(const std::vector<ShmAllreduce::Piece>& pieces,
+  virtual Status Allreduce(const std::vector<ShmCollectives::Piece>& pieces,
                            const AllreduceOptions& options, const StepDone& step_done) = 0;
 };
 
@@ -47,7 +47,7 @@ class HierarchicalAllreduce : public LayeredAllreduce {
   // The layers stay owned by the caller and outlive this object.
   HierarchicalAllreduce(HostLayer* host, CrossLayer* cross) : host_(host), cross_(cross) {}
 
-  Status Allreduce(const std::vector<ShmAllreduce::Piece>& pieces, const AllreduceOptions& options,
+  Status Allreduce(const std::vector<ShmCollectives::Piece>& pieces, const AllreduceOptions& options,
                    const StepDone& step_done) override;
 
  private:

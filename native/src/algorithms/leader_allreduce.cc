@@ -6,19 +6,19 @@
 
 namespace hvdlite {
 
-Status LeaderAllreduce::Allreduce(const std::vector<ShmAllreduce::Piece>& pieces,
+Status LeaderAllreduce::Allreduce(const std::vector<ShmCollectives::Piece>& pieces,
                                   const AllreduceOptions& options, const StepDone& step_done) {
   const int32_t dtype = options.dtype, reduce_op = options.reduce_op;
   const double prescale = options.prescale, postscale = options.postscale;
   const int64_t divisor = options.divisor;
   const int64_t elem = ElementSize(dtype);
   int64_t count = 0;
-  for (const ShmAllreduce::Piece& p : pieces) count += p.count;
+  for (const ShmCollectives::Piece& p : pieces) count += p.count;
   sum_.resize(count * elem);
   // 1. The host's sum, of every piece, into one buffer (a host of one rank: a copy).
-  std::vector<ShmAllreduce::Piece> into_sum;
+  std::vector<ShmCollectives::Piece> into_sum;
   int64_t at = 0;
-  for (const ShmAllreduce::Piece& p : pieces) {
+  for (const ShmCollectives::Piece& p : pieces) {
     into_sum.push_back({p.in, sum_.data() + at * elem, p.count});
     if (host_->size() == 1) {
       if (p.in) {
@@ -42,7 +42,7 @@ Status LeaderAllreduce::Allreduce(const std::vector<ShmAllreduce::Piece>& pieces
     }});
   }
   at = 0;
-  for (const ShmAllreduce::Piece& p : pieces) {
+  for (const ShmCollectives::Piece& p : pieces) {
     if (s.ok() && p.out) ScaledCopy(p.out, sum_.data() + at * elem, p.count, dtype, postscale, divisor);
     at += p.count;
   }

@@ -273,7 +273,7 @@ Status MpiBackend::Collective(const char* what, const std::function<int(void*)>&
 
 Status MpiBackend::AndBits(std::vector<uint64_t>* bits) {
   const int64_t words = static_cast<int64_t>(bits->size());
-  if (shared_memory() && words <= ShmAllreduce::kMaxBitsWords) return host_->shm().AndBits(bits->data(), words);
+  if (shared_memory() && words <= ShmCollectives::kMaxBitsWords) return host_->shm().AndBits(bits->data(), words);
   InMpiCall in_mpi("MPI_Iallreduce (coordination)");
   MPI_Request req;
   Status s = Check(MPI_Iallreduce(MPI_IN_PLACE, bits->data(), static_cast<int>(bits->size()),
@@ -332,7 +332,7 @@ Status MpiBackend::BroadcastBlob(std::vector<uint8_t>* blob) {
   return WaitBackoff(&req, "MPI_Ibcast (responses)");
 }
 
-Status MpiBackend::Allreduce(const std::vector<ShmAllreduce::Piece>& pieces,
+Status MpiBackend::Allreduce(const std::vector<ShmCollectives::Piece>& pieces,
                              const AllreduceOptions& options, const AllreduceTuning& tuning,
                              FusionBuffer* fusion, const LayeredAllreduce::StepDone& step_done) {
   switch (ChooseAllreduce(tuning)) {
@@ -353,17 +353,17 @@ Status MpiBackend::Allreduce(const std::vector<ShmAllreduce::Piece>& pieces,
   return FlatAllreduce(pieces, options, fusion, step_done);
 }
 
-Status MpiBackend::FlatAllreduce(const std::vector<ShmAllreduce::Piece>& pieces,
+Status MpiBackend::FlatAllreduce(const std::vector<ShmCollectives::Piece>& pieces,
                                  const AllreduceOptions& options, FusionBuffer* fusion,
                                  const LayeredAllreduce::StepDone& step_done) {
   const int32_t dtype = options.dtype;
   const int elem = ElementSize(dtype);
   int64_t total = 0;
-  for (const ShmAllreduce::Piece& p : pieces) total += p.count;
+  for (const ShmCollectives::Piece& p : pieces) total += p.count;
   Status s;
   if (pieces.size() == 1 && pieces[0].out) {
     // One tensor: reduce in its output buffer, no fusion-buffer round trip.
-    const ShmAllreduce::Piece& p = pieces[0];
+    const ShmCollectives::Piece& p = pieces[0];
     // Unscaled input goes to MPI as the send buffer: no copy at all.
     const void* send = p.in;
     if (options.prescale != 1.0) {
@@ -379,7 +379,7 @@ Status MpiBackend::FlatAllreduce(const std::vector<ShmAllreduce::Piece>& pieces,
   }
   uint8_t* buf = fusion->Get(total * elem);
   int64_t off = 0;
-  for (const ShmAllreduce::Piece& p : pieces) {
+  for (const ShmCollectives::Piece& p : pieces) {
     if (p.in) {
       ScaledCopy(buf + off * elem, p.in, p.count, dtype, options.prescale, 1);
     } else {

@@ -24,7 +24,7 @@
 #include "algorithms/hierarchical_broadcast.h"
 #include "algorithms/leader_allreduce.h"
 #include "common/poll_backoff.h"
-#include "transport/shm_allreduce.h"
+#include "transport/shm_collectives.h"
 #include "transport/topology_layers.h"
 
 namespace hvdlite {
@@ -33,7 +33,7 @@ namespace hvdlite {
 // (TunedKnobs' part that the backend reads).
 struct AllreduceTuning {
   bool hierarchical = true;     // the layered allreduce, where it was built
-  int64_t shm_chunk_bytes = 0;  // ShmAllreduce::set_chunk_bytes
+  int64_t shm_chunk_bytes = 0;  // ShmCollectives::set_chunk_bytes
 };
 
 // The algorithms an allreduce may run by: over the topology layers (hierarchical or
@@ -51,7 +51,7 @@ class MpiBackend {
   // (background) thread, at MPI_THREAD_MULTIPLE if thread_multiple, else FUNNELED.
   // Builds the topology layers (topology_layers.h) as `layers` and PlanLayers say: on
   // one host, allreduce (and AND the coordination's bits) through shared memory
-  // (ShmAllreduce) instead of MPI; on several, the hierarchical allreduce.
+  // (ShmCollectives) instead of MPI; on several, the hierarchical allreduce.
   Status Init(int64_t comm_f2c, bool thread_multiple, const LayerSettings& layers,
               MpiTopology* topo);
   // The communicator of a process set: its members among parent's ranks, in parent's
@@ -81,7 +81,7 @@ class MpiBackend {
   // algorithm: over the layers and through shared memory the pieces are read and
   // written in place; over MPI one tensor is reduced in its output, several packed
   // into fusion. step_done names each step for the timeline as it ends.
-  Status Allreduce(const std::vector<ShmAllreduce::Piece>& pieces, const AllreduceOptions& options,
+  Status Allreduce(const std::vector<ShmCollectives::Piece>& pieces, const AllreduceOptions& options,
                    const AllreduceTuning& tuning, FusionBuffer* fusion,
                    const LayeredAllreduce::StepDone& step_done);
   AllreduceAlgorithm ChooseAllreduce(const AllreduceTuning& tuning) const {
@@ -110,7 +110,7 @@ class MpiBackend {
 
  private:
   // Allreduce over MPI (kMpi): packs several pieces into fusion.
-  Status FlatAllreduce(const std::vector<ShmAllreduce::Piece>& pieces, const AllreduceOptions& options,
+  Status FlatAllreduce(const std::vector<ShmCollectives::Piece>& pieces, const AllreduceOptions& options,
                        FusionBuffer* fusion, const LayeredAllreduce::StepDone& step_done);
   // One MPI allreduce of count elements; in == out reduces in place.
   Status MpiAllreduce(const void* in, void* out, int64_t count, int32_t dtype, int32_t reduce_op);

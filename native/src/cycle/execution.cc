@@ -241,7 +241,7 @@ void ProcessSetState::ExecuteAllreduce(const std::vector<const Response*>& fused
   std::vector<TensorEntry*> entries =
       queue_.FindAll(fused, [](const Response* r) -> const std::string& { return r->name; });
   std::vector<const std::string*> names;  // timeline tracks
-  std::vector<ShmAllreduce::Piece> pieces;
+  std::vector<ShmCollectives::Piece> pieces;
   pieces.reserve(fused.size());
   int64_t total = 0;
   for (size_t k = 0; k < fused.size(); ++k) {

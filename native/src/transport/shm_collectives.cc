@@ -1,4 +1,4 @@
-#include "transport/shm_allreduce.h"
+#include "transport/shm_collectives.h"
 
 #include <linux/futex.h>
 #include <signal.h>
@@ -23,7 +23,7 @@ struct Control {
   alignas(64) std::atomic<int32_t> sense;     // a futex word: sleepers wait on it
   alignas(64) std::atomic<int32_t> sleepers;  // ranks in (or about to be in) futex wait
 };
-static_assert(sizeof(Control) <= ShmAllreduce::kControlBytes, "the control block must fit its area");
+static_assert(sizeof(Control) <= ShmCollectives::kControlBytes, "the control block must fit its area");
 
 // How far a rank's Allreduce has got, in chunks counted over every call (the same
 // sequence on every rank), in its own segment after the barrier's area. Peers that
@@ -37,7 +37,7 @@ struct Progress {
 };
 constexpr int64_t kProgressOffset = 1024;
 static_assert(sizeof(Control) <= kProgressOffset, "the progress block follows the control block");
-static_assert(kProgressOffset + sizeof(Progress) <= ShmAllreduce::kControlBytes,
+static_assert(kProgressOffset + sizeof(Progress) <= ShmCollectives::kControlBytes,
               "the progress block must fit the control area");
 static_assert(std::atomic<int64_t>::is_always_lock_free,
               "the progress counters need lock-free atomics to work across processes");
@@ -72,21 +72,21 @@ bool ProcessAlive(int64_t pid) {
 
 }  // namespace
 
-ShmAllreduce::ShmAllreduce(int rank, std::vector<uint8_t*> segments, std::vector<int64_t> pids)
+ShmCollectives::ShmCollectives(int rank, std::vector<uint8_t*> segments, std::vector<int64_t> pids)
     : rank_(rank), size_(static_cast<int>(segments.size())), segments_(std::move(segments)),
       pids_(std::move(pids)) {}
 
-uint8_t* ShmAllreduce::In(int rank, int set) const {
+uint8_t* ShmCollectives::In(int rank, int set) const {
   return segments_[rank] + kHeaderBytes + static_cast<int64_t>(set) * 2 * kChunkBytes;
 }
 
-uint64_t* ShmAllreduce::Bits(int rank, int set) const {
+uint64_t* ShmCollectives::Bits(int rank, int set) const {
   return reinterpret_cast<uint64_t*>(segments_[rank] + kControlBytes) + set * kMaxBitsWords;
 }
 
-uint8_t* ShmAllreduce::Out(int rank, int set) const { return In(rank, set) + kChunkBytes; }
+uint8_t* ShmCollectives::Out(int rank, int set) const { return In(rank, set) + kChunkBytes; }
 
-int ShmAllreduce::DeadPeer() const {
+int ShmCollectives::DeadPeer() const {
   for (int k = 0; k < size_; ++k) {
     if (k != rank_ && !ProcessAlive(pids_[k])) return k;
   }
@@ -97,7 +97,7 @@ namespace {
 Progress* ProgressOf(uint8_t* segment) { return reinterpret_cast<Progress*>(segment + kProgressOffset); }
 }  // namespace
 
-void ShmAllreduce::Publish(int field, int64_t chunks) {
+void ShmCollectives::Publish(int field, int64_t chunks) {
   Progress* p = ProgressOf(segments_[rank_]);
   std::atomic<int64_t>* f = field == 0 ? &p->copied_in : field == 1 ? &p->reduced : &p->copied_out;
   f->store(chunks, std::memory_order_seq_cst);
@@ -106,7 +106,7 @@ void ShmAllreduce::Publish(int field, int64_t chunks) {
   if (p->sleepers.load(std::memory_order_seq_cst) > 0) FutexWakeAll(&p->seq);
 }
 
-Status ShmAllreduce::WaitFor(int field, int64_t chunks) {
+Status ShmCollectives::WaitFor(int field, int64_t chunks) {
   for (int k = 0; k < size_; ++k) {
     if (k == rank_) continue;
     Progress* p = ProgressOf(segments_[k]);
@@ -124,7 +124,7 @@ Status ShmAllreduce::WaitFor(int field, int64_t chunks) {
   return Status::OK();
 }
 
-Status ShmAllreduce::Barrier() {
+Status ShmCollectives::Barrier() {
   Control* c = reinterpret_cast<Control*>(segments_[0]);
   sense_ ^= 1;
   if (c->count.fetch_add(1, std::memory_order_acq_rel) == size_ - 1) {
@@ -146,7 +146,7 @@ Status ShmAllreduce::Barrier() {
   }
 }
 
-Status ShmAllreduce::AfterWait() {
+Status ShmCollectives::AfterWait() {
   if (idle_) {
     Status s = idle_();
     if (!s.ok()) return s;
@@ -158,7 +158,7 @@ Status ShmAllreduce::AfterWait() {
                                              ") ended during a shared-memory allreduce");
 }
 
-Status ShmAllreduce::AndBits(uint64_t* bits, int64_t words) {
+Status ShmCollectives::AndBits(uint64_t* bits, int64_t words) {
   std::memcpy(Bits(rank_, bits_set_), bits, words * sizeof(uint64_t));
   Status s = Barrier();
   if (!s.ok()) return s;
@@ -177,7 +177,7 @@ namespace {
 // for each piece overlapping the flat range [lo, hi); starts[i] is piece i's first flat
 // element (and starts.back() the total).
 template <typename Fn>
-void ForEachPiece(const std::vector<ShmAllreduce::Piece>& pieces, const std::vector<int64_t>& starts,
+void ForEachPiece(const std::vector<ShmCollectives::Piece>& pieces, const std::vector<int64_t>& starts,
                   int64_t lo, int64_t hi, Fn fn) {
   size_t i = std::upper_bound(starts.begin(), starts.end(), lo) - starts.begin() - 1;
   for (; lo < hi && i < pieces.size(); ++i) {
@@ -189,7 +189,7 @@ void ForEachPiece(const std::vector<ShmAllreduce::Piece>& pieces, const std::vec
 
 }  // namespace
 
-Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, const AllreduceOptions& options) {
+Status ShmCollectives::Allreduce(const std::vector<Piece>& pieces, const AllreduceOptions& options) {
   const int32_t dtype = options.dtype, reduce_op = options.reduce_op;
   const double prescale = options.prescale, postscale = options.postscale;
   const int64_t divisor = options.divisor;
@@ -325,9 +325,9 @@ Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, const Allreduce
 namespace {
 
 // starts[i]: piece i's first element in the flat buffer; starts.back(): the total.
-std::vector<int64_t> PieceStarts(const std::vector<ShmAllreduce::Piece>& pieces) {
+std::vector<int64_t> PieceStarts(const std::vector<ShmCollectives::Piece>& pieces) {
   std::vector<int64_t> starts(1, 0);
-  for (const ShmAllreduce::Piece& p : pieces) starts.push_back(starts.back() + p.count);
+  for (const ShmCollectives::Piece& p : pieces) starts.push_back(starts.back() + p.count);
   return starts;
 }
 
@@ -343,7 +343,7 @@ int64_t ShardStart(int64_t count, int64_t elem, int size, int rank) {
 struct ShardRounds {
   ShardRounds(int64_t count, int64_t elem, int size) : count(count), elem(elem), size(size) {
     const int64_t align = std::max<int64_t>(1, 64 / elem);
-    step = std::max<int64_t>(1, ShmAllreduce::kChunkBytes / elem / size / align * align);
+    step = std::max<int64_t>(1, ShmCollectives::kChunkBytes / elem / size / align * align);
     const int64_t longest = ShardStart(count, elem, size, 1);  // shard 0 is never shorter
     rounds = (longest + step - 1) / step;
   }
@@ -359,11 +359,11 @@ struct ShardRounds {
 
 }  // namespace
 
-int64_t ShmAllreduce::ShardBegin(int64_t count, int32_t dtype, int rank) const {
+int64_t ShmCollectives::ShardBegin(int64_t count, int32_t dtype, int rank) const {
   return ShardStart(count, ElementSize(dtype), size_, rank);
 }
 
-Status ShmAllreduce::ReduceScatter(const std::vector<Piece>& pieces, int64_t first, int64_t count,
+Status ShmCollectives::ReduceScatter(const std::vector<Piece>& pieces, int64_t first, int64_t count,
                                    int32_t dtype, int32_t reduce_op, double prescale, void* shard) {
   const int64_t elem = ElementSize(dtype);
   const std::vector<int64_t> starts = PieceStarts(pieces);
@@ -395,7 +395,7 @@ Status ShmAllreduce::ReduceScatter(const std::vector<Piece>& pieces, int64_t fir
   return Rounds(walk.rounds, copy_in, reduce);
 }
 
-Status ShmAllreduce::Rounds(int64_t rounds, const std::function<void(int64_t, int)>& fill,
+Status ShmCollectives::Rounds(int64_t rounds, const std::function<void(int64_t, int)>& fill,
                             const std::function<void(int64_t, int)>& drain) {
   if (rounds == 0) return Status::OK();
   // The slots are free once every peer has copied out the last Allreduce's chunks, and
@@ -415,7 +415,7 @@ Status ShmAllreduce::Rounds(int64_t rounds, const std::function<void(int64_t, in
   return Barrier();
 }
 
-Status ShmAllreduce::Allgather(const void* shard, const std::vector<Piece>& pieces, int64_t first,
+Status ShmCollectives::Allgather(const void* shard, const std::vector<Piece>& pieces, int64_t first,
                                int64_t count, int32_t dtype, double postscale, int64_t divisor) {
   const int64_t elem = ElementSize(dtype);
   const std::vector<int64_t> starts = PieceStarts(pieces);

@@ -1,4 +1,8 @@
-// Allreduce among ranks that share one machine, through memory they all map.
+// Collectives among ranks that share one machine, through memory they all map: the
+// allreduce described below, the reduce-scatter and allgather halves of the
+// hierarchical allreduce, the bit-AND of the coordination round, and their barrier.
+//
+// The allreduce:
 //
 // Each rank owns one segment of shared memory (the MPI backend allocates the segments
 // and hands their addresses over; this file knows nothing of MPI). The tensors of one
@@ -70,7 +74,7 @@
 
 namespace hvdlite {
 
-class ShmAllreduce {
+class ShmCollectives {
  public:
   // Bytes per chunk and per rank: two sets of in and out slots of this size.
   static constexpr int64_t kChunkBytes = 1 << 19;
@@ -84,7 +88,7 @@ class ShmAllreduce {
 
   // segments[k]: rank k's segment as mapped in this process (each one's control area
   // zeroed by its owner before any rank uses it); pids[k]: rank k's process id.
-  ShmAllreduce(int rank, std::vector<uint8_t*> segments, std::vector<int64_t> pids);
+  ShmCollectives(int rank, std::vector<uint8_t*> segments, std::vector<int64_t> pids);
 
   // One tensor of an allreduce: count elements read from in (null: zeros, from a rank
   // that joined) and written to out (null: dropped; in == out reduces in place). An out
