@@ -8,9 +8,7 @@ namespace hvdlite {
 
 Status LeaderAllreduce::Allreduce(const std::vector<ShmCollectives::Piece>& pieces,
                                   const AllreduceOptions& options, const StepDone& step_done) {
-  const int32_t dtype = options.dtype, reduce_op = options.reduce_op;
-  const double prescale = options.prescale, postscale = options.postscale;
-  const int64_t divisor = options.divisor;
+  const int32_t dtype = options.dtype;
   const int64_t elem = ElementSize(dtype);
   int64_t count = 0;
   for (const ShmCollectives::Piece& p : pieces) count += p.count;
@@ -22,7 +20,7 @@ Status LeaderAllreduce::Allreduce(const std::vector<ShmCollectives::Piece>& piec
     into_sum.push_back({p.in, sum_.data() + at * elem, p.count});
     if (host_->size() == 1) {
       if (p.in) {
-        ScaledCopy(sum_.data() + at * elem, p.in, p.count, dtype, prescale, 1);
+        ScaledCopy(sum_.data() + at * elem, p.in, p.count, dtype, options.prescale, 1);
       } else {
         std::memset(sum_.data() + at * elem, 0, p.count * elem);  // joined: zeros
       }
@@ -30,10 +28,14 @@ Status LeaderAllreduce::Allreduce(const std::vector<ShmCollectives::Piece>& piec
     at += p.count;
   }
   Status s;
-  if (host_->size() > 1) s = host_->shm().Allreduce(into_sum, {dtype, reduce_op, prescale, 1.0, 1});
+  // Scaled on the way in only: the result is scaled on its way out of sum_ (step 3).
+  AllreduceOptions in_only = options;
+  in_only.postscale = 1.0;
+  in_only.divisor = 1;
+  if (host_->size() > 1) s = host_->shm().Allreduce(into_sum, in_only);
   step_done("SHM_ALLREDUCE");
   // 2. Across hosts, by the leaders.
-  if (s.ok() && leaders_) s = leaders_->Allreduce(sum_.data(), count, dtype, reduce_op);
+  if (s.ok() && leaders_) s = leaders_->Allreduce(sum_.data(), count, dtype, options.reduce_op);
   step_done("CROSS_HOST_ALLREDUCE");
   // 3. From the leader to its host.
   if (s.ok() && host_group_->size() > 1) {
@@ -43,7 +45,7 @@ Status LeaderAllreduce::Allreduce(const std::vector<ShmCollectives::Piece>& piec
   }
   at = 0;
   for (const ShmCollectives::Piece& p : pieces) {
-    if (s.ok() && p.out) ScaledCopy(p.out, sum_.data() + at * elem, p.count, dtype, postscale, divisor);
+    if (s.ok() && p.out) ScaledCopy(p.out, sum_.data() + at * elem, p.count, dtype, options.postscale, options.divisor);
     at += p.count;
   }
   step_done("HOST_BROADCAST");
