@@ -8,29 +8,30 @@ namespace {
 // Lets the host's barriers move the cross-host ring on for as long as it lives.
 class ProgressWhileWaiting {
  public:
-  ProgressWhileWaiting(ShmAllreduce& shm, CrossLayer& cross) : shm_(shm) {
+  ProgressWhileWaiting(ShmCollectives& shm, CrossLayer& cross) : shm_(shm) {
     shm_.SetIdle([&cross] { return cross.Progress(); });
   }
   ~ProgressWhileWaiting() { shm_.SetIdle(nullptr); }
 
  private:
-  ShmAllreduce& shm_;
+  ShmCollectives& shm_;
 };
 
 }  // namespace
 
-Status HierarchicalAllreduce::Allreduce(const std::vector<ShmAllreduce::Piece>& pieces,
-                                        int32_t dtype, int32_t reduce_op, double prescale,
-                                        double postscale, int64_t divisor,
-                                        const StepDone& step_done) {
+Status HierarchicalAllreduce::Allreduce(const std::vector<ShmCollectives::Piece>& pieces,
+                                        const AllreduceOptions& options, const StepDone& step_done) {
+  const int32_t dtype = options.dtype, reduce_op = options.reduce_op;
+  const double prescale = options.prescale, postscale = options.postscale;
+  const int64_t divisor = options.divisor;
   const int64_t elem = ElementSize(dtype);
   int64_t count = 0;
-  for (const ShmAllreduce::Piece& p : pieces) count += p.count;
+  for (const ShmCollectives::Piece& p : pieces) count += p.count;
   // At least kMinBlocks blocks where that keeps them kMinBlockBytes or more.
   const int64_t block = std::max<int64_t>(
       1, std::min(kBlockBytes, std::max(kMinBlockBytes, count * elem / kMinBlocks)) / elem);
   const int64_t blocks = (count + block - 1) / block;
-  ShmAllreduce& shm = host_->shm();
+  ShmCollectives& shm = host_->shm();
   const int me = host_->rank();
   // Block k: flat elements [k * block, k * block + length(k)); this rank's shard of it.
   auto length = [&](int64_t k) { return std::min(block, count - k * block); };

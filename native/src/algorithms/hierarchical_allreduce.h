@@ -35,12 +35,11 @@ class LayeredAllreduce {
   virtual ~LayeredAllreduce() = default;
   // Called after each step with its timeline activity name.
   using StepDone = std::function<void(const char* activity)>;
-  // The pieces' outs = reduce over every rank of (pieces' ins * prescale) * postscale /
-  // divisor, as ShmAllreduce::Allreduce. Every rank calls it with the same counts,
-  // dtype, op and scaling, in the same order.
-  virtual Status Allreduce(const std::vector<ShmAllreduce::Piece>& pieces, int32_t dtype,
-                           int32_t reduce_op, double prescale, double postscale, int64_t divisor,
-                           const StepDone& step_done) = 0;
+  // The pieces' outs = reduce over every rank of the pieces' ins, as options say (as
+  // ShmCollectives::Allreduce). Every rank calls it with the same counts and options, in
+  // the same order.
+  virtual Status Allreduce(const std::vector<ShmCollectives::Piece>& pieces,
+                           const AllreduceOptions& options, const StepDone& step_done) = 0;
 };
 
 class HierarchicalAllreduce : public LayeredAllreduce {
@@ -48,8 +47,7 @@ class HierarchicalAllreduce : public LayeredAllreduce {
   // The layers stay owned by the caller and outlive this object.
   HierarchicalAllreduce(HostLayer* host, CrossLayer* cross) : host_(host), cross_(cross) {}
 
-  Status Allreduce(const std::vector<ShmAllreduce::Piece>& pieces, int32_t dtype,
-                   int32_t reduce_op, double prescale, double postscale, int64_t divisor,
+  Status Allreduce(const std::vector<ShmCollectives::Piece>& pieces, const AllreduceOptions& options,
                    const StepDone& step_done) override;
 
  private:

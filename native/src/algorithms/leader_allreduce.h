@@ -27,8 +27,7 @@ class LeaderAllreduce : public LayeredAllreduce {
   LeaderAllreduce(HostLayer* host, CrossLayer* leaders, GroupLayer* host_group)
       : host_(host), leaders_(leaders), host_group_(host_group) {}
 
-  Status Allreduce(const std::vector<ShmAllreduce::Piece>& pieces, int32_t dtype,
-                   int32_t reduce_op, double prescale, double postscale, int64_t divisor,
+  Status Allreduce(const std::vector<ShmCollectives::Piece>& pieces, const AllreduceOptions& options,
                    const StepDone& step_done) override;
 
  private:

@@ -18,7 +18,7 @@
 #include "cycle/controller.h"
 #include "cycle/message.h"
 #include "transport/mpi_fault_guard.h"
-#include "transport/shm_allreduce.h"
+#include "transport/shm_collectives.h"
 #include "cycle/tensor_queue.h"
 #include "cycle/timeline.h"
 
@@ -282,8 +282,8 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_test_knob_search(int32_t hierarchy, int3
     TunedKnobs start;
     start.fusion_threshold = config.fusion_threshold;
     start.cycle_time_ms = config.cycle_time_ms;
-    start.shm_chunk_bytes = hvdlite::ShmAllreduce::kChunkBytes;
-    hvdlite::KnobSearch search(start, settings, !(fixed & 8), hierarchy != 0, hvdlite::ShmAllreduce::kChunkBytes);
+    start.shm_chunk_bytes = hvdlite::ShmCollectives::kChunkBytes;
+    hvdlite::KnobSearch search(start, settings, !(fixed & 8), hierarchy != 0, hvdlite::ShmCollectives::kChunkBytes);
     auto put = [](const TunedKnobs& k, hvdlite_autotune_t* out) {
       *out = hvdlite_autotune_t();
       out->enabled = 1;

@@ -1,14 +1,12 @@
 #include "backend/backend_mpi.h"
 
-#include <mpi.h>
-
-
 #include <algorithm>
 #include <chrono>
 #include <climits>
 #include <cstring>
 
-#include "common/half.h"
+#include "common/elementwise.h"
+#include "common/mpi_glue.h"
 #include "transport/mpi_fault_guard.h"
 #include "common/poll_backoff.h"
 #include "common/thread_sched.h"
@@ -16,32 +14,20 @@
 namespace hvdlite {
 namespace {
 
-MPI_Comm& Comm(void* p) { return *static_cast<MPI_Comm*>(p); }
-
-// Elementwise reductions over 16-bit floats, which MPI has no type for.
-template <float (*ToF)(uint16_t), uint16_t (*FromF)(float), int kOp>
+// Elementwise reductions over 16-bit floats, which MPI has no type for: MPI's
+// user-defined ops compute inout = in op inout, as ReduceHalfInto does.
+template <int32_t kDtype, int32_t kOp>
 void HalfReduce(void* in, void* inout, int* len, MPI_Datatype*) {
-  const uint16_t* a = static_cast<const uint16_t*>(in);
-  uint16_t* b = static_cast<uint16_t*>(inout);
-  for (int i = 0; i < *len; ++i) {
-    float x = ToF(a[i]), y = ToF(b[i]), r;
-    switch (kOp) {
-      case HVDLITE_MIN: r = std::min(x, y); break;
-      case HVDLITE_MAX: r = std::max(x, y); break;
-      case HVDLITE_PRODUCT: r = x * y; break;
-      default: r = x + y; break;
-    }
-    b[i] = FromF(r);
-  }
+  ReduceHalfInto(static_cast<uint16_t*>(inout), static_cast<const uint16_t*>(in), *len, kDtype, kOp);
 }
 
 MPI_User_function* kHalfFns[2][5] = {
-    {HalfReduce<HalfToFloat, FloatToHalf, HVDLITE_AVERAGE>, HalfReduce<HalfToFloat, FloatToHalf, HVDLITE_SUM>,
-     HalfReduce<HalfToFloat, FloatToHalf, HVDLITE_MIN>, HalfReduce<HalfToFloat, FloatToHalf, HVDLITE_MAX>,
-     HalfReduce<HalfToFloat, FloatToHalf, HVDLITE_PRODUCT>},
-    {HalfReduce<Bf16ToFloat, FloatToBf16, HVDLITE_AVERAGE>, HalfReduce<Bf16ToFloat, FloatToBf16, HVDLITE_SUM>,
-     HalfReduce<Bf16ToFloat, FloatToBf16, HVDLITE_MIN>, HalfReduce<Bf16ToFloat, FloatToBf16, HVDLITE_MAX>,
-     HalfReduce<Bf16ToFloat, FloatToBf16, HVDLITE_PRODUCT>}};
+    {HalfReduce<HVDLITE_FLOAT16, HVDLITE_AVERAGE>, HalfReduce<HVDLITE_FLOAT16, HVDLITE_SUM>,
+     HalfReduce<HVDLITE_FLOAT16, HVDLITE_MIN>, HalfReduce<HVDLITE_FLOAT16, HVDLITE_MAX>,
+     HalfReduce<HVDLITE_FLOAT16, HVDLITE_PRODUCT>},
+    {HalfReduce<HVDLITE_BFLOAT16, HVDLITE_AVERAGE>, HalfReduce<HVDLITE_BFLOAT16, HVDLITE_SUM>,
+     HalfReduce<HVDLITE_BFLOAT16, HVDLITE_MIN>, HalfReduce<HVDLITE_BFLOAT16, HVDLITE_MAX>,
+     HalfReduce<HVDLITE_BFLOAT16, HVDLITE_PRODUCT>}};
 
 MPI_Datatype MpiType(int32_t dtype) {
   switch (dtype) {
@@ -70,14 +56,6 @@ MPI_Op StandardOp(int32_t reduce_op) {
 constexpr int64_t kMaxChunk = 1 << 30;
 
 }  // namespace
-
-Status MpiBackend::Check(int rc, const char* what) {
-  if (rc == MPI_SUCCESS) return Status::OK();
-  char text[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  MPI_Error_string(rc, text, &len);
-  return Status(HVDLITE_ERR_MPI, std::string(what) + " failed: " + std::string(text, len));
-}
 
 Status MpiBackend::Init(int64_t comm_f2c, bool thread_multiple, const LayerSettings& layers,
                         MpiTopology* topo) {
@@ -224,13 +202,13 @@ Status MpiBackend::SetUpLayers(const LayerSettings& settings, const MpiTopology&
     if (s.ok() && all_ok && plan.hierarchical_allreduce) {
       cross_.reset(new CrossLayer(cross));
       cross = nullptr;
-      hierarchical_.reset(new HierarchicalAllreduce(host_.get(), cross_.get()));
+      layered_allreduce_.reset(new HierarchicalAllreduce(host_.get(), cross_.get()));
     } else if (s.ok() && all_ok) {
       if (topo.local_rank == 0) {  // cross is then the leaders
         cross_.reset(new CrossLayer(cross));
         cross = nullptr;
       }
-      hierarchical_.reset(new LeaderAllreduce(host_.get(), cross_.get(), host_group_.get()));
+      layered_allreduce_.reset(new LeaderAllreduce(host_.get(), cross_.get(), host_group_.get()));
     } else if (host_) {
       host_->Close(true);
       host_.reset();
@@ -246,7 +224,7 @@ Status MpiBackend::SetUpLayers(const LayerSettings& settings, const MpiTopology&
 
 void MpiBackend::Shutdown(bool finalize) {
   // Freeing is collective: only on a shutdown every rank takes part in.
-  hierarchical_.reset();
+  layered_allreduce_.reset();
   hierarchical_allgather_.reset();
   hierarchical_broadcast_.reset();
   for (std::unique_ptr<GroupLayer>* group : {&host_group_, &leaders_}) {
@@ -295,7 +273,7 @@ Status MpiBackend::Collective(const char* what, const std::function<int(void*)>&
 
 Status MpiBackend::AndBits(std::vector<uint64_t>* bits) {
   const int64_t words = static_cast<int64_t>(bits->size());
-  if (shared_memory() && words <= ShmAllreduce::kMaxBitsWords) return host_->shm().AndBits(bits->data(), words);
+  if (shared_memory() && words <= ShmCollectives::kMaxBitsWords) return host_->shm().AndBits(bits->data(), words);
   InMpiCall in_mpi("MPI_Iallreduce (coordination)");
   MPI_Request req;
   Status s = Check(MPI_Iallreduce(MPI_IN_PLACE, bits->data(), static_cast<int>(bits->size()),
@@ -354,8 +332,77 @@ Status MpiBackend::BroadcastBlob(std::vector<uint8_t>* blob) {
   return WaitBackoff(&req, "MPI_Ibcast (responses)");
 }
 
-Status MpiBackend::Allreduce(const void* in, void* out, int64_t count, int32_t dtype,
-                             int32_t reduce_op) {
+Status MpiBackend::Allreduce(const std::vector<ShmCollectives::Piece>& pieces,
+                             const AllreduceOptions& options, const AllreduceTuning& tuning,
+                             FusionBuffer* fusion, const LayeredAllreduce::StepDone& step_done) {
+  switch (ChooseAllreduce(tuning)) {
+    case AllreduceAlgorithm::kLayers:
+      // The plan's steps over the topology layers (hierarchical_allreduce.h).
+      return layered_allreduce_->Allreduce(pieces, options, step_done);
+    case AllreduceAlgorithm::kSharedMemory: {
+      // Straight from the inputs through shared memory into the outputs, scaled on the
+      // way: no fusion buffer and no separate scaling pass.
+      host_->shm().set_chunk_bytes(tuning.shm_chunk_bytes);
+      Status s = host_->shm().Allreduce(pieces, options);
+      step_done("SHM_ALLREDUCE");
+      return s;
+    }
+    case AllreduceAlgorithm::kMpi:
+      break;
+  }
+  return FlatAllreduce(pieces, options, fusion, step_done);
+}
+
+Status MpiBackend::FlatAllreduce(const std::vector<ShmCollectives::Piece>& pieces,
+                                 const AllreduceOptions& options, FusionBuffer* fusion,
+                                 const LayeredAllreduce::StepDone& step_done) {
+  const int32_t dtype = options.dtype;
+  const int elem = ElementSize(dtype);
+  int64_t total = 0;
+  for (const ShmCollectives::Piece& p : pieces) total += p.count;
+  Status s;
+  if (pieces.size() == 1 && pieces[0].out) {
+    // One tensor: reduce in its output buffer, no fusion-buffer round trip.
+    const ShmCollectives::Piece& p = pieces[0];
+    // Unscaled input goes to MPI as the send buffer: no copy at all.
+    const void* send = p.in;
+    if (options.prescale != 1.0) {
+      ScaledCopy(p.out, p.in, total, dtype, options.prescale, 1);
+      send = p.out;
+    }
+    step_done("MEMCPY_IN_FUSION_BUFFER");
+    s = MpiAllreduce(send, p.out, total, dtype, options.reduce_op);
+    step_done("MPI_ALLREDUCE");
+    if (s.ok()) ScaledCopy(p.out, p.out, total, dtype, options.postscale, options.divisor);
+    step_done("MEMCPY_OUT_FUSION_BUFFER");
+    return s;
+  }
+  uint8_t* buf = fusion->Get(total * elem);
+  int64_t off = 0;
+  for (const ShmCollectives::Piece& p : pieces) {
+    if (p.in) {
+      ScaledCopy(buf + off * elem, p.in, p.count, dtype, options.prescale, 1);
+    } else {
+      std::memset(buf + off * elem, 0, p.count * elem);  // a joined rank contributes zeros
+    }
+    off += p.count;
+  }
+  step_done("MEMCPY_IN_FUSION_BUFFER");
+  s = MpiAllreduce(buf, buf, total, dtype, options.reduce_op);
+  step_done("MPI_ALLREDUCE");
+  off = 0;
+  for (size_t k = 0; k < pieces.size() && s.ok(); ++k) {
+    if (pieces[k].out) {
+      ScaledCopy(pieces[k].out, buf + off * elem, pieces[k].count, dtype, options.postscale, options.divisor);
+    }
+    off += pieces[k].count;
+  }
+  step_done("MEMCPY_OUT_FUSION_BUFFER");
+  return s;
+}
+
+Status MpiBackend::MpiAllreduce(const void* in, void* out, int64_t count, int32_t dtype,
+                                int32_t reduce_op) {
   MPI_Datatype type = MpiType(dtype);
   MPI_Op op = StandardOp(reduce_op);
   if (dtype == HVDLITE_FLOAT16 || dtype == HVDLITE_BFLOAT16) {

@@ -16,16 +16,29 @@
 #include <string>
 #include <vector>
 
+#include "common/allreduce_options.h"
 #include "common/common.h"
+#include "common/fusion_buffer.h"
 #include "algorithms/hierarchical_allgather.h"
 #include "algorithms/hierarchical_allreduce.h"
 #include "algorithms/hierarchical_broadcast.h"
 #include "algorithms/leader_allreduce.h"
 #include "common/poll_backoff.h"
-#include "transport/shm_allreduce.h"
+#include "transport/shm_collectives.h"
 #include "transport/topology_layers.h"
 
 namespace hvdlite {
+
+// The knobs autotune may change between cycles that choose and shape an allreduce
+// (TunedKnobs' part that the backend reads).
+struct AllreduceTuning {
+  bool hierarchical = true;     // the layered allreduce, where it was built
+  int64_t shm_chunk_bytes = 0;  // ShmCollectives::set_chunk_bytes
+};
+
+// The algorithms an allreduce may run by: over the topology layers (hierarchical or
+// leader), through shared memory on one host, or over MPI.
+enum class AllreduceAlgorithm { kLayers, kSharedMemory, kMpi };
 
 struct MpiTopology {
   int rank = 0, size = 1, local_rank = 0, local_size = 1, cross_rank = 0, cross_size = 1;
@@ -38,7 +51,7 @@ class MpiBackend {
   // (background) thread, at MPI_THREAD_MULTIPLE if thread_multiple, else FUNNELED.
   // Builds the topology layers (topology_layers.h) as `layers` and PlanLayers say: on
   // one host, allreduce (and AND the coordination's bits) through shared memory
-  // (ShmAllreduce) instead of MPI; on several, the hierarchical allreduce.
+  // (ShmCollectives) instead of MPI; on several, the hierarchical allreduce.
   Status Init(int64_t comm_f2c, bool thread_multiple, const LayerSettings& layers,
               MpiTopology* topo);
   // The communicator of a process set: its members among parent's ranks, in parent's
@@ -59,10 +72,22 @@ class MpiBackend {
   Status GatherBlobs(const std::vector<uint8_t>& mine, std::vector<std::vector<uint8_t>>* all);
   Status BroadcastBlob(std::vector<uint8_t>* blob);  // from rank 0
 
-  // Data (blocking; allgather and broadcast through the hosts' leaders when the layers
-  // say so, waiting without spinning).
-  // in == out reduces in place.
-  Status Allreduce(const void* in, void* out, int64_t count, int32_t dtype, int32_t reduce_op);
+  // Data (blocking). Each collective's algorithm is chosen here, from the layers this
+  // communicator has (and for allreduce the knobs in force): the executor fuses and
+  // calls. Allgather and broadcast go through the hosts' leaders when the layers say
+  // so, waiting without spinning.
+  //
+  // The allreduce of a run of fused tensors, as options say, by ChooseAllreduce's
+  // algorithm: over the layers and through shared memory the pieces are read and
+  // written in place; over MPI one tensor is reduced in its output, several packed
+  // into fusion. step_done names each step for the timeline as it ends.
+  Status Allreduce(const std::vector<ShmCollectives::Piece>& pieces, const AllreduceOptions& options,
+                   const AllreduceTuning& tuning, FusionBuffer* fusion,
+                   const LayeredAllreduce::StepDone& step_done);
+  AllreduceAlgorithm ChooseAllreduce(const AllreduceTuning& tuning) const {
+    if (tuning.hierarchical && layered_allreduce_) return AllreduceAlgorithm::kLayers;
+    return shared_memory() ? AllreduceAlgorithm::kSharedMemory : AllreduceAlgorithm::kMpi;
+  }
   Status Allgatherv(const void* in, int64_t in_bytes, void* out,
                     const std::vector<int64_t>& bytes_per_rank);
   Status Bcast(void* buf, int64_t nbytes, int root);
@@ -74,18 +99,9 @@ class MpiBackend {
 
   // Whether the allreduce goes through shared memory (every rank of this communicator
   // on one host).
-  bool shared_memory() const { return host_ != nullptr && !hierarchical_; }
-  // The allreduce through shared memory; only when shared_memory().
-  Status SharedAllreduce(const std::vector<ShmAllreduce::Piece>& pieces, int32_t dtype,
-                         int32_t reduce_op, double prescale, double postscale, int64_t divisor) {
-    return host_->shm().Allreduce(pieces, dtype, reduce_op, prescale, postscale, divisor);
-  }
-  // The chunk of SharedAllreduce (ShmAllreduce::set_chunk_bytes); autotune sets it.
-  void SetShmChunkBytes(int64_t bytes) {
-    if (host_) host_->shm().set_chunk_bytes(bytes);
-  }
-  // The hierarchical allreduce over the layers, or null when allreduce goes flat.
-  LayeredAllreduce* hierarchical() { return hierarchical_.get(); }
+  bool shared_memory() const { return host_ != nullptr && !layered_allreduce_; }
+  // Whether an allreduce over the layers (hierarchical or leader) was built.
+  bool layered_allreduce() const { return layered_allreduce_ != nullptr; }
   // Whether allgather (Allgatherv) and broadcast (Bcast) go through the hosts' leaders.
   bool hierarchical_allgather() const { return hierarchical_allgather_ != nullptr; }
   bool hierarchical_broadcast() const { return hierarchical_broadcast_ != nullptr; }
@@ -93,7 +109,11 @@ class MpiBackend {
   static std::string LibraryVersion();
 
  private:
-  Status Check(int rc, const char* what);
+  // Allreduce over MPI (kMpi): packs several pieces into fusion.
+  Status FlatAllreduce(const std::vector<ShmCollectives::Piece>& pieces, const AllreduceOptions& options,
+                       FusionBuffer* fusion, const LayeredAllreduce::StepDone& step_done);
+  // One MPI allreduce of count elements; in == out reduces in place.
+  Status MpiAllreduce(const void* in, void* out, int64_t count, int32_t dtype, int32_t reduce_op);
   Status WaitBackoff(void* request, const char* what,
                      std::chrono::microseconds max_sleep = PollBackoff::kWaitMaxSleep);
   // Runs a data collective: call(nullptr) makes the blocking MPI call, call(request)
@@ -107,7 +127,7 @@ class MpiBackend {
   // communicator `local` and the cross-host one `cross` (both MPI_Comm*, taken over).
   Status SetUpLayers(const LayerSettings& settings, const MpiTopology& topo, void* local, void* cross);
 
-  void* comm_ = nullptr;  // MPI_Comm*, kept opaque so mpi.h stays in one file
+  void* comm_ = nullptr;  // MPI_Comm*, kept opaque so that only common/mpi_glue.h includes mpi.h
   bool initialized_mpi_ = false;
   bool spans_hosts_ = false;  // this communicator's ranks are on more than one host
   std::vector<void*> ops_;  // user-defined reductions for 16-bit floats
@@ -115,7 +135,7 @@ class MpiBackend {
   // (hierarchical allreduce), or none (flat MPI).
   std::unique_ptr<HostLayer> host_;
   std::unique_ptr<CrossLayer> cross_;
-  std::unique_ptr<LayeredAllreduce> hierarchical_;
+  std::unique_ptr<LayeredAllreduce> layered_allreduce_;
   // Allgather and broadcast across hosts: the host's ranks and the hosts' leaders
   // (leaders_ on local rank 0 only) over MPI, and the plans of steps over them.
   std::unique_ptr<GroupLayer> host_group_, leaders_;

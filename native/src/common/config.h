@@ -38,7 +38,7 @@ struct Config {
   // threads (mpi4py) use MPI after init.
   bool mpi_thread_multiple = true;
   // HVDLITE_SHM_ALLREDUCE=0: allreduce with MPI_Allreduce even when every rank is on
-  // one machine (by default those go through shared memory: ShmAllreduce).
+  // one machine (by default those go through shared memory: ShmCollectives).
   bool shm_allreduce = true;
   // HVDLITE_HIERARCHICAL_ALLREDUCE=0/1 (or Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE;
   // ours wins when both are set): -1 when unset, the hierarchical allreduce then on

@@ -120,7 +120,7 @@ Status Core::Init(int64_t comm_f2c) {
       }
       if (st.ok()) {
         st = autotune_.Start(config_.autotune, config_, topo.rank, world->shared_memory(),
-                             world->hierarchical() != nullptr);
+                             world->layered_allreduce());
       }
       // Every rank learns whether rank 0 could open the timeline, so a bad path fails
       // init everywhere instead of leaving the others waiting for rank 0. Done

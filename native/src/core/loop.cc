@@ -20,6 +20,7 @@
 //  4. execute cached-ready responses (slot order) then new ones (broadcast order),
 //     fusing consecutive compatible allreduces up to the fusion threshold;
 //  5. complete the handles.
+// Steps 1-3 are in cycle/negotiation.cc, 4-5 in cycle/execution.cc.
 #include "core/core.h"
 
 #include <algorithm>

@@ -4,7 +4,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "transport/shm_allreduce.h"
+#include "transport/shm_collectives.h"
 
 namespace hvdlite {
 namespace {
@@ -108,7 +108,7 @@ Status Autotuner::Start(const AutotuneSettings& settings, const Config& config, 
   knobs_ = TunedKnobs();
   knobs_.fusion_threshold = config.fusion_threshold;
   knobs_.cycle_time_ms = config.cycle_time_ms;
-  knobs_.shm_chunk_bytes = ShmAllreduce::kChunkBytes;
+  knobs_.shm_chunk_bytes = ShmCollectives::kChunkBytes;
   knobs_.hierarchical = true;
   trials_seen_ = 0;
   settled_seen_ = false;
@@ -119,7 +119,7 @@ Status Autotuner::Start(const AutotuneSettings& settings, const Config& config, 
   window_bytes_ = window_steps_ = 0;
   window_start_ = Clock::now();
   if (settings_.enabled && rank_ == 0) {
-    search_.reset(new KnobSearch(knobs_, settings_, shared_memory, hierarchy, ShmAllreduce::kChunkBytes));
+    search_.reset(new KnobSearch(knobs_, settings_, shared_memory, hierarchy, ShmCollectives::kChunkBytes));
     warmups_left_ = settings_.warmup_samples;
     if (!settings_.log_path.empty()) {
       log_ = std::fopen(settings_.log_path.c_str(), "w");

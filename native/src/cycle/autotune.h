@@ -38,7 +38,7 @@ namespace hvdlite {
 struct TunedKnobs {
   int64_t fusion_threshold = 0;  // bytes
   double cycle_time_ms = 0;
-  int64_t shm_chunk_bytes = 0;   // <= ShmAllreduce::kChunkBytes
+  int64_t shm_chunk_bytes = 0;   // <= ShmCollectives::kChunkBytes
   bool hierarchical = true;      // use the hierarchical allreduce where it was built
   bool operator==(const TunedKnobs& o) const {
     return fusion_threshold == o.fusion_threshold && cycle_time_ms == o.cycle_time_ms &&
@@ -54,7 +54,7 @@ struct TunedKnobs {
 // configuration is tried once. The best is always the highest-scoring trial.
 class KnobSearch {
  public:
-  // shared_memory: whether allreduces go through ShmAllreduce (else its chunk stays);
+  // shared_memory: whether allreduces go through ShmCollectives (else its chunk stays);
   // hierarchy: whether the hierarchical allreduce exists to be switched off.
   KnobSearch(const TunedKnobs& start, const AutotuneSettings& settings, bool shared_memory,
              bool hierarchy, int64_t max_chunk_bytes);

@@ -7,6 +7,8 @@
 #include <cstring>
 #include <limits>
 
+#include "common/elementwise.h"
+
 namespace hvdlite {
 namespace {
 
@@ -153,8 +155,9 @@ std::vector<size_t> ProcessSetState::PlanFusion(const std::vector<Response>& rea
   // Through shared memory (flat or hierarchical) an allreduce reads its tensors in
   // place, so large ones fuse for free and save a round each; over MPI alone they go by
   // themselves (the fusion buffer's copies would cost more than the round).
-  const int64_t fuse_alone_bytes =
-      mpi_->shared_memory() || Hierarchical() ? std::numeric_limits<int64_t>::max() : kFuseAloneBytes;
+  const int64_t fuse_alone_bytes = mpi_->ChooseAllreduce(Tuning()) != AllreduceAlgorithm::kMpi
+                                       ? std::numeric_limits<int64_t>::max()
+                                       : kFuseAloneBytes;
   std::vector<size_t> ends;
   for (size_t i = 0; i < ready.size();) {
     const Response& r = ready[i];
@@ -219,92 +222,48 @@ void ProcessSetState::BeginOpsOnTimeline(const std::vector<Response>& ready, con
   queue_start_us_ = Timeline::Now();
 }
 
-LayeredAllreduce* ProcessSetState::Hierarchical() const {
-  return autotune_.knobs().hierarchical ? mpi_->hierarchical() : nullptr;
+AllreduceTuning ProcessSetState::Tuning() const {
+  return AllreduceTuning{autotune_.knobs().hierarchical, autotune_.knobs().shm_chunk_bytes};
 }
 
+// The backend chooses the algorithm (MpiBackend::Allreduce); this fuses the run into
+// pieces, read in place, and completes it.
 void ProcessSetState::ExecuteAllreduce(const std::vector<const Response*>& fused) {
   const Response& first = *fused[0];
-  const int32_t dtype = first.dtype;
-  const int elem = ElementSize(dtype);
   const bool average = first.reduce_op == HVDLITE_AVERAGE;
-  const int64_t divisor = average ? std::max(1, first.contributors) : 1;
-  const int32_t mpi_op = average ? HVDLITE_SUM : first.reduce_op;
+  AllreduceOptions options;
+  options.dtype = first.dtype;
+  options.reduce_op = average ? HVDLITE_SUM : first.reduce_op;
+  options.prescale = first.prescale;
+  options.postscale = first.postscale;
+  options.divisor = average ? std::max(1, first.contributors) : 1;
   const bool tl = timeline_.active();
   std::vector<TensorEntry*> entries =
       queue_.FindAll(fused, [](const Response* r) -> const std::string& { return r->name; });
   std::vector<const std::string*> names;  // timeline tracks
+  std::vector<ShmCollectives::Piece> pieces;
+  pieces.reserve(fused.size());
   int64_t total = 0;
-  for (const Response* r : fused) {
-    total += NumElements(r->shape);
-    if (tl) names.push_back(&r->name);
+  for (size_t k = 0; k < fused.size(); ++k) {
+    const int64_t n = NumElements(fused[k]->shape);
+    TensorEntry* e = entries[k];  // null: this rank joined and contributes zeros
+    pieces.push_back({e ? e->input : nullptr, e ? e->output : nullptr, n});
+    total += n;
+    if (tl) names.push_back(&fused[k]->name);
   }
   Activities activities(timeline_, names, queue_start_us_);
   activities.Done("QUEUE");
-  Status s;
-  LayeredAllreduce* hierarchical = Hierarchical();
-  if (mpi_->shared_memory() || hierarchical) {
-    // Straight from the inputs through shared memory into the outputs, scaled on the
-    // way: no fusion buffer and no separate scaling pass.
-    std::vector<ShmAllreduce::Piece> pieces;
-    pieces.reserve(fused.size());
-    for (size_t k = 0; k < fused.size(); ++k) {
-      TensorEntry* e = entries[k];  // null: this rank joined and contributes zeros
-      pieces.push_back({e ? e->input : nullptr, e ? e->output : nullptr, NumElements(fused[k]->shape)});
-    }
-    if (hierarchical) {
-      // The plan's steps over the topology layers (hierarchical_allreduce.h).
-      s = hierarchical->Allreduce(pieces, dtype, mpi_op, first.prescale, first.postscale, divisor,
-                                  [&](const char* step) { activities.Done(step); });
-    } else {
-      mpi_->SetShmChunkBytes(autotune_.knobs().shm_chunk_bytes);
-      s = mpi_->SharedAllreduce(pieces, dtype, mpi_op, first.prescale, first.postscale, divisor);
-      activities.Done("SHM_ALLREDUCE");
-    }
-  } else if (fused.size() == 1 && entries[0]) {
-    // One tensor: reduce in its output buffer, no fusion-buffer round trip.
-    TensorEntry* e = entries[0];
-    // Unscaled input goes to MPI as the send buffer: no copy at all.
-    const void* send = e->input;
-    if (first.prescale != 1.0) {
-      ScaledCopy(e->output, e->input, total, dtype, first.prescale, 1);
-      send = e->output;
-    }
-    activities.Done("MEMCPY_IN_FUSION_BUFFER");
-    s = mpi_->Allreduce(send, e->output, total, dtype, mpi_op);
-    activities.Done("MPI_ALLREDUCE");
-    if (s.ok()) ScaledCopy(e->output, e->output, total, dtype, first.postscale, divisor);
-    activities.Done("MEMCPY_OUT_FUSION_BUFFER");
-  } else {
-    uint8_t* buf = fusion_.Get(total * elem);
-    int64_t off = 0;
-    for (size_t k = 0; k < fused.size(); ++k) {
-      int64_t n = NumElements(fused[k]->shape);
-      if (entries[k]) {
-        ScaledCopy(buf + off * elem, entries[k]->input, n, dtype, first.prescale, 1);
-      } else {
-        std::memset(buf + off * elem, 0, n * elem);  // a joined rank contributes zeros
-      }
-      off += n;
-    }
-    activities.Done("MEMCPY_IN_FUSION_BUFFER");
-    s = mpi_->Allreduce(buf, buf, total, dtype, mpi_op);
-    activities.Done("MPI_ALLREDUCE");
-    off = 0;
-    for (size_t k = 0; k < fused.size() && s.ok(); ++k) {
-      int64_t n = NumElements(fused[k]->shape);
-      if (entries[k]) ScaledCopy(entries[k]->output, buf + off * elem, n, dtype, first.postscale, divisor);
-      off += n;
-    }
-    activities.Done("MEMCPY_OUT_FUSION_BUFFER");
-  }
+  const AllreduceAlgorithm algorithm = mpi_->ChooseAllreduce(Tuning());
+  Status s = mpi_->Allreduce(pieces, options, Tuning(), &fusion_,
+                             [&](const char* step) { activities.Done(step); });
   if (tl) timeline_.EndAll(names);  // ALLREDUCE
+  const int64_t bytes = total * ElementSize(options.dtype);
   counters_.collectives++;
-  if (mpi_->shared_memory()) counters_.shm_collectives++;
-  if (hierarchical) counters_.hierarchical_collectives++;
+  if (algorithm == AllreduceAlgorithm::kSharedMemory) counters_.shm_collectives++;
+  if (algorithm == AllreduceAlgorithm::kLayers) counters_.hierarchical_collectives++;
   if (fused.size() > 1) counters_.fused_collectives++;
-  counters_.bytes += total * elem;
-  counters_.wire_bytes += WireBytes(HVDLITE_OP_ALLREDUCE, total * elem, size_);
+  counters_.bytes += bytes;
+  counters_.wire_bytes += WireBytes(HVDLITE_OP_ALLREDUCE, bytes, size_);
   FinishAll(entries, s);
   if (!s.ok()) EndLoop(s);
 }

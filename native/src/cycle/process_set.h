@@ -24,8 +24,8 @@
 #include "cycle/autotune.h"
 #include "backend/backend_mpi.h"
 #include "common/config.h"
+#include "common/fusion_buffer.h"
 #include "cycle/controller.h"
-#include "cycle/fusion.h"
 #include "cycle/handle_table.h"
 #include "cycle/response_cache.h"
 #include "cycle/tensor_queue.h"
@@ -129,9 +129,8 @@ class ProcessSetState {
   void BeginOpsOnTimeline(const std::vector<Response>& ready, const std::vector<size_t>& ends);
 
   void ExecuteAllreduce(const std::vector<const Response*>& fused);
-  // The layered (hierarchical) allreduce when it is on for this cycle, else null. With
-  // it, or with shared memory, an allreduce reads its tensors in place (no fusion buffer).
-  LayeredAllreduce* Hierarchical() const;
+  // The knobs in force this cycle that the backend's choice of allreduce reads.
+  AllreduceTuning Tuning() const;
   void ExecuteFusedAllgather(const std::vector<const Response*>& fused);
   static int64_t AllgatherBytes(const Response& r);
   // One response that is not fused: the op's own function below, then its completion.

@@ -1,3 +1,5 @@
+// About 600 lines in one file: the intern table, the producer and the writer below share the ring's
+// record layout, private to this file; each part starts at a "// ---- " header.
 #include "cycle/timeline.h"
 
 #include <sched.h>

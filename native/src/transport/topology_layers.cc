@@ -1,7 +1,5 @@
 #include "transport/topology_layers.h"
 
-#include <mpi.h>
-
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,21 +7,12 @@
 #include <cstdint>
 #include <cstring>
 
-#include "transport/mpi_fault_guard.h"
+#include "common/mpi_glue.h"
 #include "common/poll_backoff.h"
+#include "transport/mpi_fault_guard.h"
 
 namespace hvdlite {
 namespace {
-
-MPI_Comm& Comm(void* p) { return *static_cast<MPI_Comm*>(p); }
-
-Status Check(int rc, const char* what) {
-  if (rc == MPI_SUCCESS) return Status::OK();
-  char text[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  MPI_Error_string(rc, text, &len);
-  return Status(HVDLITE_ERR_MPI, std::string(what) + " failed: " + std::string(text, len));
-}
 
 // Longest HVDLITE_HOST_ID, so that every rank sends the same number of bytes.
 constexpr size_t kMaxHostId = 255;
@@ -135,7 +124,7 @@ std::unique_ptr<HostLayer> HostLayer::Open(void* comm) {
   MPI_Comm_size(local, &layer->size_);
   MPI_Win* win = new MPI_Win(MPI_WIN_NULL);
   void* mine = nullptr;
-  int rc = MPI_Win_allocate_shared(ShmAllreduce::kSegmentBytes, 1, MPI_INFO_NULL, local, &mine, win);
+  int rc = MPI_Win_allocate_shared(ShmCollectives::kSegmentBytes, 1, MPI_INFO_NULL, local, &mine, win);
   // Whether every rank got its segment: all use it or none does.
   int ok = rc == MPI_SUCCESS ? 1 : 0, all_ok = 0;
   MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, local);
@@ -157,12 +146,12 @@ std::unique_ptr<HostLayer> HostLayer::Open(void* comm) {
     segments[k] = static_cast<uint8_t*>(base);
   }
   // Each rank's control area: the barrier's state (rank 0's) and its Allreduce progress.
-  std::memset(segments[layer->rank_], 0, ShmAllreduce::kControlBytes);
+  std::memset(segments[layer->rank_], 0, ShmCollectives::kControlBytes);
   int64_t pid = static_cast<int64_t>(getpid());
   std::vector<int64_t> pids(layer->size_);
   MPI_Allgather(&pid, 1, MPI_INT64_T, pids.data(), 1, MPI_INT64_T, local);  // also a barrier
   layer->window_ = win;
-  layer->shm_.reset(new ShmAllreduce(layer->rank_, std::move(segments), std::move(pids)));
+  layer->shm_.reset(new ShmCollectives(layer->rank_, std::move(segments), std::move(pids)));
   return layer;
 }
 

@@ -3,8 +3,9 @@
 // their own. Each layer is an object with its own communicator and buffers, built from
 // communicators handed to it, so that a process set can own a set of them.
 //
-// This file and backend_mpi.cc are the only ones that include mpi.h; communicators
-// travel as void* (MPI_Comm*) everywhere else. Background thread only.
+// topology_layers.cc and backend/backend_mpi.cc are the only files that call MPI (through
+// common/mpi_glue.h); communicators travel as void* (MPI_Comm*) everywhere else.
+// Background thread only.
 #pragma once
 
 #include <cstdint>
@@ -14,7 +15,7 @@
 #include <vector>
 
 #include "common/common.h"
-#include "transport/shm_allreduce.h"
+#include "transport/shm_collectives.h"
 
 namespace hvdlite {
 
@@ -65,7 +66,7 @@ struct LayerPlan {
 LayerPlan PlanLayers(const std::vector<RankPlace>& ranks);
 
 // The ranks of one host: their communicator and the shared-memory group through which
-// they reduce (ShmAllreduce over one segment per rank).
+// they reduce (ShmCollectives over one segment per rank).
 class HostLayer {
  public:
   // Collective over comm (an MPI_Comm*, which the layer keeps and frees). Null (with a
@@ -75,7 +76,7 @@ class HostLayer {
   // Frees the window and communicator; collective when `collective` (a shutdown every
   // rank takes part in), else only forgets them.
   void Close(bool collective);
-  ShmAllreduce& shm() { return *shm_; }
+  ShmCollectives& shm() { return *shm_; }
   int rank() const { return rank_; }
   int size() const { return size_; }
 
@@ -84,7 +85,7 @@ class HostLayer {
   void* comm_ = nullptr;    // MPI_Comm*
   void* window_ = nullptr;  // MPI_Win*
   int rank_ = 0, size_ = 1;
-  std::unique_ptr<ShmAllreduce> shm_;
+  std::unique_ptr<ShmCollectives> shm_;
 };
 
 // A layer's communicator, taken over at construction (an MPI_Comm*) and freed in

@@ -1,4 +1,4 @@
-#include "transport/shm_allreduce.h"
+#include "transport/shm_collectives.h"
 
 #include <linux/futex.h>
 #include <signal.h>
@@ -11,10 +11,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <type_traits>
 
 #include "common/elementwise.h"
-#include "common/half.h"
 
 namespace hvdlite {
 namespace {
@@ -25,7 +23,7 @@ struct Control {
   alignas(64) std::atomic<int32_t> sense;     // a futex word: sleepers wait on it
   alignas(64) std::atomic<int32_t> sleepers;  // ranks in (or about to be in) futex wait
 };
-static_assert(sizeof(Control) <= ShmAllreduce::kControlBytes, "the control block must fit its area");
+static_assert(sizeof(Control) <= ShmCollectives::kControlBytes, "the control block must fit its area");
 
 // How far a rank's Allreduce has got, in chunks counted over every call (the same
 // sequence on every rank), in its own segment after the barrier's area. Peers that
@@ -39,148 +37,12 @@ struct Progress {
 };
 constexpr int64_t kProgressOffset = 1024;
 static_assert(sizeof(Control) <= kProgressOffset, "the progress block follows the control block");
-static_assert(kProgressOffset + sizeof(Progress) <= ShmAllreduce::kControlBytes,
+static_assert(kProgressOffset + sizeof(Progress) <= ShmCollectives::kControlBytes,
               "the progress block must fit the control area");
 static_assert(std::atomic<int64_t>::is_always_lock_free,
               "the progress counters need lock-free atomics to work across processes");
 static_assert(std::atomic<int32_t>::is_always_lock_free,
               "the barrier needs lock-free atomics to work across processes");
-
-// Integers wrap (two's complement), as MPI's do: the arithmetic runs in the unsigned
-// type, where overflow is defined.
-template <typename T, bool = std::is_integral_v<T>>
-struct ArithOf {
-  using type = T;
-};
-template <typename T>
-struct ArithOf<T, true> {
-  using type = std::make_unsigned_t<T>;
-};
-template <typename T>
-using Arith = typename ArithOf<T>::type;
-
-struct SumOp {
-  template <typename T>
-  T operator()(T a, T b) const {
-    return static_cast<T>(static_cast<Arith<T>>(a) + static_cast<Arith<T>>(b));
-  }
-};
-struct ProductOp {
-  template <typename T>
-  T operator()(T a, T b) const {
-    return static_cast<T>(static_cast<Arith<T>>(a) * static_cast<Arith<T>>(b));
-  }
-};
-struct MinOp {
-  template <typename T>
-  T operator()(T a, T b) const { return b < a ? b : a; }
-};
-struct MaxOp {
-  template <typename T>
-  T operator()(T a, T b) const { return a < b ? b : a; }
-};
-
-// out = parts[0] op parts[1] op ... (in rank order), element by element. Two-input
-// loops over restrict pointers, in blocks of a fixed 64 bytes: -O2 vectorizes those
-// (it leaves loops of unknown length scalar, as they would need a remainder loop).
-// Combine and Accumulate stay two functions: restrict needs distinct pointers, and a
-// single version that lets out alias an input (through a local block) ran ~30% slower.
-constexpr int64_t kBlockBytes = 64;
-
-template <typename T, typename Op>
-HVDLITE_VECTOR_CLONES
-void Combine(T* __restrict out, const T* __restrict a, const T* __restrict b, int64_t n, Op op) {
-  constexpr int64_t kBlock = kBlockBytes / sizeof(T);
-  int64_t i = 0;
-  for (; i + kBlock <= n; i += kBlock) {
-    for (int64_t j = 0; j < kBlock; ++j) out[i + j] = op(a[i + j], b[i + j]);
-  }
-  for (; i < n; ++i) out[i] = op(a[i], b[i]);
-}
-
-template <typename T, typename Op>
-HVDLITE_VECTOR_CLONES
-void Accumulate(T* __restrict out, const T* __restrict b, int64_t n, Op op) {
-  constexpr int64_t kBlock = kBlockBytes / sizeof(T);
-  int64_t i = 0;
-  for (; i + kBlock <= n; i += kBlock) {
-    for (int64_t j = 0; j < kBlock; ++j) out[i + j] = op(out[i + j], b[i + j]);
-  }
-  for (; i < n; ++i) out[i] = op(out[i], b[i]);
-}
-
-template <typename T, typename Op>
-void ReduceParts(void* out, const std::vector<const uint8_t*>& parts, int64_t n, Op op) {
-  T* o = static_cast<T*>(out);
-  size_t k = 1;  // out is parts[0] already: accumulate the rest into it
-  if (out != parts[0]) {
-    Combine(o, reinterpret_cast<const T*>(parts[0]), reinterpret_cast<const T*>(parts[1]), n, op);
-    k = 2;
-  }
-  for (; k < parts.size(); ++k) Accumulate(o, reinterpret_cast<const T*>(parts[k]), n, op);
-}
-
-// A rank's own part of a float Sum or Average, in one pass: slot = tensor =
-// (parts[0] + parts[1] + ...) * scale, summed in rank order and scaled as ReduceParts
-// and ScaledCopy would (the same bits). tensor may be one of the parts (in place):
-// each 64-byte block is summed into a local block before either store. Against reduce,
-// scale, copy out, this saves two passes over the part (~10% of the background
-// thread's CPU on the MLP benchmark's 23 MB).
-template <typename T>
-HVDLITE_VECTOR_CLONES
-void SumScaledInto(T* slot, T* tensor, const std::vector<const uint8_t*>& parts, int64_t n, T scale) {
-  constexpr int64_t kBlock = kBlockBytes / sizeof(T);
-  const T* p0 = reinterpret_cast<const T*>(parts[0]);
-  const T* p1 = reinterpret_cast<const T*>(parts[1]);
-  int64_t i = 0;
-  for (; i + kBlock <= n; i += kBlock) {
-    T b[kBlock];
-    for (int64_t j = 0; j < kBlock; ++j) b[j] = p0[i + j] + p1[i + j];
-    for (size_t r = 2; r < parts.size(); ++r) {
-      const T* pr = reinterpret_cast<const T*>(parts[r]);
-      for (int64_t j = 0; j < kBlock; ++j) b[j] += pr[i + j];
-    }
-    if (scale != T(1)) for (int64_t j = 0; j < kBlock; ++j) b[j] *= scale;
-    for (int64_t j = 0; j < kBlock; ++j) slot[i + j] = b[j];
-    for (int64_t j = 0; j < kBlock; ++j) tensor[i + j] = b[j];
-  }
-  for (; i < n; ++i) {
-    T v = p0[i] + p1[i];
-    for (size_t r = 2; r < parts.size(); ++r) v += reinterpret_cast<const T*>(parts[r])[i];
-    if (scale != T(1)) v *= scale;
-    slot[i] = v;
-    tensor[i] = v;
-  }
-}
-
-// 16-bit floats: accumulated in float over every rank, rounded once.
-template <float (*ToF)(uint16_t), uint16_t (*FromF)(float), typename Op>
-void ReduceHalfParts(void* out, const std::vector<const uint8_t*>& parts, int64_t n, Op op) {
-  uint16_t* o = static_cast<uint16_t*>(out);
-  for (int64_t i = 0; i < n; ++i) {
-    float acc = ToF(reinterpret_cast<const uint16_t*>(parts[0])[i]);
-    for (size_t k = 1; k < parts.size(); ++k) {
-      acc = op(acc, ToF(reinterpret_cast<const uint16_t*>(parts[k])[i]));
-    }
-    o[i] = FromF(acc);
-  }
-}
-
-template <typename Op>
-void ReduceTyped(void* out, const std::vector<const uint8_t*>& parts, int64_t n, int32_t dtype, Op op) {
-  switch (dtype) {
-    case HVDLITE_UINT8: case HVDLITE_BOOL: return ReduceParts<uint8_t>(out, parts, n, op);
-    case HVDLITE_INT8: return ReduceParts<int8_t>(out, parts, n, op);
-    case HVDLITE_INT16: return ReduceParts<int16_t>(out, parts, n, op);
-    case HVDLITE_UINT16: return ReduceParts<uint16_t>(out, parts, n, op);
-    case HVDLITE_INT32: return ReduceParts<int32_t>(out, parts, n, op);
-    case HVDLITE_INT64: return ReduceParts<int64_t>(out, parts, n, op);
-    case HVDLITE_FLOAT16: return ReduceHalfParts<HalfToFloat, FloatToHalf>(out, parts, n, op);
-    case HVDLITE_BFLOAT16: return ReduceHalfParts<Bf16ToFloat, FloatToBf16>(out, parts, n, op);
-    case HVDLITE_FLOAT32: return ReduceParts<float>(out, parts, n, op);
-    default: return ReduceParts<double>(out, parts, n, op);
-  }
-}
 
 // Sleeps while *word == expected, at most timeout_us (shared between processes: no
 // FUTEX_PRIVATE_FLAG). Returns early when woken, on a signal, or if the word changed.
@@ -210,31 +72,21 @@ bool ProcessAlive(int64_t pid) {
 
 }  // namespace
 
-void ReduceElements(void* out, const std::vector<const uint8_t*>& parts, int64_t n, int32_t dtype,
-                    int32_t reduce_op) {
-  switch (reduce_op) {
-    case HVDLITE_MIN: return ReduceTyped(out, parts, n, dtype, MinOp());
-    case HVDLITE_MAX: return ReduceTyped(out, parts, n, dtype, MaxOp());
-    case HVDLITE_PRODUCT: return ReduceTyped(out, parts, n, dtype, ProductOp());
-    default: return ReduceTyped(out, parts, n, dtype, SumOp());  // Sum; Average is a scaled Sum
-  }
-}
-
-ShmAllreduce::ShmAllreduce(int rank, std::vector<uint8_t*> segments, std::vector<int64_t> pids)
+ShmCollectives::ShmCollectives(int rank, std::vector<uint8_t*> segments, std::vector<int64_t> pids)
     : rank_(rank), size_(static_cast<int>(segments.size())), segments_(std::move(segments)),
       pids_(std::move(pids)) {}
 
-uint8_t* ShmAllreduce::In(int rank, int set) const {
+uint8_t* ShmCollectives::In(int rank, int set) const {
   return segments_[rank] + kHeaderBytes + static_cast<int64_t>(set) * 2 * kChunkBytes;
 }
 
-uint64_t* ShmAllreduce::Bits(int rank, int set) const {
+uint64_t* ShmCollectives::Bits(int rank, int set) const {
   return reinterpret_cast<uint64_t*>(segments_[rank] + kControlBytes) + set * kMaxBitsWords;
 }
 
-uint8_t* ShmAllreduce::Out(int rank, int set) const { return In(rank, set) + kChunkBytes; }
+uint8_t* ShmCollectives::Out(int rank, int set) const { return In(rank, set) + kChunkBytes; }
 
-int ShmAllreduce::DeadPeer() const {
+int ShmCollectives::DeadPeer() const {
   for (int k = 0; k < size_; ++k) {
     if (k != rank_ && !ProcessAlive(pids_[k])) return k;
   }
@@ -245,7 +97,7 @@ namespace {
 Progress* ProgressOf(uint8_t* segment) { return reinterpret_cast<Progress*>(segment + kProgressOffset); }
 }  // namespace
 
-void ShmAllreduce::Publish(int field, int64_t chunks) {
+void ShmCollectives::Publish(int field, int64_t chunks) {
   Progress* p = ProgressOf(segments_[rank_]);
   std::atomic<int64_t>* f = field == 0 ? &p->copied_in : field == 1 ? &p->reduced : &p->copied_out;
   f->store(chunks, std::memory_order_seq_cst);
@@ -254,7 +106,7 @@ void ShmAllreduce::Publish(int field, int64_t chunks) {
   if (p->sleepers.load(std::memory_order_seq_cst) > 0) FutexWakeAll(&p->seq);
 }
 
-Status ShmAllreduce::WaitFor(int field, int64_t chunks) {
+Status ShmCollectives::WaitFor(int field, int64_t chunks) {
   for (int k = 0; k < size_; ++k) {
     if (k == rank_) continue;
     Progress* p = ProgressOf(segments_[k]);
@@ -272,7 +124,7 @@ Status ShmAllreduce::WaitFor(int field, int64_t chunks) {
   return Status::OK();
 }
 
-Status ShmAllreduce::Barrier() {
+Status ShmCollectives::Barrier() {
   Control* c = reinterpret_cast<Control*>(segments_[0]);
   sense_ ^= 1;
   if (c->count.fetch_add(1, std::memory_order_acq_rel) == size_ - 1) {
@@ -294,7 +146,7 @@ Status ShmAllreduce::Barrier() {
   }
 }
 
-Status ShmAllreduce::AfterWait() {
+Status ShmCollectives::AfterWait() {
   if (idle_) {
     Status s = idle_();
     if (!s.ok()) return s;
@@ -306,7 +158,7 @@ Status ShmAllreduce::AfterWait() {
                                              ") ended during a shared-memory allreduce");
 }
 
-Status ShmAllreduce::AndBits(uint64_t* bits, int64_t words) {
+Status ShmCollectives::AndBits(uint64_t* bits, int64_t words) {
   std::memcpy(Bits(rank_, bits_set_), bits, words * sizeof(uint64_t));
   Status s = Barrier();
   if (!s.ok()) return s;
@@ -325,7 +177,7 @@ namespace {
 // for each piece overlapping the flat range [lo, hi); starts[i] is piece i's first flat
 // element (and starts.back() the total).
 template <typename Fn>
-void ForEachPiece(const std::vector<ShmAllreduce::Piece>& pieces, const std::vector<int64_t>& starts,
+void ForEachPiece(const std::vector<ShmCollectives::Piece>& pieces, const std::vector<int64_t>& starts,
                   int64_t lo, int64_t hi, Fn fn) {
   size_t i = std::upper_bound(starts.begin(), starts.end(), lo) - starts.begin() - 1;
   for (; lo < hi && i < pieces.size(); ++i) {
@@ -337,8 +189,10 @@ void ForEachPiece(const std::vector<ShmAllreduce::Piece>& pieces, const std::vec
 
 }  // namespace
 
-Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, int32_t dtype, int32_t reduce_op,
-                               double prescale, double postscale, int64_t divisor) {
+Status ShmCollectives::Allreduce(const std::vector<Piece>& pieces, const AllreduceOptions& options) {
+  const int32_t dtype = options.dtype, reduce_op = options.reduce_op;
+  const double prescale = options.prescale, postscale = options.postscale;
+  const int64_t divisor = options.divisor;
   const int64_t elem = ElementSize(dtype);
   const int64_t per_chunk = chunk_bytes_ / elem;
   // Parts start on 64-byte boundaries, for the vectorized loops.
@@ -471,9 +325,9 @@ Status ShmAllreduce::Allreduce(const std::vector<Piece>& pieces, int32_t dtype, 
 namespace {
 
 // starts[i]: piece i's first element in the flat buffer; starts.back(): the total.
-std::vector<int64_t> PieceStarts(const std::vector<ShmAllreduce::Piece>& pieces) {
+std::vector<int64_t> PieceStarts(const std::vector<ShmCollectives::Piece>& pieces) {
   std::vector<int64_t> starts(1, 0);
-  for (const ShmAllreduce::Piece& p : pieces) starts.push_back(starts.back() + p.count);
+  for (const ShmCollectives::Piece& p : pieces) starts.push_back(starts.back() + p.count);
   return starts;
 }
 
@@ -489,7 +343,7 @@ int64_t ShardStart(int64_t count, int64_t elem, int size, int rank) {
 struct ShardRounds {
   ShardRounds(int64_t count, int64_t elem, int size) : count(count), elem(elem), size(size) {
     const int64_t align = std::max<int64_t>(1, 64 / elem);
-    step = std::max<int64_t>(1, ShmAllreduce::kChunkBytes / elem / size / align * align);
+    step = std::max<int64_t>(1, ShmCollectives::kChunkBytes / elem / size / align * align);
     const int64_t longest = ShardStart(count, elem, size, 1);  // shard 0 is never shorter
     rounds = (longest + step - 1) / step;
   }
@@ -505,11 +359,11 @@ struct ShardRounds {
 
 }  // namespace
 
-int64_t ShmAllreduce::ShardBegin(int64_t count, int32_t dtype, int rank) const {
+int64_t ShmCollectives::ShardBegin(int64_t count, int32_t dtype, int rank) const {
   return ShardStart(count, ElementSize(dtype), size_, rank);
 }
 
-Status ShmAllreduce::ReduceScatter(const std::vector<Piece>& pieces, int64_t first, int64_t count,
+Status ShmCollectives::ReduceScatter(const std::vector<Piece>& pieces, int64_t first, int64_t count,
                                    int32_t dtype, int32_t reduce_op, double prescale, void* shard) {
   const int64_t elem = ElementSize(dtype);
   const std::vector<int64_t> starts = PieceStarts(pieces);
@@ -541,7 +395,7 @@ Status ShmAllreduce::ReduceScatter(const std::vector<Piece>& pieces, int64_t fir
   return Rounds(walk.rounds, copy_in, reduce);
 }
 
-Status ShmAllreduce::Rounds(int64_t rounds, const std::function<void(int64_t, int)>& fill,
+Status ShmCollectives::Rounds(int64_t rounds, const std::function<void(int64_t, int)>& fill,
                             const std::function<void(int64_t, int)>& drain) {
   if (rounds == 0) return Status::OK();
   // The slots are free once every peer has copied out the last Allreduce's chunks, and
@@ -561,7 +415,7 @@ Status ShmAllreduce::Rounds(int64_t rounds, const std::function<void(int64_t, in
   return Barrier();
 }
 
-Status ShmAllreduce::Allgather(const void* shard, const std::vector<Piece>& pieces, int64_t first,
+Status ShmCollectives::Allgather(const void* shard, const std::vector<Piece>& pieces, int64_t first,
                                int64_t count, int32_t dtype, double postscale, int64_t divisor) {
   const int64_t elem = ElementSize(dtype);
   const std::vector<int64_t> starts = PieceStarts(pieces);

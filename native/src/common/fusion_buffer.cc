@@ -1,4 +1,4 @@
-#include "cycle/fusion.h"
+#include "common/fusion_buffer.h"
 
 namespace hvdlite {
 

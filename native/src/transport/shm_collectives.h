@@ -1,4 +1,8 @@
-// Allreduce among ranks that share one machine, through memory they all map.
+// Collectives among ranks that share one machine, through memory they all map: the
+// allreduce described below, the reduce-scatter and allgather halves of the
+// hierarchical allreduce, the bit-AND of the coordination round, and their barrier.
+//
+// The allreduce:
 //
 // Each rank owns one segment of shared memory (the MPI backend allocates the segments
 // and hands their addresses over; this file knows nothing of MPI). The tensors of one
@@ -64,17 +68,13 @@
 #include <functional>
 #include <vector>
 
+#include "common/allreduce_options.h"
 #include "common/common.h"
+#include "common/elementwise.h"
 
 namespace hvdlite {
 
-// out = parts[0] op parts[1] op ... element by element, in that order (Average: Sum;
-// 16-bit floats accumulate in float and round once). out may be parts[0]; no other
-// part may overlap it.
-void ReduceElements(void* out, const std::vector<const uint8_t*>& parts, int64_t n, int32_t dtype,
-                    int32_t reduce_op);
-
-class ShmAllreduce {
+class ShmCollectives {
  public:
   // Bytes per chunk and per rank: two sets of in and out slots of this size.
   static constexpr int64_t kChunkBytes = 1 << 19;
@@ -88,7 +88,7 @@ class ShmAllreduce {
 
   // segments[k]: rank k's segment as mapped in this process (each one's control area
   // zeroed by its owner before any rank uses it); pids[k]: rank k's process id.
-  ShmAllreduce(int rank, std::vector<uint8_t*> segments, std::vector<int64_t> pids);
+  ShmCollectives(int rank, std::vector<uint8_t*> segments, std::vector<int64_t> pids);
 
   // One tensor of an allreduce: count elements read from in (null: zeros, from a rank
   // that joined) and written to out (null: dropped; in == out reduces in place). An out
@@ -98,11 +98,9 @@ class ShmAllreduce {
     void* out;
     int64_t count;
   };
-  // Reduces the pieces over the ranks as one buffer: out = reduce(in * prescale) *
-  // postscale / divisor, with ScaledCopy's rules. Every rank calls it with the same
-  // counts, dtype, op and scaling, in the same order.
-  Status Allreduce(const std::vector<Piece>& pieces, int32_t dtype, int32_t reduce_op,
-                   double prescale, double postscale, int64_t divisor);
+  // Reduces the pieces over the ranks as one buffer, as options say. Every rank calls
+  // it with the same counts and options, in the same order.
+  Status Allreduce(const std::vector<Piece>& pieces, const AllreduceOptions& options);
 
   // The two halves of a hierarchical allreduce (HierarchicalAllreduce), over the flat
   // elements [first, first + count) of the pieces: that block is cut into one

@@ -1,12 +1,10 @@
-// The fusion buffer that packs many tensors into one collective (the scaled copy that
-// packs and unpacks it is in common/elementwise.h). Background thread only.
+// The fusion buffer that packs many tensors into one collective: the executor's (fused
+// allgathers, scratch space) and the backend's flat MPI allreduce share one per process
+// set. Background thread only.
 #pragma once
 
 #include <cstdint>
 #include <memory>
-
-#include "common/common.h"
-#include "common/elementwise.h"
 
 namespace hvdlite {
 
