@@ -21,9 +21,11 @@ import os
 
 import pytest
 
+import needs
+
 from harness import assert_ok, describe, run_job
 
-pytest.importorskip("torch")
+needs.import_or_skip("torch")
 pytestmark = pytest.mark.timeout(400)
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_scripts",
