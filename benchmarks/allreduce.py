@@ -39,7 +39,7 @@ from mpi4py import MPI  # initializes MPI (THREAD_MULTIPLE); hvdlite.init() reus
 
 import hvdlite as hvd
 from hvdlite._native import check, ffi, lib
-from rounds import commit
+from rounds import commit, spread
 
 KIB, MIB = 1024, 1024 * 1024
 TARGET_BUSBW_RATIO = 0.9       # hvdlite >= 0.9x mpi4py bus bandwidth from 1 MiB up
@@ -86,12 +86,14 @@ class Bench:
         return max(1, min(2000, int(rep_seconds / max(per_call, 1e-7))))
 
     def interleaved(self, fns, reps, iters):
-        """Runs each fn iters times per repetition, alternating; returns medians."""
+        """Runs each fn iters times per repetition, in ABBA order (reversed every other
+        repetition); returns medians. Every repetition's times stay in self.samples."""
         samples = [[] for _ in fns]
         for rep in range(reps):
             order = range(len(fns)) if rep % 2 == 0 else reversed(range(len(fns)))
             for k in order:
                 samples[k].append(self.timed(fns[k], iters))
+        self.samples = samples
         return [statistics.median(s) for s in samples]
 
 
@@ -192,6 +194,8 @@ def bench_small(b, args):
     fns = [run_hvd, run_hvd_new_arrays, run_mpi, run_mpi_batched, run_mpi_overlapped, run_core]
     t_hvd, t_new, t_mpi, t_batched, t_overlapped, t_core = b.interleaved(
         fns, args.reps, b.iterations(fns, args.rep_seconds))
+    per_rep = dict(zip(("hvd", "hvd_new_arrays", "mpi", "mpi_batched", "mpi_overlapped", "core"),
+                       b.samples))
     # Collectives per step of the Python step alone: a few more steps, not timed.
     before = hvd.stats()
     for _ in range(args.reps):
@@ -199,6 +203,7 @@ def bench_small(b, args):
     collectives = hvd.stats()["collectives"] - before["collectives"]
     return {"count": count, "bytes": args.small_bytes, "hvd_s": t_hvd, "mpi_s": t_mpi,
             "mpi_batched_s": t_batched, "mpi_overlapped_s": t_overlapped,
+            "per_rep_s": per_rep,
             "hvd_new_arrays_s": t_new, "core_s": t_core,
             "hvd_collectives_per_step": collectives / args.reps}
 
@@ -277,6 +282,8 @@ def report(out, args, comm_size):
                   f"hvdlite {s['mpi_batched_s'] / s['hvd_s']:.2f}x faster",
                   f"  mpi4py Iallreduce all + Waitall {fmt_time(s['mpi_overlapped_s'])}  "
                   f"hvdlite {s['mpi_overlapped_s'] / s['hvd_s']:.2f}x faster",
+                  *[f"  {name:15s} us per repetition: " + spread([t * 1e6 for t in ts], "{:.0f}")
+                    for name, ts in s["per_rep_s"].items()],
                   f"  (hvdlite with a new result array per call: {fmt_time(s['hvd_new_arrays_s'])}, "
                   f"{s['mpi_s'] / s['hvd_new_arrays_s']:.2f}x mpi4py)",
                   f"  (the same step submitted from C, no Python per call: "
