@@ -262,14 +262,25 @@ def test_hierarchical_allreduce_is_switched_alike_on_every_rank(tmp_path):
     # 2 "hosts" x 2 ranks, placed alternately: the hierarchy exists, so its on/off is a
     # knob; the search is bounded to reach it (fusion 4 values, cycle 3, chunk 3, then it).
     log = str(tmp_path / "autotune.csv")
-    env = quick_env(log, HVDLITE_AUTOTUNE_MAX_SAMPLES="13", HVDLITE_AUTOTUNE_STEPS_PER_SAMPLE="60")
+    env = quick_env(log, HVDLITE_AUTOTUNE_MAX_SAMPLES="13")
     result, bodies = run(4, env, layout="ABAB", timeout=420)
     tried = check_agreement_and_log(result, bodies, log, bound=13)
     assert {k[3] for k in tried} == {True, False}, tried
     for body in bodies:
         assert body["stats"]["hierarchical_collectives"] > 0
-    # The setting changed what ran: no hierarchical collective in a step run with it
-    # off, every collective hierarchical in a step run with it on.
+
+
+def test_the_hierarchical_setting_tried_changes_what_runs(tmp_path):
+    # As above, with fusion and cycle time fixed (set by hand) so the search reaches
+    # hierarchical off within a few trials, and samples long enough (60 loop steps) that
+    # some of the job's steps run wholly under it: then no collective of theirs is
+    # hierarchical, and every collective of a step under "on" is.
+    log = str(tmp_path / "autotune.csv")
+    env = quick_env(log, HVDLITE_AUTOTUNE_MAX_SAMPLES="8", HVDLITE_AUTOTUNE_STEPS_PER_SAMPLE="60",
+                    HVDLITE_FUSION_THRESHOLD=str(128 * MIB), HVDLITE_CYCLE_TIME="1")
+    result, bodies = run(4, env, layout="ABAB", timeout=420)
+    tried = check_agreement_and_log(result, bodies, log, bound=8)
+    assert {k[3] for k in tried} == {True, False}, tried
     by_setting = counters_by_knob(bodies, "hierarchical")
     assert by_setting.get(True) and by_setting.get(False), sorted(by_setting)
     assert all(step["hierarchical"] == 0 for step in by_setting[False]), by_setting[False]
