@@ -11,8 +11,12 @@ machine's load hits both alike) and medians quoted:
    results, their
    bus bandwidth 2(n-1)/n * bytes / time, and the ratio hvdlite / mpi4py;
 2. the "many small tensors" step: 200 float32 tensors of 16 KiB, hvdlite
-   async-all-then-wait against 200 sequential ``comm.Allreduce`` calls, both writing
-   into preallocated results, as in 1. For the record also: hvdlite's step with a new
+   async-all-then-wait against three MPI peers, all writing into preallocated results,
+   as in 1: 200 sequential ``comm.Allreduce`` calls (what a naive loop costs: this ratio
+   measures fusion more than the core), one ``comm.Allreduce`` of the 200 tensors packed
+   into one buffer (batched: the copies in and out are timed, as hvdlite's fusion
+   buffer's are), and 200 ``comm.Iallreduce`` + ``MPI.Request.Waitall`` (overlapped);
+   the ratio against each. For the record also: hvdlite's step with a new
    result array per call (the default without ``out=``; it pays for the allocator's
    fresh pages, hundreds of page faults per step on some ranks here, as the heap is
    trimmed and regrown every step), and the same step submitted from C through a test
@@ -35,6 +39,7 @@ from mpi4py import MPI  # initializes MPI (THREAD_MULTIPLE); hvdlite.init() reus
 
 import hvdlite as hvd
 from hvdlite._native import check, ffi, lib
+from rounds import commit, spread
 
 KIB, MIB = 1024, 1024 * 1024
 TARGET_BUSBW_RATIO = 0.9       # hvdlite >= 0.9x mpi4py bus bandwidth from 1 MiB up
@@ -81,12 +86,14 @@ class Bench:
         return max(1, min(2000, int(rep_seconds / max(per_call, 1e-7))))
 
     def interleaved(self, fns, reps, iters):
-        """Runs each fn iters times per repetition, alternating; returns medians."""
+        """Runs each fn iters times per repetition, in ABBA order (reversed every other
+        repetition); returns medians. Every repetition's times stay in self.samples."""
         samples = [[] for _ in fns]
         for rep in range(reps):
             order = range(len(fns)) if rep % 2 == 0 else reversed(range(len(fns)))
             for k in order:
                 samples[k].append(self.timed(fns[k], iters))
+        self.samples = samples
         return [statistics.median(s) for s in samples]
 
 
@@ -147,6 +154,21 @@ def bench_small(b, args):
         for t, o in zip(tensors, outs):
             b.comm.Allreduce(t, o, op=MPI.SUM)
 
+    packed, packed_out = np.empty(count * elems, np.float32), np.empty(count * elems, np.float32)
+    batched_outs = [np.empty_like(t) for t in tensors]
+
+    def run_mpi_batched():
+        np.concatenate(tensors, out=packed)
+        b.comm.Allreduce(packed, packed_out, op=MPI.SUM)
+        for i, o in enumerate(batched_outs):
+            o[:] = packed_out[i * elems:(i + 1) * elems]
+
+    overlapped_outs = [np.empty_like(t) for t in tensors]
+
+    def run_mpi_overlapped():
+        MPI.Request.Waitall([b.comm.Iallreduce(t, o, op=MPI.SUM)
+                             for t, o in zip(tensors, overlapped_outs)])
+
     # The same step driven from C (a test entry point of the core): what the core
     # costs without Python's per-call cost, for the record; the target is on run_hvd.
     ins = ffi.new("void *[]", [ffi.from_buffer(t) for t in tensors])
@@ -160,19 +182,28 @@ def bench_small(b, args):
     results = [hvd.synchronize(h) for h in handles]
     run_hvd()
     run_core()
+    run_mpi_batched()
+    run_mpi_overlapped()
     base = b.size * (b.size - 1) / 2
+    for peer in (batched_outs, overlapped_outs):
+        assert all(np.all(o == base + b.size * i) for i, o in enumerate(peer))
     assert all(r[0] == base + b.size * i for i, r in enumerate(results))
     assert all(o[0] == base + b.size * i for i, o in enumerate(hvd_outs))
     assert all(o[0] == base + b.size * i for i, o in enumerate(core_outs))
     del results
-    fns = [run_hvd, run_hvd_new_arrays, run_mpi, run_core]
-    t_hvd, t_new, t_mpi, t_core = b.interleaved(fns, args.reps, b.iterations(fns, args.rep_seconds))
+    fns = [run_hvd, run_hvd_new_arrays, run_mpi, run_mpi_batched, run_mpi_overlapped, run_core]
+    t_hvd, t_new, t_mpi, t_batched, t_overlapped, t_core = b.interleaved(
+        fns, args.reps, b.iterations(fns, args.rep_seconds))
+    per_rep = dict(zip(("hvd", "hvd_new_arrays", "mpi", "mpi_batched", "mpi_overlapped", "core"),
+                       b.samples))
     # Collectives per step of the Python step alone: a few more steps, not timed.
     before = hvd.stats()
     for _ in range(args.reps):
         run_hvd()
     collectives = hvd.stats()["collectives"] - before["collectives"]
     return {"count": count, "bytes": args.small_bytes, "hvd_s": t_hvd, "mpi_s": t_mpi,
+            "mpi_batched_s": t_batched, "mpi_overlapped_s": t_overlapped,
+            "per_rep_s": per_rep,
             "hvd_new_arrays_s": t_new, "core_s": t_core,
             "hvd_collectives_per_step": collectives / args.reps}
 
@@ -223,7 +254,7 @@ def report(out, args, comm_size):
     ok = lambda passed: "PASS" if passed else "MISS"  # noqa: E731
     lines = [f"hvdlite {hvd.__version__} vs mpi4py {__import__('mpi4py').__version__} "
              f"on {out['mpi'].splitlines()[0]}; {comm_size} ranks; medians of "
-             f"{args.reps} interleaved repetitions; time = slowest rank", ""]
+             f"{args.reps} interleaved repetitions; time = slowest rank; commit {out['commit']}", ""]
     lines.append(f"{'size':>8} | {'hvdlite':>12} {'busbw':>10} | {'mpi4py':>12} {'busbw':>10} "
                  f"| {'busbw ratio':>11} | target")
     lines.append("-" * 88)
@@ -244,9 +275,15 @@ def report(out, args, comm_size):
                   "results into preallocated arrays",
                   f"  hvdlite async-all-then-wait {fmt_time(s['hvd_s'])}  "
                   f"({s['hvd_collectives_per_step']:.1f} collectives per step after fusion)",
-                  f"  mpi4py sequential Allreduce {fmt_time(s['mpi_s'])}",
-                  f"  speedup {speedup:.2f}x   target >= {TARGET_SMALL_SPEEDUP}x "
-                  f"{ok(speedup >= TARGET_SMALL_SPEEDUP)}",
+                  f"  mpi4py sequential Allreduce {fmt_time(s['mpi_s'])}  "
+                  f"hvdlite {speedup:.2f}x faster   target >= {TARGET_SMALL_SPEEDUP}x "
+                  f"{ok(speedup >= TARGET_SMALL_SPEEDUP)} (measures fusion more than the core)",
+                  f"  mpi4py one Allreduce of the packed tensors {fmt_time(s['mpi_batched_s'])}  "
+                  f"hvdlite {s['mpi_batched_s'] / s['hvd_s']:.2f}x faster",
+                  f"  mpi4py Iallreduce all + Waitall {fmt_time(s['mpi_overlapped_s'])}  "
+                  f"hvdlite {s['mpi_overlapped_s'] / s['hvd_s']:.2f}x faster",
+                  *[f"  {name:15s} us per repetition: " + spread([t * 1e6 for t in ts], "{:.0f}")
+                    for name, ts in s["per_rep_s"].items()],
                   f"  (hvdlite with a new result array per call: {fmt_time(s['hvd_new_arrays_s'])}, "
                   f"{s['mpi_s'] / s['hvd_new_arrays_s']:.2f}x mpi4py)",
                   f"  (the same step submitted from C, no Python per call: "
@@ -274,7 +311,7 @@ def main():
     hvd.init()
     comm = MPI.COMM_WORLD
     b = Bench(comm)
-    out = {"ranks": b.size, "mpi": MPI.Get_library_version().strip(),
+    out = {"commit": commit(), "ranks": b.size, "mpi": MPI.Get_library_version().strip(),
            "env": {k: v for k, v in __import__("os").environ.items()
                    if k.startswith("HVDLITE_")}}
     if not args.skip_cpu:

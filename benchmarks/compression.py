@@ -5,8 +5,9 @@
 For each link rate, a namespace cluster of 2 hosts (hvdlite.runner.netns_cluster) runs
 one job of 2 ranks (1 per host, MPI over the shaped links) that trains the MLP
 784-2048-2048-10 (batch 64 per rank, SGD) with each compression in turn, interleaved
-round after round so that the machine's drift hits all alike, and prints per compression
-the median step time, the bytes each rank sent per step (``hvdlite.stats()``'s
+round after round in an order rotated by one every round (benchmarks/rounds.py) so that
+the machine's drift hits all alike, and prints per compression every round's step time
+with their median and range, the bytes each rank sent per step (``hvdlite.stats()``'s
 wire_bytes) and the speed-up against no compression. Then, on this machine (the link
 does not change what is learnt), ``examples/pytorch_digits.py`` runs 2 ranks for the
 same epochs with each compression and the final test accuracies are printed beside
@@ -24,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from rounds import print_commit, rotated, spread
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = "COMPRESSION "
@@ -64,8 +67,9 @@ def rank_part(args):
 
     for model, opt in setups.values():  # warm-up: first-use costs, PowerSGD's start
         step(model, opt)
-    for _ in range(args.rounds):
-        for choice, (model, opt) in setups.items():
+    for round_ in range(args.rounds):
+        for choice in rotated(setups, round_):
+            model, opt = setups[choice]
             hvd.barrier()
             before = hvd.stats()["wire_bytes"]
             start = time.perf_counter()
@@ -132,8 +136,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rates", default="1gbit,100mbit")
     parser.add_argument("--choices", default=",".join(CHOICES))
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=len(CHOICES),
+                        help="rounds (each rotates the order by one; default: one full turn)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
     parser.add_argument("--epochs", type=int, default=10, help="digits example's epochs")
     parser.add_argument("--local", action="store_true", help="time on this host, no cluster")
     parser.add_argument("--skip-accuracy", action="store_true")
@@ -145,13 +150,14 @@ def main():
     args = parser.parse_args()
     if args.rank_part:
         return rank_part(args)
+    print_commit()
     choices = args.choices.split(",")
     rates = ["local"] if args.local else args.rates.split(",")
     for rate in ([] if args.accuracy_only else rates):
         result = time_steps(args, rate)
         base = statistics.median(result["times"]["none"])
         print(f"\nMLP 784-2048-2048-10, batch 64/rank, 2 hosts x 1 rank, link {rate} "
-              f"(medians of {args.rounds} interleaved rounds of {args.steps} steps)")
+              f"(medians of {args.rounds} rotated rounds of {args.steps} steps)")
         print(f"{'compression':<12} {'step ms':>9} {'range ms':>15} {'MB sent/step':>13} "
               f"{'speed-up':>9}")
         for choice in choices:
@@ -160,6 +166,11 @@ def main():
             sent = statistics.median(result["wire"][choice]) / 1e6
             print(f"{choice:<12} {med * 1e3:9.1f} {min(ts) * 1e3:7.1f}-{max(ts) * 1e3:<7.1f} "
                   f"{sent:13.3f} {base / med:8.2f}x")
+        for choice in choices:
+            ts = result["times"][choice]
+            speedups = [b / t for b, t in zip(result["times"]["none"], ts)]
+            print(f"  {choice:<10} step ms per round: " + spread([t * 1e3 for t in ts], "{:.1f}")
+                  + "; speed-up against none, same round: " + spread(speedups, "{:.2f}"))
     if not args.skip_accuracy:
         first, _, last = args.seeds.partition("-")
         seeds = list(range(int(first), int(last or first) + 1))
@@ -167,8 +178,8 @@ def main():
               "test accuracy (median, range) and the median of the per-seed difference "
               "against none (same seed: same init, split and batches)")
         runs = {}
-        for seed in seeds:  # interleaved: the machine's load hits every choice alike
-            for choice in choices:
+        for i, seed in enumerate(seeds):  # interleaved and rotated: the machine's load
+            for choice in rotated(choices, i):  # hits every choice alike
                 runs.setdefault(choice, []).append(accuracy(args, choice, seed))
         for choice in choices:
             accs = runs[choice]

@@ -10,8 +10,10 @@ and 2, three ways:
 * set, rank 0 idle: in the set {1, 2} while rank 0 sleeps in Python (no op in flight,
   so its background loop would cycle at the idle time if nobody told it otherwise).
 
-Prints one JSON line per way from rank 1: the median and quartiles of the per-op time
-over 5 repetitions (microseconds).
+The three ways run in an order rotated by one every repetition (benchmarks/rounds.py),
+so that drift in the machine's load hits them alike. Prints the commit, then one JSON
+line per way and rank that ran it (ranks 1 and 2; rank 0 for global too): every
+repetition's per-op time, their median and range (microseconds).
 """
 import argparse
 import json
@@ -22,6 +24,7 @@ import time
 import numpy as np
 
 import hvdlite as hvd
+from rounds import commit, rotated
 
 
 def loop(n, process_set):
@@ -43,13 +46,15 @@ def main():
     pair = hvd.add_process_set([1, 2])
     signal = hvd.broadcast_object(tempfile.mkdtemp(prefix="hvdlite-ps-") if rank == 0 else None)
     results = {"global": [], "set, rank 0 waits": [], "set, rank 0 idle": []}
-    for rep in range(args.reps):
-        hvd.barrier()
+
+    def global_way(rep):
         results["global"].append(loop(args.ops, hvd.global_process_set))
-        hvd.barrier()
+
+    def waits_way(rep):  # rank 0 blocks in the barrier that follows
         if pair.included():
             results["set, rank 0 waits"].append(loop(args.ops, pair))
-        hvd.barrier()
+
+    def idle_way(rep):
         done = os.path.join(signal, f"done.{rep}")
         if pair.included():
             results["set, rank 0 idle"].append(loop(args.ops, pair))
@@ -58,13 +63,25 @@ def main():
         else:
             while not os.path.exists(done):
                 time.sleep(0.005)
+
+    ways = [global_way, waits_way, idle_way]
+    for rep in range(args.reps):
+        for way in rotated(ways, rep):
+            hvd.barrier()
+            way(rep)
         hvd.barrier()
-    if rank == 1:
-        for way, times in results.items():
-            q1, med, q3 = np.percentile(times, [25, 50, 75])
-            print(json.dumps({"way": way, "us_per_op_median": round(med, 1),
-                              "q1": round(q1, 1), "q3": round(q3, 1), "ops": args.ops,
-                              "reps": args.reps}))
+    everyone = hvd.allgather_object(results)
+    if rank == 0:
+        print(json.dumps({"commit": commit(), "order": "rotated by one every repetition"}))
+        for way in results:
+            for r, theirs in enumerate(everyone):
+                times = theirs[way]
+                if times:
+                    print(json.dumps({"way": way, "rank": r,
+                                      "us_per_op_median": round(float(np.median(times)), 1),
+                                      "min": round(min(times), 1), "max": round(max(times), 1),
+                                      "per_rep": [round(t, 1) for t in times],
+                                      "ops": args.ops, "reps": args.reps}))
 
 
 if __name__ == "__main__":

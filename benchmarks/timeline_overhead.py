@@ -3,16 +3,17 @@
     .venv/bin/python -m hvdlite.runner -np 2 .venv/bin/python benchmarks/timeline_overhead.py
 
 One step: 200 float32 tensors of 16 KiB, all enqueued with ``allreduce_async`` and then
-waited for (the gradient pattern of a model with many small layers). Blocks of steps
-alternate between timeline on (``start_timeline`` .. ``stop_timeline``, rank 0 writes)
-and off, in ABBA order, so that drift in the machine's load hits both alike; the
-figure is the ratio of the median step times. Rank 0's step times are reported (a step
-ends when every rank's contribution is in, so one rank's clock suffices).
-
-A block is shorter than the writer thread's period, so most of the writer's work (the
-JSON, the file) happens in ``stop_timeline``, outside the timed steps. The second figure
-counts it: rank 0's process CPU time (all its threads: Python, the background loop, the
-writer) per step over a whole block, ``stop_timeline`` included, on against off.
+waited for (the gradient pattern of a model with many small layers). Whole runs
+alternate between timeline on and off, in ABBA order, so that drift in the machine's
+load hits both alike. A run is ``--run-seconds`` long (3 s by default: 30 periods of the
+writer thread, which wakes every 100 ms), and everything in it is measured: for "on",
+``start_timeline`` .. the steps .. ``stop_timeline`` (rank 0 writes the file), so the
+writer's work (the JSON, the file) falls inside the figures, not between them. Two
+figures per run, both per step: the wall time of the whole run (rank 0's clock: a step
+ends when every rank's contribution is in) and rank 0's process CPU time (all its
+threads: Python, the background loop, the writer). Every run's figures are printed, with
+the median and range per mode, the overhead (median on / median off, and the median of
+the ABBA pairs' ratios) and the commit.
 
 On a small shared machine the figure is noisy: run it a few times and quote the range.
 ``--json PATH`` also writes the figures.
@@ -35,6 +36,7 @@ import time
 import numpy as np
 
 import hvdlite as hvd
+from rounds import commit, spread
 
 TARGET_OVERHEAD = 0.05  # issues 6 and 19: under 5% of step time
 
@@ -43,8 +45,9 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tensors", type=int, default=200)
     p.add_argument("--kib", type=int, default=16, help="size of one tensor (KiB)")
-    p.add_argument("--blocks", type=int, default=30, help="blocks per mode")
-    p.add_argument("--steps", type=int, default=4, help="steps per block")
+    p.add_argument("--runs", type=int, default=8, help="runs per mode")
+    p.add_argument("--run-seconds", type=float, default=3.0,
+                   help="length of one run (sets its steps; the writer's period is 0.1 s)")
     p.add_argument("--path", help="the timeline file (default: a temporary one); "
                    "/dev/null separates the cost of recording from that of the disk")
     p.add_argument("--json", help="also write the figures to this file (rank 0)")
@@ -107,55 +110,60 @@ def main():
 
     tmpdir = tempfile.mkdtemp(prefix="hvdlite-timeline-bench-")
     path = args.path or os.path.join(tmpdir, "timeline.json")
-    for _ in range(5):  # warm up: the response cache, the fusion buffer
-        step()
-    samples = {"off": [], "on": []}
-    block_medians = {"off": [], "on": []}
-    block_cpu = {"off": [], "on": []}  # rank 0's CPU time per step, stop_timeline included
-    for block in range(2 * args.blocks):
-        mode = "on" if block % 4 in (1, 2) else "off"  # off on on off off on on off ...
+    warm = [step() for _ in range(10)]  # the response cache, the fusion buffer
+    # The same number of steps on every rank: rank 0's estimate.
+    steps = hvd.broadcast_object(max(10, int(args.run_seconds / statistics.median(warm))))
+    wall = {"off": [], "on": []}  # per run: seconds per step, the whole run
+    cpu = {"off": [], "on": []}   # per run: rank 0's CPU seconds per step, all threads
+    for run in range(2 * args.runs):
+        mode = "on" if run % 4 in (1, 2) else "off"  # off on on off off on on off ...
         hvd.barrier()
+        start, start_cpu = time.perf_counter(), time.process_time()
         if mode == "on":
             hvd.start_timeline(path)
-        cpu = time.process_time()
-        times = [step() for _ in range(args.steps)]
+        for _ in range(steps):
+            step()
         if mode == "on":
-            hvd.stop_timeline()
-        block_cpu[mode].append((time.process_time() - cpu) / args.steps)
-        samples[mode].extend(times)
-        block_medians[mode].append(statistics.median(times))
+            hvd.stop_timeline()  # the writer's last flush: part of the run
+        wall[mode].append((time.perf_counter() - start) / steps)
+        cpu[mode].append((time.process_time() - start_cpu) / steps)
 
     if rank == 0:
         events = []
         if os.path.isfile(path):
             with open(path) as f:
-                events = json.load(f)  # the last "on" block's file
+                events = json.load(f)  # the last "on" run's file
         dropped = sum(e.get("args", {}).get("count", 0) for e in events
                       if e.get("name") == "EVENTS_DROPPED")
-        off, on = statistics.median(samples["off"]), statistics.median(samples["on"])
+        off, on = statistics.median(wall["off"]), statistics.median(wall["on"])
         overhead = on / off - 1
-        by_block = statistics.median(
-            [b / a - 1 for a, b in zip(block_medians["off"], block_medians["on"])])
-        cpu_off, cpu_on = statistics.median(block_cpu["off"]), statistics.median(block_cpu["on"])
+        pairs = [b / a - 1 for a, b in zip(wall["off"], wall["on"])]
+        cpu_off, cpu_on = statistics.median(cpu["off"]), statistics.median(cpu["on"])
         figures = {
-            "ranks": hvd.size(), "tensors": args.tensors, "tensor_kib": args.kib,
-            "steps_per_mode": len(samples["on"]),
+            "commit": commit(), "ranks": hvd.size(), "tensors": args.tensors,
+            "tensor_kib": args.kib, "runs_per_mode": args.runs, "steps_per_run": steps,
+            "step_ms_per_run": {m: [t * 1e3 for t in v] for m, v in wall.items()},
+            "cpu_ms_per_step_per_run": {m: [t * 1e3 for t in v] for m, v in cpu.items()},
             "median_step_off_ms": off * 1e3, "median_step_on_ms": on * 1e3,
-            "overhead": overhead, "overhead_median_of_block_pairs": by_block,
+            "overhead": overhead, "overhead_median_of_pairs": statistics.median(pairs),
             "cpu_per_step_off_ms": cpu_off * 1e3, "cpu_per_step_on_ms": cpu_on * 1e3,
-            "events_per_step": len(events) / args.steps, "dropped_events": dropped,
+            "events_per_step": len(events) / steps, "dropped_events": dropped,
         }
-        print(f"{hvd.size()} ranks, {args.tensors} x {args.kib} KiB float32 per step, "
-              f"{len(samples['on'])} steps per mode in {args.blocks} interleaved blocks")
-        print(f"median step, timeline off: {off * 1e3:8.3f} ms")
-        print(f"median step, timeline on:  {on * 1e3:8.3f} ms")
-        print(f"overhead: {100 * overhead:+.1f}% (median of paired blocks: "
-              f"{100 * by_block:+.1f}%); target < {100 * TARGET_OVERHEAD:.0f}%: "
+        print(f"commit {figures['commit']}; {hvd.size()} ranks, {args.tensors} x {args.kib} "
+              f"KiB float32 per step; {args.runs} runs per mode in ABBA order, {steps} steps "
+              f"per run ({steps * off:.1f} s off: {steps * off / 0.1:.0f} writer periods)")
+        for mode in ("off", "on"):
+            print(f"timeline {mode:3s} wall ms per step (whole run): "
+                  + spread([t * 1e3 for t in wall[mode]]))
+            print(f"timeline {mode:3s} rank 0 CPU ms per step (all threads): "
+                  + spread([t * 1e3 for t in cpu[mode]]))
+        print(f"wall overhead: {100 * overhead:+.1f}% (median of ABBA pairs: "
+              f"{100 * statistics.median(pairs):+.1f}%, range {100 * min(pairs):+.1f}% to "
+              f"{100 * max(pairs):+.1f}%); target < {100 * TARGET_OVERHEAD:.0f}%: "
               f"{'met' if overhead < TARGET_OVERHEAD else 'NOT met'}")
-        print(f"rank 0 CPU per step (all threads, stop_timeline included): off "
-              f"{cpu_off * 1e3:.3f} ms, on {cpu_on * 1e3:.3f} ms "
+        print(f"rank 0 CPU per step: off {cpu_off * 1e3:.3f} ms, on {cpu_on * 1e3:.3f} ms "
               f"({(cpu_on - cpu_off) * 1e6:+.0f} us, {100 * (cpu_on / cpu_off - 1):+.1f}%)")
-        print(f"~{len(events) / args.steps:.0f} events per step written, {dropped} dropped")
+        print(f"~{len(events) / steps:.0f} events per step written, {dropped} dropped")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(figures, f, indent=1)

@@ -3,8 +3,9 @@
     python benchmarks/train_throughput.py [--rounds 8] [--steps 60] [--np 2] [--phases]
 
 Same model (an MLP 784-2048-2048-10 by default), same batch per rank (64), synthetic
-data, SGD. Five configurations run interleaved, round after round, so that drift in the
-machine's load hits all of them alike:
+data, SGD. The configurations run interleaved, round after round, in an order rotated
+by one every round (benchmarks/rounds.py: each takes every position once in every
+len(configurations) rounds), so that drift in the machine's load hits all of them alike:
 
   ceiling   N independent single-process trainings side by side, at the same time, with
             no communication: what N ranks could reach if the allreduce were free (the
@@ -19,12 +20,12 @@ machine's load hits all of them alike:
   DDP       N ranks of torch DDP over gloo;
   single    one process alone.
 
-The hvdlite configurations run in reverse order every other round. Samples/sec are
-measured inside the workers after warm-up steps. The ceiling's workers
+Samples/sec are measured inside the workers after warm-up steps. The ceiling's workers
 start their timed steps together (a file barrier) and keep training untimed until every
 one of them is done, so none is timed alone. Every worker uses one compute thread
 (``torch.set_num_threads(1)``). Each round prints hvdlite/ceiling and DDP/ceiling (per
-rank against per process); the summary gives their median and range over the rounds.
+rank against per process); the summary gives every round's figure, their median and
+range, and the commit that ran (``+dirty`` when the tree had uncommitted changes).
 ``--no-bound`` leaves the bound configuration out.
 
 Target of issue 19: hvdlite/ceiling median >= 0.85, no round below 0.75.
@@ -39,6 +40,8 @@ import sys
 import tempfile
 import threading
 import time
+
+from rounds import commit, print_commit, rotated, spread
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = "THROUGHPUT "
@@ -364,14 +367,14 @@ def main():
         {"single": worker_single, "hvdlite": worker_hvdlite, "ddp": worker_ddp}[args.worker](args)
         return
 
+    print_commit()
     family = [("hvdlite", run_hvdlite)] + ([] if args.no_bound else [("bound", run_bound)]) + \
         ([("normal", run_normal)] if args.normal_priority else [])
     kinds = [("ceiling", run_ceiling)] + family + [("ddp", run_ddp), ("single", run_single)]
     runs = {kind: [] for kind, _ in kinds}
     ratios = {kind: [] for kind in ("hvdlite", "bound", "normal", "ddp") if kind in runs}
     for round_ in range(args.rounds):
-        order = family if round_ % 2 == 0 else family[::-1]
-        for kind, fn in [kinds[0]] + order + kinds[-2:]:
+        for kind, fn in rotated(kinds, round_):
             rates, phases = fn(args)
             runs[kind].append(statistics.mean(rates))
             print(f"round {round_ + 1}/{args.rounds} {kind:8s} samples/sec per rank: "
@@ -386,6 +389,7 @@ def main():
 
     median = {kind: statistics.median(rates) for kind, rates in runs.items()}
     summary = {
+        "commit": commit(), "order": "rotated by one every round",
         "model": args.layers, "batch_per_rank": args.batch, "np": args.np,
         "rounds": args.rounds, "steps": args.steps,
         "ceiling_samples_per_sec_per_process": median["ceiling"],
@@ -399,6 +403,8 @@ def main():
         "hvdlite_over_ceiling_median": statistics.median(ratios["hvdlite"]),
         "ddp_over_ceiling_median": statistics.median(ratios["ddp"]),
         "hvdlite_over_ddp": median["hvdlite"] / median["ddp"],
+        "hvdlite_over_ddp_per_round": [h / d for h, d in zip(runs["hvdlite"], runs["ddp"])],
+        "samples_per_sec_per_round": runs,
         "background_realtime_runs": {kind: f"{sum(r)}/{len(r)}" for kind, r in hvdlite_realtime.items()},
         "hvdlite_scaling_efficiency": median["hvdlite"] / median["single"],
         "ddp_scaling_efficiency": median["ddp"] / median["single"],
@@ -417,7 +423,9 @@ def main():
     for a, b, _ in pairs:
         summary[f"{a}_over_{b}_per_round"] = [x / y for x, y in zip(runs[a], runs[b])]
     print(f"\nmodel {args.layers}, batch {args.batch} per rank, {args.np} ranks, "
-          f"{args.steps} timed steps, medians of {args.rounds} interleaved rounds")
+          f"{args.steps} timed steps, medians of {args.rounds} rotated rounds, commit {commit()}")
+    for kind in runs:
+        print(f"  {kind:8s} samples/sec per rank (process): " + spread(runs[kind], "{:.1f}"))
     print(f"  ceiling ({args.np} independent) {median['ceiling']:9.1f} samples/sec per process")
     print(f"  hvdlite {args.np} ranks         {median['hvdlite']:9.1f} samples/sec per rank")
     if "bound" in runs:
@@ -428,17 +436,18 @@ def main():
     print(f"  1 process alone         {median['single']:9.1f} samples/sec")
     for kind, r in ratios.items():
         label = f"{LABELS[kind]}/ceiling"
-        print(f"  {label:31s} median {statistics.median(r):.3f}, range {min(r):.3f}-{max(r):.3f}"
+        print(f"  {label:31s} " + spread(r)
               + ("  (target: median >= 0.85, none below 0.75)" if kind == "hvdlite" else ""))
     for a, b, label in pairs:
         r = summary[f"{a}_over_{b}_per_round"]
-        print(f"  {label:31s} median {statistics.median(r):.3f}, range {min(r):.3f}-{max(r):.3f}")
+        print(f"  {label:31s} " + spread(r))
     for kind, flags in hvdlite_realtime.items():
         print(f"  background thread, {LABELS[kind]}: " + (
             "real-time (SCHED_FIFO) in every run" if all(flags) else
             "normal priority in every run" if not any(flags) else
             f"real-time in {sum(flags)} of {len(flags)} runs"))
-    print(f"  hvdlite / DDP     {summary['hvdlite_over_ddp']:.2f}x")
+    print(f"  hvdlite / DDP     {summary['hvdlite_over_ddp']:.2f}x (of the medians); per round "
+          + spread(summary["hvdlite_over_ddp_per_round"], "{:.2f}"))
     print(f"  scaling vs 1 process: hvdlite {summary['hvdlite_scaling_efficiency']:.0%}, "
           f"DDP {summary['ddp_scaling_efficiency']:.0%}")
     if args.json:

@@ -6,12 +6,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # The namespace-cluster tests (tests/cluster) need ip/tc (iproute2), unshare (util-linux)
 # and nft (link loss). Installed only where that is possible (root with apt); elsewhere
-# those tests skip with the reason.
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
-    && ! { command -v tc && command -v nft && command -v unshare; } >/dev/null 2>&1; then
+# those tests skip with the reason, unless HVDLITE_REQUIRE names "cluster" (or "all",
+# as CI does through scripts/test.sh): then a machine without them stops here.
+cluster_tools() { command -v ip && command -v tc && command -v nft && command -v unshare; }
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! cluster_tools >/dev/null 2>&1; then
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
       iproute2 nftables util-linux >/dev/null; } \
     || echo "setup_venv.sh: could not install iproute2/nftables; cluster tests may skip" >&2
+fi
+if [[ ",${HVDLITE_REQUIRE:-}," =~ ,(cluster|all), ]]; then
+  if [ "$(id -u)" != 0 ] || ! cluster_tools >/dev/null 2>&1; then
+    echo "setup_venv.sh: HVDLITE_REQUIRE includes cluster, but this is not root with" \
+         "ip, tc, nft and unshare installed" >&2
+    exit 1
+  fi
 fi
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel

@@ -43,6 +43,8 @@ cd "$WORK"
 # The allreduce matrix runs fused and cached on both paths (the plain ones run in the
 # main suite), the steady-state cache test on 3 ranks only; the soak is shortened; tests/faults/test_protocol.py (the wire format,
 # in one process, no MPI) runs in the main suite only.
+# No framework in this venv; the real-time thread tests must run (tests/needs.py).
+HVDLITE_REQUIRE=${HVDLITE_REQUIRE-realtime} \
 HVDLITE_SOAK_OPS=${HVDLITE_SOAK_OPS:-5000} HVDLITE_REQUIRE_NATIVE=1 OMP_NUM_THREADS=1 \
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
     tests/unit/test_mpi_build.py tests/unit/test_runner_cli.py \

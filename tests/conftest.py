@@ -8,7 +8,9 @@
 * elastic/: elastic jobs through hvdliterun's elastic driver (issue 17)
 * cluster/: jobs on a namespace cluster (issue 16), run by cluster/cluster_harness.py
 
-Every case has a timeout (pytest-timeout) on top of the job's own.
+Every case has a timeout (pytest-timeout) on top of the job's own. A test that cannot
+run here skips with its reason, or fails where CI requires its area (needs.py,
+HVDLITE_REQUIRE).
 """
 import os
 import sys
@@ -18,12 +20,26 @@ import pytest
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 sys.path.insert(0, os.path.join(TESTS_DIR, "multirank"))
+sys.path.insert(0, TESTS_DIR)
 try:
     import hvdlite  # noqa: F401
 except ImportError:
     sys.path.insert(0, REPO_ROOT)
 
 import harness  # noqa: E402
+import needs  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "hvdlite_needs(area, available, reason): skip, "
+                            "or fail under HVDLITE_REQUIRE, when the area is unavailable")
+    needs.required_areas()  # an unknown area in the switch stops the run here
+
+
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("hvdlite_needs"):
+        if not mark.kwargs["available"]:
+            needs.need(mark.kwargs["area"], mark.kwargs["reason"])
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,8 @@ always torn down; the tests skip with the reason when the machine cannot build o
 """
 import pytest
 
+import needs
+
 from hvdlite.runner import netns_cluster
 
 
@@ -15,7 +17,7 @@ def cluster_support():
     """Skips unless this process can build namespace clusters; removes stale ones once."""
     reason = netns_cluster.unavailable_reason()
     if reason:
-        pytest.skip(reason)
+        needs.need("cluster", reason)
     netns_cluster.cleanup_stale()
 
 

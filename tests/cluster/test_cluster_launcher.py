@@ -59,3 +59,21 @@ def test_verbose_tags_lines_with_the_host_and_interface_sets_the_call_back(clust
     assert f"ranks call the launcher back at {h1}" in result.stderr, result.stderr
     assert "-iface eth0" in result.stderr
     assert not result.leftovers, result.leftovers
+
+
+def test_launcher_host_variable_sets_the_call_back_address(cluster2):
+    # HVDLITE_LAUNCHER_HOST wins over the routed address: h1's address works (and is
+    # the one announced); h2's, where no launcher listens, cannot work.
+    h1, h2 = cluster2.host("h1").address, cluster2.host("h2").address
+    result = run_cluster_job(cluster2, "h1:1,h2:1", HELLO, timeout=120,
+                             env={"HVDLITE_LAUNCHER_HOST": h1}, launcher_args=["--verbose"])
+    assert result.returncode == 0, describe(result)
+    assert f"ranks call the launcher back at {h1}" in result.stderr, result.stderr
+    start = time.monotonic()
+    result = run_cluster_job(cluster2, "h1:1,h2:1", HELLO, timeout=120,
+                             env={"HVDLITE_LAUNCHER_HOST": h2},
+                             launcher_args=["--verbose", "--start-timeout", "8"])
+    assert result.returncode != 0, describe(result)
+    assert f"ranks call the launcher back at {h2}" in result.stderr, result.stderr
+    assert time.monotonic() - start < 8 + 30
+    assert not result.leftovers, result.leftovers

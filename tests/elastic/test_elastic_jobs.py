@@ -5,13 +5,14 @@ there): the new world starts from the last commit bit for bit (weights and optim
 state), no committed step is repeated or skipped, and each epoch's samples are trained
 once.
 """
-import importlib.util
 import os
 import re
 import stat
 import time
 
 import pytest
+
+import needs
 
 import history
 from harness import describe, run_job
@@ -159,9 +160,9 @@ def test_below_min_np_then_a_host_joins_the_job_goes_on_from_the_last_commit(tmp
 
 # -- Keras and TensorFlow --------------------------------------------------------------
 
-needs_keras = pytest.mark.skipif(
-    importlib.util.find_spec("tensorflow") is None or importlib.util.find_spec("keras") is None,
-    reason="tensorflow/keras not installed")
+def needs_keras(test):
+    return needs.needs("tensorflow", needs.installed("tensorflow"), "tensorflow not installed")(
+        needs.needs("keras", needs.installed("keras"), "keras not installed")(test))
 
 
 @needs_keras

@@ -6,6 +6,8 @@ import time
 import numpy as np
 import pytest
 
+import needs
+
 from hvdlite.elastic.store import CommitStore
 from hvdlite.runner import elastic_driver, launch
 from hvdlite.runner.hosts import HostSlots
@@ -97,7 +99,7 @@ def test_store_keeps_the_newest_commit_and_survives_a_cut_write(tmp_path):
 
 
 def test_sampler_splits_the_rest_of_the_epoch_over_the_new_world(monkeypatch):
-    torch = pytest.importorskip("torch")  # noqa: F841
+    torch = needs.import_or_skip("torch")  # noqa: F841
     from hvdlite.torch import elastic
 
     world = {"size": 3, "rank": 0}
@@ -124,7 +126,7 @@ def test_sampler_splits_the_rest_of_the_epoch_over_the_new_world(monkeypatch):
 
 
 def test_object_state_commits_and_restores_outside_a_job():
-    pytest.importorskip("torch")
+    needs.import_or_skip("torch")
     from hvdlite import runtime
     from hvdlite.elastic import ObjectState
 
@@ -141,8 +143,8 @@ def test_object_state_commits_and_restores_outside_a_job():
 # -- Keras and TensorFlow states and callbacks, outside a job ------------------------------
 
 def _keras():
-    pytest.importorskip("tensorflow")
-    keras = pytest.importorskip("keras")
+    needs.import_or_skip("tensorflow")
+    keras = needs.import_or_skip("keras")
     from hvdlite import runtime
 
     if not runtime.is_initialized():
@@ -239,8 +241,8 @@ def test_keras_callbacks_resume_mid_epoch_and_commit_each_batch_once():
 
 @pytest.mark.timeout(150)  # a process of its own: Keras picks its backend at import
 def test_keras_state_on_the_torch_backend_restores_bit_for_bit(tmp_path):
-    pytest.importorskip("torch")
-    pytest.importorskip("keras")
+    needs.import_or_skip("torch")
+    needs.import_or_skip("keras")
     import subprocess
     import sys
 

@@ -8,6 +8,8 @@ recursively (a tree of sub-ranges), not with the library's level loop.
 """
 import pytest
 
+import needs
+
 from harness import assert_ok, describe, run_job
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("native")]
@@ -192,11 +194,11 @@ def test_numpy_adasum_matches_the_reference(np_):
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_tensorflow_adasum_allreduce(np_):
-    pytest.importorskip("tensorflow")
+    needs.import_or_skip("tensorflow")
     _run(np_, TF_BODY)
 
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_torch_adasum_and_distributed_optimizer(np_):
-    pytest.importorskip("torch")
+    needs.import_or_skip("torch")
     _run(np_, TORCH_BODY)

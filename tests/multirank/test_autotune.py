@@ -34,15 +34,20 @@ import hvdlite as hvd
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
 KNOBS = ("fusion_threshold", "cycle_time_ms", "shm_chunk_bytes", "hierarchical")
-# Small tensors fuse; the last two span several 512 KiB chunks and are reduced alone.
-sizes = [1000 + 997 * i for i in range(20)] + [300_000, 400_003]
+# Small tensors fuse (about 3 MiB together: more than the smallest fusion threshold
+# tried, 1 MiB); the last two span several 512 KiB chunks and are reduced alone.
+sizes = [1000 + 997 * i for i in range(20)] + [150_000 + i for i in range(4)] + [300_000, 400_003]
+COUNTERS = ("collectives", "fused_collectives", "hierarchical_collectives", "shm_collectives")
 
 def contribution(i, step, k):
     # Small integers: float32 sums are exact in any order.
     return ((np.arange(sizes[i]) + 7 * i + 3 * step + 11 * k) % 101).astype(np.float32)
 
 seen, wrong, step, settled = [], [], 0, False
+ran = []  # per step: the knobs before, after, and what the core's counters say ran
 while step < max_steps:
+    before_knobs = [hvd.autotune_state()[k] for k in KNOBS]
+    before = hvd.stats()
     handles = [hvd.allreduce_async(contribution(i, step, rank), op=hvd.Sum, name=f"t{i}")
                for i in range(len(sizes))]
     for i, h in enumerate(handles):
@@ -50,8 +55,10 @@ while step < max_steps:
         expected = sum(contribution(i, step, k) for k in range(size))
         if not np.array_equal(out, expected):
             wrong.append([step, i])
+    after = hvd.stats()
     state = hvd.autotune_state()
     knobs = [state[k] for k in KNOBS]
+    ran.append([before_knobs, knobs, [after[c] - before[c] for c in COUNTERS]])
     if knobs not in seen:
         seen.append(knobs)
     step += 1
@@ -62,6 +69,7 @@ while step < max_steps:
         break
 print("HVDLITE_RESULT", json.dumps({"state": hvd.autotune_state(), "seen": seen,
                                     "wrong": wrong, "steps": step, "settled": settled,
+                                    "ran": ran,
                                     "stats": hvd.stats()}))
 hvd.shutdown()
 """
@@ -90,6 +98,18 @@ def read_log(path):
 def as_knobs(row):
     """The knob values of a log row, as the ranks report them."""
     return [int(row[1]), float(row[2]), int(row[3]), row[4] == "1"]
+
+
+def counters_by_knob(bodies, knob):
+    """{value of ``knob``: [per step {counter: delta}]} over every rank's steps that ran
+    with one value of ``knob`` (the same before and after the step)."""
+    index, by_value = KNOBS.index(knob), {}
+    for body in bodies:
+        for before, after, deltas in body["ran"]:
+            if before[index] == after[index]:
+                by_value.setdefault(before[index], []).append(
+                    dict(zip(("collectives", "fused", "hierarchical", "shm"), deltas)))
+    return by_value
 
 
 def check_agreement_and_log(result, bodies, log, bound):
@@ -157,13 +177,24 @@ def test_every_rank_settles_on_rank_0s_best_trial_within_the_bound(np_, horovod_
 
 def test_the_search_ends_by_itself_and_chunk_sizes_stay_correct(tmp_path):
     log = str(tmp_path / "autotune.csv")
-    env = quick_env(log, HVDLITE_AUTOTUNE_WARMUP_SAMPLES="1", HVDLITE_AUTOTUNE_MAX_SAMPLES="50")
+    # Samples of 12 loop steps (a few of the job's steps): long enough that some of the
+    # job's steps run wholly under one trial's knobs (counters_by_knob).
+    env = quick_env(log, HVDLITE_AUTOTUNE_WARMUP_SAMPLES="1", HVDLITE_AUTOTUNE_MAX_SAMPLES="50",
+                    HVDLITE_AUTOTUNE_STEPS_PER_SAMPLE="12")
     result, bodies = run(3, env)
     tried = check_agreement_and_log(result, bodies, log, bound=50)
     assert len(tried) < 50, "a search over a small grid should end before the bound"
     # Every grid value of every knob was tried once the search ran a full pass.
     assert {k[2] for k in tried} >= {1 << 16, 1 << 17, 1 << 18, 1 << 19}
     assert {k[1] for k in tried} >= {0.5, 1.0, 2.0, 5.0}
+    # The fusion threshold tried changed what ran: the 24 small tensors (3.09 MiB of
+    # float32) need at least 4 collectives under 1 MiB, plus the 2 large ones: 6 a step
+    # at least, every step. Under 128 MiB they can go in one (how many depends on how
+    # the submissions fall into cycles): the best step needs fewer than under 1 MiB.
+    by_fusion = counters_by_knob(bodies, "fusion_threshold")
+    seen = {k: sorted({s["collectives"] for s in v}) for k, v in by_fusion.items()}
+    assert by_fusion.get(1 * MIB) and by_fusion.get(128 * MIB), seen
+    assert min(seen[1 * MIB]) >= 6 and min(seen[128 * MIB]) < min(seen[1 * MIB]), seen
 
 
 def test_knobs_the_user_set_stay_as_set(tmp_path):
@@ -237,3 +268,21 @@ def test_hierarchical_allreduce_is_switched_alike_on_every_rank(tmp_path):
     assert {k[3] for k in tried} == {True, False}, tried
     for body in bodies:
         assert body["stats"]["hierarchical_collectives"] > 0
+
+
+def test_the_hierarchical_setting_tried_changes_what_runs(tmp_path):
+    # As above, with fusion and cycle time fixed (set by hand) so the search reaches
+    # hierarchical off within a few trials, and samples long enough (60 loop steps) that
+    # some of the job's steps run wholly under it: then no collective of theirs is
+    # hierarchical, and every collective of a step under "on" is.
+    log = str(tmp_path / "autotune.csv")
+    env = quick_env(log, HVDLITE_AUTOTUNE_MAX_SAMPLES="8", HVDLITE_AUTOTUNE_STEPS_PER_SAMPLE="60",
+                    HVDLITE_FUSION_THRESHOLD=str(128 * MIB), HVDLITE_CYCLE_TIME="1")
+    result, bodies = run(4, env, layout="ABAB", timeout=420)
+    tried = check_agreement_and_log(result, bodies, log, bound=8)
+    assert {k[3] for k in tried} == {True, False}, tried
+    by_setting = counters_by_knob(bodies, "hierarchical")
+    assert by_setting.get(True) and by_setting.get(False), sorted(by_setting)
+    assert all(step["hierarchical"] == 0 for step in by_setting[False]), by_setting[False]
+    assert all(step["hierarchical"] == step["collectives"] > 0 for step in by_setting[True]), \
+        by_setting[True]

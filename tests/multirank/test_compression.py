@@ -11,9 +11,11 @@ import sys
 import numpy as np
 import pytest
 
+import needs
+
 from harness import assert_ok, run_job
 
-pytest.importorskip("torch")
+needs.import_or_skip("torch")
 pytestmark = pytest.mark.timeout(600)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -142,7 +144,7 @@ def test_topk_momentum_correction_with_the_optimizers_momentum(job):
     for the correction and trains as DGC does: the velocity accumulated on each rank,
     top-k with error feedback, and plain SGD steps on the exchanged sum. The reference is
     one process running every rank's batch with numpy's top-k."""
-    torch = pytest.importorskip("torch")
+    torch = needs.import_or_skip("torch")
     size, bodies = job
     run = bodies[0]["topk_sgd_momentum"]
     assert run["momentum"] == 0.9
@@ -240,7 +242,7 @@ def seeded_gradients(step, rank):  # as the TF rank script makes them
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_tensorflow_tape_and_keras_use_the_reducers(native, size):
-    pytest.importorskip("tensorflow")
+    needs.import_or_skip("tensorflow")
     result = assert_ok(run_job(size, TF_SCRIPT, timeout=400))
     bodies = [result.result(rank) for rank in range(size)]
     for key in bodies[0]:

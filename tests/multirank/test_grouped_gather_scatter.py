@@ -8,6 +8,8 @@ is the allgather of the output gradient, times size() for Sum (and the scale fac
 """
 import pytest
 
+import needs
+
 from harness import assert_ok, describe, run_job
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("native")]
@@ -162,5 +164,5 @@ def test_numpy_grouped_allgather_and_reducescatter(np_):
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_torch_grouped_allgather_and_reducescatter_with_gradients(np_):
-    pytest.importorskip("torch")
+    needs.import_or_skip("torch")
     _run(np_, TORCH_BODY)

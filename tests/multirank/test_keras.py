@@ -14,6 +14,8 @@ import os
 import numpy as np
 import pytest
 
+import needs
+
 from harness import assert_ok, describe, run_job
 
 pytestmark = pytest.mark.timeout(300)
@@ -27,10 +29,12 @@ def _missing(*modules):
 
 
 BACKENDS = [
-    pytest.param("tensorflow", marks=pytest.mark.skipif(
-        bool(_missing("tensorflow", "keras")), reason="tensorflow/keras not installed")),
-    pytest.param("torch", marks=pytest.mark.skipif(
-        bool(_missing("torch", "keras")), reason="torch/keras not installed")),
+    pytest.param("tensorflow", marks=[
+        needs.needs("tensorflow", not _missing("tensorflow"), "tensorflow not installed"),
+        needs.needs("keras", not _missing("keras"), "keras not installed")]),
+    pytest.param("torch", marks=[
+        needs.needs("torch", not _missing("torch"), "torch not installed"),
+        needs.needs("keras", not _missing("keras"), "keras not installed")]),
 ]
 
 

@@ -2,6 +2,8 @@
 gradients over the set alone (against numpy), a rank outside trains on its own."""
 import pytest
 
+import needs
+
 from harness import assert_ok, describe, run_job
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("native")]
@@ -52,7 +54,7 @@ print("HVDLITE_RESULT " + json.dumps({"error": error, "member": pair.included()}
 
 
 def test_keras_optimizer_averages_over_its_process_set():
-    pytest.importorskip("keras")
+    needs.import_or_skip("keras")
     result = assert_ok(run_job(3, SCRIPT, timeout=240))
     bodies = [result.result(r) for r in range(3)]
     assert [b["member"] for b in bodies] == [True, False, True], describe(result)

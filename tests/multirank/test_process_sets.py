@@ -10,6 +10,8 @@ import os
 
 import pytest
 
+import needs
+
 from harness import assert_ok, describe, run_job
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("native")]
@@ -401,7 +403,7 @@ report()
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_torch_optimizer_and_broadcasts_in_a_set(np_):
-    pytest.importorskip("torch")
+    needs.import_or_skip("torch")
     result = run_job(np_, TORCH, timeout=JOB_TIMEOUT)
     _assert_checks(result, np_, least=2)
 
@@ -489,7 +491,7 @@ report()
 
 
 def test_tensorflow_ops_in_a_set():
-    pytest.importorskip("tensorflow")
+    needs.import_or_skip("tensorflow")
     result = run_job(3, TENSORFLOW, timeout=JOB_TIMEOUT)
     _assert_checks(result, 3, least=2)
 
@@ -517,7 +519,7 @@ report()
 
 
 def test_sets_from_mpi4py_communicators():
-    pytest.importorskip("mpi4py")
+    needs.import_or_skip("mpi4py")
     result = run_job(3, FROM_COMMS, timeout=JOB_TIMEOUT)
     _assert_checks(result, 3, least=3)
 

@@ -11,9 +11,11 @@ import os
 
 import pytest
 
+import needs
+
 from harness import assert_checks_pass
 
-pytest.importorskip("torch")
+needs.import_or_skip("torch")
 pytestmark = pytest.mark.timeout(300)
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_scripts",

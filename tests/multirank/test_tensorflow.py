@@ -10,16 +10,16 @@ broadcast, DistributedGradientTape training for 10 steps (batch B on each rank e
 one process with batch 2B, dense and IndexedSlices gradients), and a shape mismatch
 that must raise on every rank, eagerly and in a graph.
 """
-import importlib.util
 import os
 
 import pytest
 
+import needs
+
 from harness import assert_ok, describe, run_job
 
 pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
-                       reason="tensorflow is not installed"),
+    needs.needs("tensorflow", needs.installed("tensorflow"), "tensorflow is not installed"),
     pytest.mark.timeout(300),
 ]
 

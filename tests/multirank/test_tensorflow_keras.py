@@ -5,17 +5,17 @@ process with the whole batch, MetricAverageCallback, the learning-rate callbacks
 backward_passes_per_step, load_model) run through that namespace, plus its numpy-level
 collectives, against values recomputed from rank and size.
 """
-import importlib.util
 import os
 
 import pytest
 
+import needs
+
 from harness import assert_ok, describe, run_job
 
 pytestmark = [
-    pytest.mark.skipif(any(importlib.util.find_spec(m) is None
-                           for m in ("tensorflow", "keras")),
-                       reason="tensorflow/keras not installed"),
+    needs.needs("tensorflow", needs.installed("tensorflow"), "tensorflow not installed"),
+    needs.needs("keras", needs.installed("keras"), "keras not installed"),
     pytest.mark.timeout(400),
 ]
 

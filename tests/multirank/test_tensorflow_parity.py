@@ -10,16 +10,16 @@ tensors, BroadcastGlobalVariablesHook, and mismatches raised as the tf.errors cl
 the job goes on). Values are recomputed with numpy from rank and size. A hang is a
 timeout with every rank's output.
 """
-import importlib.util
 import os
 
 import pytest
 
+import needs
+
 from harness import assert_ok, describe, run_job
 
 pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
-                       reason="tensorflow is not installed"),
+    needs.needs("tensorflow", needs.installed("tensorflow"), "tensorflow is not installed"),
     pytest.mark.timeout(400),
 ]
 

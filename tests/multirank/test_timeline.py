@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+import needs
+
 from harness import assert_ok, job_env, run_job
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("native")]
@@ -266,7 +268,6 @@ def expected_summary(events):
             "comm_wall": wall, "overlapped": overlapped}
 
 
-@pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib is not installed")
 def test_summary_agrees_with_the_file(training_trace):
     # Without --plot: no matplotlib, so this also runs under the sanitizers' preloaded
     # runtime (see README), where drawing cannot.
@@ -304,6 +305,7 @@ def test_summary_agrees_with_the_file(training_trace):
     assert "overlapped backprop" in table.stdout
 
 
+@needs.needs("matplotlib", HAVE_MATPLOTLIB, "matplotlib is not installed")
 def test_summary_draws_a_png(training_trace, tmp_path):
     path, _, _ = training_trace
     png = tmp_path / "timeline.png"

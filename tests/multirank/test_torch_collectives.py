@@ -9,9 +9,11 @@ import os
 
 import pytest
 
+import needs
+
 from harness import assert_ok, describe, run_job
 
-pytest.importorskip("torch")
+needs.import_or_skip("torch")
 pytestmark = pytest.mark.timeout(300)
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_scripts")

@@ -4,10 +4,12 @@ import re
 
 import pytest
 
+import needs
+
 from harness import REPO_ROOT, assert_ok, describe, run_job
 
-pytest.importorskip("torch")
-pytest.importorskip("sklearn")
+needs.import_or_skip("torch")
+needs.import_or_skip("sklearn")
 pytestmark = pytest.mark.timeout(300)
 
 

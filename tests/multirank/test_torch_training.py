@@ -21,9 +21,11 @@ import os
 
 import pytest
 
+import needs
+
 from harness import assert_ok, describe, run_job
 
-pytest.importorskip("torch")
+needs.import_or_skip("torch")
 pytestmark = pytest.mark.timeout(400)
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_scripts",
@@ -47,6 +49,9 @@ def test_two_ranks_train_like_one_process(native):
                   "adam_groups_lists", "sgd_predivide", "sgd_clip"):
         assert info[label] < 2e-5, (label, info[label])
     assert info["adam_fp16"] < 5e-3
+    # Plain SGD (scale-sensitive) on the paths above that Adam alone covered.
+    assert info["sgd_plain"] < 2e-5 and info["sgd_plain_groups_lists"] < 2e-5, info
+    assert info["sgd_plain_fp16"] < 1e-3 and info["sgd_plain_bf16"] < 5e-3, info
     overlap = info["overlap"]
     assert overlap["order"][0].startswith("5.")  # last layer's gradient is ready first
     assert overlap["first_hook_ms"] < overlap["backward_ms"]

@@ -6,12 +6,12 @@ have. ``ABSENT`` lists, with the reason, the names this build does not have; a n
 that appears must leave that list (the test says so), so the list stays true.
 """
 import importlib
-import importlib.util
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
-                                reason="tensorflow is not installed")
+import needs
+
+pytestmark = needs.needs("tensorflow", needs.installed("tensorflow"), "tensorflow is not installed")
 
 HOROVOD_TENSORFLOW = [
     "Adasum", "Average", "BroadcastGlobalVariablesHook", "Compression",

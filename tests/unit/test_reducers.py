@@ -8,6 +8,8 @@ import math
 import numpy as np
 import pytest
 
+import needs
+
 from hvdlite import reducers
 
 
@@ -120,7 +122,7 @@ def test_bad_reducer_arguments_are_refused():
 
 
 def test_compression_names_for_command_lines():
-    torch = pytest.importorskip("torch")  # noqa: F841
+    torch = needs.import_or_skip("torch")  # noqa: F841
     from hvdlite.torch import Compression
 
     assert Compression.parse("fp16") is Compression.fp16

@@ -6,7 +6,9 @@ at the memory the arrays and tensors share.
 import numpy as np
 import pytest
 
-tf = pytest.importorskip("tensorflow", reason="tensorflow is not installed")
+import needs
+
+tf = needs.import_or_skip("tensorflow")
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +83,7 @@ def test_fp16_compression_round_trip(hvd_tf):
 
 
 def test_keras_topk_takes_its_momentum_correction_from_sgd(hvd_tf):
-    keras = pytest.importorskip("keras")
+    keras = needs.import_or_skip("keras")
     import hvdlite.keras as hvd_keras
 
     def wrap(optimizer, **topk):

@@ -3,7 +3,9 @@ zero-copy results, compression, optimizer wrapping."""
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+import needs
+
+torch = needs.import_or_skip("torch")
 pytestmark = pytest.mark.timeout(120)
 
 

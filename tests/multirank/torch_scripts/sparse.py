@@ -129,6 +129,12 @@ def adagrad(params):
     return torch.optim.Adagrad(params, lr=0.1)
 
 
+def sgd_plain(params):
+    """Scale-sensitive (no momentum): a summed gradient where the average is due moves
+    the weights N times as far; SparseAdam and Adagrad barely notice the scale."""
+    return torch.optim.SGD(params, lr=0.5)
+
+
 def even(step):
     return [4] * N
 
@@ -148,6 +154,11 @@ runs = {
     "sparse_adam_sum_uneven": (sparse_adam, False, uneven, {"op": hvd.Sum}),
     "adagrad_mixed_group": (adagrad, True, even, {"groups": 1}),
     "adagrad_mixed_uneven": (adagrad, True, uneven, {"op": hvd.Sum}),
+    "sgd_sparse": (sgd_plain, False, even, {}),
+    "sgd_sparse_as_dense": (sgd_plain, False, even, {"sparse_as_dense": True}),
+    "sgd_sparse_sum_uneven": (sgd_plain, False, uneven, {"op": hvd.Sum}),
+    "sgd_mixed_group": (sgd_plain, True, even, {"groups": 1}),
+    "sgd_mixed_uneven": (sgd_plain, True, uneven, {"op": hvd.Sum}),
 }
 for label, (make_opt, with_linear, rows_of, kwargs) in runs.items():
     reference = train(make_opt, with_linear, rows_of, distributed=False)

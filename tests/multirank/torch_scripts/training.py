@@ -102,6 +102,13 @@ def adam(params):
     return torch.optim.Adam(params, lr=0.01)
 
 
+def sgd_plain(params):
+    """No momentum, no decay: the update is lr times the gradient, so a gradient summed
+    instead of averaged (or divided twice) moves the weights N times as far. Adam (and
+    Adagrad, SparseAdam) would take nearly the same step at any scale of the gradient."""
+    return torch.optim.SGD(params, lr=0.1)
+
+
 def compare(label, make_opt, tol=2e-5, ref_kwargs=None, **kwargs):
     ref = train_reference(make_opt, **(ref_kwargs or {}))
     dist = train_distributed(make_opt, **kwargs)
@@ -125,6 +132,11 @@ if wanted("equivalence"):
     # fp16 on the wire: close to, not equal to, the uncompressed run.
     fp16 = compare("adam_fp16", adam, tol=5e-3, compression=hvd.Compression.fp16)
     bf16 = compare("adam_bf16", adam, tol=5e-2, compression=hvd.Compression.bf16)
+    # The same paths with the scale-sensitive optimizer.
+    compare("sgd_plain", sgd_plain)
+    compare("sgd_plain_groups_lists", sgd_plain, groups="lists")
+    compare("sgd_plain_fp16", sgd_plain, tol=1e-3, compression=hvd.Compression.fp16)
+    compare("sgd_plain_bf16", sgd_plain, tol=5e-3, compression=hvd.Compression.bf16)
 
 if wanted("optimizer_state"):
     def state_of(opt):
