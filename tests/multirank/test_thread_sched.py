@@ -155,12 +155,26 @@ def test_blocking_mpi_collectives_run_at_normal_priority():
         import hvdlite as hvd
 
         hvd.init()
-        loop = next(int(t) for t in os.listdir("/proc/self/task")
-                    if open(f"/proc/self/task/{t}/comm").read().strip() == "hvdlite-loop")
+        # The background thread is the first (lowest tid) thread of its name; a thread that
+        # Open MPI starts from it inherits the name and may end while this test runs, so
+        # the thread is looked up again for each sample.
+        def policy_of_loop():
+            while True:
+                tids = []
+                for t in os.listdir("/proc/self/task"):
+                    try:
+                        if open(f"/proc/self/task/{t}/comm").read().strip() == "hvdlite-loop":
+                            tids.append(int(t))
+                    except OSError:
+                        pass  # ended while listed
+                try:
+                    return os.sched_getscheduler(min(tids)) & ~os.SCHED_RESET_ON_FORK
+                except ProcessLookupError:
+                    continue
         seen, done = set(), threading.Event()
         def sample():
             while not done.is_set():
-                seen.add(os.sched_getscheduler(loop) & ~os.SCHED_RESET_ON_FORK)
+                seen.add(policy_of_loop())
         sampler = threading.Thread(target=sample)
         sampler.start()
         part = np.full(1 << 20, float(hvd.rank()), np.float32)
@@ -171,7 +185,7 @@ def test_blocking_mpi_collectives_run_at_normal_priority():
         # Back to real-time once no blocking call is in flight (another may still be,
         # for a moment, when allgather returns: give it a second).
         for _ in range(100):
-            after = os.sched_getscheduler(loop) & ~os.SCHED_RESET_ON_FORK
+            after = policy_of_loop()
             if after == os.SCHED_FIFO:
                 break
             time.sleep(0.01)
