@@ -105,8 +105,19 @@ void Accumulate(T* __restrict out, const T* __restrict b, int64_t n, Op op) {
   for (; i < n; ++i) out[i] = op(out[i], b[i]);
 }
 
+// The parts a reduction reads, in rank order: a vector's, or a fixed list's (MPI's
+// two-input callback), without building a vector per call.
+struct Parts {
+  Parts(const std::vector<const uint8_t*>& v) : at(v.data()), n(v.size()) {}
+  Parts(const uint8_t* const* p, size_t count) : at(p), n(count) {}
+  size_t size() const { return n; }
+  const uint8_t* operator[](size_t i) const { return at[i]; }
+  const uint8_t* const* at;
+  size_t n;
+};
+
 template <typename T, typename Op>
-void ReduceParts(void* out, const std::vector<const uint8_t*>& parts, int64_t n, Op op) {
+void ReduceParts(void* out, Parts parts, int64_t n, Op op) {
   T* o = static_cast<T*>(out);
   size_t k = 1;  // out is parts[0] already: accumulate the rest into it
   if (out != parts[0]) {
@@ -152,7 +163,7 @@ void SumScaledIntoTyped(T* slot, T* tensor, const std::vector<const uint8_t*>& p
 // 16-bit floats: accumulated in float over every part, rounded once. Each element's
 // parts are all read before out is written, so out may be any part.
 template <float (*ToF)(uint16_t), uint16_t (*FromF)(float), typename Op>
-void ReduceHalfParts(void* out, const std::vector<const uint8_t*>& parts, int64_t n, Op op) {
+void ReduceHalfParts(void* out, Parts parts, int64_t n, Op op) {
   uint16_t* o = static_cast<uint16_t*>(out);
   for (int64_t i = 0; i < n; ++i) {
     float acc = ToF(reinterpret_cast<const uint16_t*>(parts[0])[i]);
@@ -164,7 +175,7 @@ void ReduceHalfParts(void* out, const std::vector<const uint8_t*>& parts, int64_
 }
 
 template <typename Op>
-void ReduceTyped(void* out, const std::vector<const uint8_t*>& parts, int64_t n, int32_t dtype, Op op) {
+void ReduceTyped(void* out, Parts parts, int64_t n, int32_t dtype, Op op) {
   switch (dtype) {
     case HVDLITE_UINT8: case HVDLITE_BOOL: return ReduceParts<uint8_t>(out, parts, n, op);
     case HVDLITE_INT8: return ReduceParts<int8_t>(out, parts, n, op);
@@ -176,6 +187,15 @@ void ReduceTyped(void* out, const std::vector<const uint8_t*>& parts, int64_t n,
     case HVDLITE_BFLOAT16: return ReduceHalfParts<Bf16ToFloat, FloatToBf16>(out, parts, n, op);
     case HVDLITE_FLOAT32: return ReduceParts<float>(out, parts, n, op);
     default: return ReduceParts<double>(out, parts, n, op);
+  }
+}
+
+void ReduceAll(void* out, Parts parts, int64_t n, int32_t dtype, int32_t reduce_op) {
+  switch (reduce_op) {
+    case HVDLITE_MIN: return ReduceTyped(out, parts, n, dtype, MinOp());
+    case HVDLITE_MAX: return ReduceTyped(out, parts, n, dtype, MaxOp());
+    case HVDLITE_PRODUCT: return ReduceTyped(out, parts, n, dtype, ProductOp());
+    default: return ReduceTyped(out, parts, n, dtype, SumOp());  // Sum; Average is a scaled Sum
   }
 }
 
@@ -224,12 +244,7 @@ void ScaledCopy(void* dst, const void* src, int64_t count, int32_t dtype, double
 
 void ReduceElements(void* out, const std::vector<const uint8_t*>& parts, int64_t n, int32_t dtype,
                     int32_t reduce_op) {
-  switch (reduce_op) {
-    case HVDLITE_MIN: return ReduceTyped(out, parts, n, dtype, MinOp());
-    case HVDLITE_MAX: return ReduceTyped(out, parts, n, dtype, MaxOp());
-    case HVDLITE_PRODUCT: return ReduceTyped(out, parts, n, dtype, ProductOp());
-    default: return ReduceTyped(out, parts, n, dtype, SumOp());  // Sum; Average is a scaled Sum
-  }
+  ReduceAll(out, parts, n, dtype, reduce_op);
 }
 
 void SumScaledInto(float* slot, float* tensor, const std::vector<const uint8_t*>& parts, int64_t n, float scale) {
@@ -241,9 +256,9 @@ void SumScaledInto(double* slot, double* tensor, const std::vector<const uint8_t
 }
 
 void ReduceHalfInto(uint16_t* inout, const uint16_t* in, int64_t n, int32_t dtype, int32_t reduce_op) {
-  const std::vector<const uint8_t*> parts = {reinterpret_cast<const uint8_t*>(in),
-                                             reinterpret_cast<const uint8_t*>(inout)};
-  ReduceElements(inout, parts, n, dtype, reduce_op);
+  const uint8_t* const parts[] = {reinterpret_cast<const uint8_t*>(in),
+                                   reinterpret_cast<const uint8_t*>(inout)};
+  ReduceAll(inout, Parts(parts, 2), n, dtype, reduce_op);
 }
 
 }  // namespace hvdlite

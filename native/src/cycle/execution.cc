@@ -253,8 +253,9 @@ void ProcessSetState::ExecuteAllreduce(const std::vector<const Response*>& fused
   }
   Activities activities(timeline_, names, queue_start_us_);
   activities.Done("QUEUE");
-  const AllreduceAlgorithm algorithm = mpi_->ChooseAllreduce(Tuning());
-  Status s = mpi_->Allreduce(pieces, options, Tuning(), &fusion_,
+  const AllreduceTuning tuning = Tuning();
+  const AllreduceAlgorithm algorithm = mpi_->ChooseAllreduce(tuning);
+  Status s = mpi_->Allreduce(pieces, options, tuning, &fusion_,
                              [&](const char* step) { activities.Done(step); });
   if (tl) timeline_.EndAll(names);  // ALLREDUCE
   const int64_t bytes = total * ElementSize(options.dtype);

@@ -118,12 +118,19 @@ Status HandleTable::Wait(hvdlite_handle_t h, double timeout_s, bool release) {
   return status;
 }
 
+Status HandleTable::Finished(hvdlite_handle_t h, State** state) {
+  *state = Live(h);
+  if (!*state) return Missing(h);
+  if (!(*state)->done) return Status(HVDLITE_ERR_IN_PROGRESS, "the op has not finished");
+  if (!(*state)->status.ok()) return (*state)->status;
+  return Status::OK();
+}
+
 Status HandleTable::Output(hvdlite_handle_t h, void** data, int64_t* nbytes, int64_t* first_dim) {
   std::lock_guard<std::mutex> lock(mutex_);
-  State* state = Live(h);
-  if (!state) return Missing(h);
-  if (!state->done) return Status(HVDLITE_ERR_IN_PROGRESS, "the op has not finished");
-  if (!state->status.ok()) return state->status;
+  State* state = nullptr;
+  Status s = Finished(h, &state);
+  if (!s.ok()) return s;
   *data = state->output.data.get();
   *nbytes = state->output.nbytes;
   *first_dim = state->output.first_dim;
@@ -132,10 +139,9 @@ Status HandleTable::Output(hvdlite_handle_t h, void** data, int64_t* nbytes, int
 
 Status HandleTable::RecvSplits(hvdlite_handle_t h, std::vector<int64_t>* splits) {
   std::lock_guard<std::mutex> lock(mutex_);
-  State* state = Live(h);
-  if (!state) return Missing(h);
-  if (!state->done) return Status(HVDLITE_ERR_IN_PROGRESS, "the op has not finished");
-  if (!state->status.ok()) return state->status;
+  State* state = nullptr;
+  Status s = Finished(h, &state);
+  if (!s.ok()) return s;
   *splits = state->output.recv_splits;
   return Status::OK();
 }

@@ -76,6 +76,10 @@ class HandleTable {
   Status Recent(hvdlite_handle_t h) const;
   // The handle's state, or null when it is unknown or released. mutex_ held.
   State* Live(hvdlite_handle_t h);
+  // The live state of an op that finished and succeeded (*state), else why not: the
+  // handle is unknown or released, the op is still running, or the op's error. mutex_
+  // held.
+  Status Finished(hvdlite_handle_t h, State** state);
   // Erases a released state once no thread waits on it. mutex_ held.
   void EraseIfUnused(hvdlite_handle_t h, const State& state);
 
