@@ -44,7 +44,7 @@ def refusing(op):
     def wrap(fn):
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            begin_call()
+            _attempt.names = ()  # a new call: forget the last one's names
             try:
                 return fn(*args, **kwargs)
             except InvalidArgumentError as error:
@@ -82,8 +82,3 @@ def resolve_name(kind, name, process_set_id=0):
     if not name or "\0" in name:
         raise InvalidArgumentError(f"tensor name {name!r} must be non-empty and have no NUL")
     return name
-
-
-def begin_call():
-    """Forgets the names of this thread's previous call (a new collective starts)."""
-    _attempt.names = ()

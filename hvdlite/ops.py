@@ -37,6 +37,12 @@ from hvdlite._enqueue import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST
 from hvdlite._names import auto_name  # noqa: F401
 from hvdlite._native import ffi
 from hvdlite._refusals import note_names, refuse, refusing  # noqa: F401
+# Bound here, as before the split: allreduce_async calls them for every array of every
+# step, and a module attribute would cost a lookup more per call.
+from hvdlite._checks import output_array as _output_array
+from hvdlite._checks import writable_contiguous as _writable_contiguous
+from hvdlite._enqueue import submit as _submit
+from hvdlite._refusals import _attempt
 from hvdlite.errors import InvalidArgumentError
 from hvdlite.handle import Handle, OpHandle  # noqa: F401
 from hvdlite.process_sets import global_process_set
@@ -107,18 +113,17 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
             and array.dtype is last.dtype and array.shape == last.shape
             and array.flags.c_contiguous):
         if (out is not None and last.out() is out and out.dtype is last.dtype
-                and out.shape == last.shape and _checks.writable_contiguous(out.flags)):
+                and out.shape == last.shape and _writable_contiguous(out.flags)):
             output_ptr = last.output_ptr
         elif out is None:  # a new array each call: nothing to keep
-            out = _checks.output_array(None, last.shape, last.dtype, name)
+            out = _output_array(None, last.shape, last.dtype, name)
             output_ptr = from_buffer(out)
         else:
-            out = _checks.output_array(out, last.shape, last.dtype, name)
+            out = _output_array(out, last.shape, last.dtype, name)
             output_ptr = last.keep_output(out)
-        return _enqueue.submit(last.template, last.input_ptr, output_ptr, (array, out), None, name,
-                               out)
+        return _submit(last.template, last.input_ptr, output_ptr, (array, out), None, name, out)
     named = name is not None
-    _refusals.begin_call()
+    _attempt.names = ()  # a new call: forget the last one's names (see _refusals)
     try:
         psid = process_sets.process_set_id(process_set)
         name = _refusals.resolve_name("allreduce", name, psid)
@@ -127,11 +132,11 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
             return adasum.allreduce_async(array, name, prescale_factor, postscale_factor, out)
         arr, code = _checks.input_array(array, name)
         _checks.check_reduction(op, prescale_factor, postscale_factor, code, name)
-        out = _checks.output_array(out, arr.shape, arr.dtype, name)
+        out = _output_array(out, arr.shape, arr.dtype, name)
         template = _enqueue.template(ALLREDUCE, name, code, arr.shape, op, prescale_factor,
                                      postscale_factor, 0, psid, -1)
-        handle = _enqueue.submit(template, from_buffer(arr), from_buffer(out), (arr, out), None,
-                                 name, out)
+        handle = _submit(template, from_buffer(arr), from_buffer(out), (arr, out), None, name,
+                         out)
     except InvalidArgumentError as error:
         _refusals.refused(ALLREDUCE, error)
         raise

@@ -19,7 +19,6 @@ from hvdlite import _checks, process_sets, runtime
 from hvdlite.torch import mpi_ops, parameters, reduction
 from hvdlite.torch.adasum import _DistributedAdasumOptimizer
 from hvdlite.torch.compression import Compression
-from hvdlite.torch.reduction import reduce_through  # noqa: F401 (its former home)
 
 
 def _sparse_op(op, name):

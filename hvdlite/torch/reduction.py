@@ -56,12 +56,6 @@ class OnCpuArrays(Reducer):
                 for us, (_, kinds) in zip(updates, tokens)]
 
 
-def reduce_through(reducer, grads, names):
-    """Averages torch gradients through a framework-free reducer, in one go; returns the
-    updates (for callers outside the optimizer, e.g. Keras on the torch backend)."""
-    return reduce_gradients(reducer, grads, names)
-
-
 def reduce_gradients(compression, grads, names, op=mpi_ops.Average, scale=(1.0, 1.0),
                      process_set=mpi_ops.global_process_set):
     """Reduces torch gradients in one go through ``reducer_for(compression, ...)``;
