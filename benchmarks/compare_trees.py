@@ -7,8 +7,8 @@ for example a ``git worktree`` of the commit before a change. Round after round,
 tree runs, alternating which goes first (so drift in the machine's load hits both
 alike), with its own copy of each benchmark and ``PYTHONPATH`` set to it:
 
-  allreduce   benchmarks/allreduce.py on 2 ranks: synchronous allreduce latency and bus
-              bandwidth 4 KiB .. 64 MiB, the 200 x 16 KiB async step;
+  allreduce   benchmarks/allreduce.py on 2 ranks: synchronous allreduce time 4 KiB .. 64 MiB
+              and its ratio to mpi4py's in the same run, the 200 x 16 KiB async step;
   training    benchmarks/train_throughput.py --rounds 1: the MLP against its ceiling.
 
 Printed per figure: each tree's median and range over the rounds and the median of the
@@ -22,6 +22,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+
+from rounds import rotated
 
 KIB, MIB = 1024, 1024 * 1024
 
@@ -38,7 +40,11 @@ def run_allreduce(tree, args):
                        stdout=subprocess.DEVNULL)
         with open(out) as f:
             data = json.load(f)
-    figures = {f"allreduce {size_label(r['bytes'])} (s)": r["hvd_s"] for r in data["sizes"]}
+    figures = {}
+    for r in data["sizes"]:
+        figures[f"allreduce {size_label(r['bytes'])} (s)"] = r["hvd_s"]
+        # Against mpi4py in the same run: a time ratio, so below 1 is faster than MPI.
+        figures[f"allreduce {size_label(r['bytes'])} / mpi4py"] = r["hvd_s"] / r["mpi_s"]
     figures["200 x 16 KiB async step (s)"] = data["small"]["hvd_s"]
     return figures
 
@@ -78,9 +84,8 @@ def main():
                if args.only in (None, name)]
     samples = [{}, {}]  # per tree: figure -> [value per round]
     for round_ in range(args.rounds):
-        order = (0, 1) if round_ % 2 == 0 else (1, 0)
         for name, fn in benches:
-            for t in order:
+            for t in rotated((0, 1), round_):  # which tree goes first alternates
                 for figure, value in fn(trees[t], args).items():
                     samples[t].setdefault(figure, []).append(value)
         print(f"round {round_ + 1}/{args.rounds} done", flush=True)

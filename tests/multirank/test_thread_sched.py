@@ -90,14 +90,16 @@ def test_unbound_by_default():
 def realtime_permitted():
     """Whether the kernel lets a process of ours make a thread SCHED_FIFO."""
     probe = "import os; os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))"
-    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True,
+                          timeout=60).returncode == 0
 
 
 # Two ranks' background threads real-time here: the kernel permits SCHED_FIFO to this
 # user (root, CAP_SYS_NICE or RLIMIT_RTPRIO > 0; containers may take it away) and there is
 # a core for each. CI runs as root on at least 2 cores and requires this (HVDLITE_REQUIRE
 # includes "realtime", needs.py): there these tests fail instead of skipping.
-REALTIME_HERE = realtime_permitted() and len(os.sched_getaffinity(0)) >= 2
+REALTIME_PERMITTED = realtime_permitted()
+REALTIME_HERE = REALTIME_PERMITTED and len(os.sched_getaffinity(0)) >= 2
 REALTIME_MISSING = "the kernel does not let this user make threads real-time, or fewer than 2 cores"
 needs_realtime = needs.needs("realtime", REALTIME_HERE, REALTIME_MISSING)
 
@@ -121,11 +123,11 @@ def loop_and_others(result, rank):
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_background_thread_is_realtime_where_permitted(np_):
-    result = assert_ok(run_job(np_, SCRIPT, env=UNSET))
     fits = np_ <= len(os.sched_getaffinity(0))
-    if fits and not realtime_permitted() and needs.required("realtime"):
+    if fits and not REALTIME_PERMITTED and needs.required("realtime"):
         needs.need("realtime", REALTIME_MISSING)  # the expectation below would be SCHED_OTHER
-    want = os.SCHED_FIFO if fits and realtime_permitted() else os.SCHED_OTHER
+    result = assert_ok(run_job(np_, SCRIPT, env=UNSET))
+    want = os.SCHED_FIFO if fits and REALTIME_PERMITTED else os.SCHED_OTHER
     for rank in range(np_):
         assert result.result(rank)["sum"] == [sum(k + i for k in range(np_)) for i in range(4)]
         loop, others = loop_and_others(result, rank)

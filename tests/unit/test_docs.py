@@ -53,6 +53,5 @@ def test_readme_links_point_at_files_of_the_repository():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         text = f.read()
     targets = [t for t in re.findall(r"\]\(([^)#]+)", text) if "://" not in t]
-    missing = [t for t in targets if not os.path.exists(os.path.join(ROOT, t))
-               and t not in ("docs/architecture.md", "docs/contributing.md")]
-    assert targets and not missing
+    missing = [t for t in targets if not os.path.exists(os.path.join(ROOT, t))]
+    assert targets and not missing, missing

@@ -144,7 +144,7 @@ def test_hostfile_flag(tmp_path):
 def _job_argv(launcher, *args, env=None):
     cfg = config(*args)
     return job.build_job_command(cfg, launcher, env or {"PATH": "/usr/bin"},
-                                    python="/venv/bin/python", run_as_root=False)
+                                 python="/venv/bin/python", run_as_root=False)
 
 
 def _wrapper(*command):
@@ -201,11 +201,11 @@ def test_openmpi_runs_as_root_only_as_root_and_when_told(monkeypatch, root, flag
     monkeypatch.setattr(openmpi, "is_root", lambda: root)
     args = ["--allow-run-as-root"] if flag else []
     argv = job.build_job_command(config(*args, "-np", "2", "prog"), OPENMPI,
-                                    {"PATH": "/usr/bin", **env}, python="/venv/bin/python")
+                                 {"PATH": "/usr/bin", **env}, python="/venv/bin/python")
     assert ("--allow-run-as-root" in argv) is allowed
     # Hydra has no such flag: the request changes nothing in its command line.
     hydra = job.build_job_command(config(*args, "-np", "2", "prog"), HYDRA,
-                                     {"PATH": "/usr/bin", **env}, python="/venv/bin/python")
+                                  {"PATH": "/usr/bin", **env}, python="/venv/bin/python")
     assert "--allow-run-as-root" not in hydra
 
 
