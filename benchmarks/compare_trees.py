@@ -35,7 +35,7 @@ def run_allreduce(tree, args):
         python = sys.executable
         cmd = [python, "-m", "hvdlite.runner", "-np", "2", python,
                os.path.join(tree, "benchmarks", "allreduce.py"), "--skip-cpu",
-               "--reps", str(args.reps), "--json", out]
+               "--reps", str(args.reps), "--max-size", str(args.max_size), "--json", out]
         subprocess.run(cmd, env=env_for(tree), check=True, timeout=args.timeout,
                        stdout=subprocess.DEVNULL)
         with open(out) as f:
@@ -77,6 +77,8 @@ def main():
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--reps", type=int, default=7, help="allreduce.py repetitions per size")
     p.add_argument("--only", choices=["allreduce", "training"])
+    p.add_argument("--max-size", type=int, default=64 * MIB,
+                   help="largest allreduce (bytes); a small one gives many rounds of latency")
     p.add_argument("--timeout", type=int, default=600)
     args = p.parse_args()
     trees = [os.path.abspath(args.before), os.path.abspath(args.after)]
