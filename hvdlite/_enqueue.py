@@ -54,6 +54,7 @@ class TensorSpec:
     splits: Optional[Sequence[int]] = None
     process_set_id: int = 0
     device: int = -1
+    ready_event: Any = None
 
 
 # Pointers by address: a framework's tensors keep their memory from step to step, and a
@@ -123,7 +124,7 @@ def remember(cache, key, value):
 
 
 def fill(struct, op, name, dtype, shape, input, output, reduce_op, prescale, postscale,
-         root_rank, splits, process_set_id, device):
+         root_rank, splits, process_set_id, device, ready_event=None):
     """Fills one hvdlite_tensor_t.
 
     Returns the cffi objects the struct points to, which must stay referenced until the
@@ -148,12 +149,13 @@ def fill(struct, op, name, dtype, shape, input, output, reduce_op, prescale, pos
     struct.splits = c_splits
     struct.process_set_id = process_set_id
     struct.device = device
+    struct.ready_event = pointer(ready_event)
     return name_c, c_shape, c_splits
 
 
 def enqueue(op, name, dtype_code, shape, input_ptr, output_ptr=None, *, reduce_op=Average,
             prescale=1.0, postscale=1.0, root_rank=0, splits=None, process_set_id=0,
-            device=-1, keepalive=(), finisher=None, result=None):
+            device=-1, ready_event=None, keepalive=(), finisher=None, result=None):
     """Enqueues one tensor with the core; returns at once.
 
     The caller has validated the tensor; the core checks what it can (and names in
@@ -172,6 +174,9 @@ def enqueue(op, name, dtype_code, shape, input_ptr, output_ptr=None, *, reduce_o
         splits: for ALLTOALL: rows sent to each rank (size() entries) or None.
         process_set_id: 0 for all ranks.
         device: -1 for host memory, else the device ordinal.
+        ready_event: a GPU tensor's cudaEvent_t (address), recorded after the input was
+            produced and the output allocated; the core waits on it. Kept alive through
+            ``keepalive``.
         keepalive: objects (the tensors) referenced until the op has ended.
         finisher: ``finisher(handle) -> result``, run once after success.
         result: what the Handle returns on success when there is no finisher (the
@@ -184,7 +189,7 @@ def enqueue(op, name, dtype_code, shape, input_ptr, output_ptr=None, *, reduce_o
         NotInitializedError, InvalidArgumentError, DuplicateNameError: refused by the
             core; nothing was enqueued.
     """
-    if splits is None:
+    if splits is None and ready_event is None:
         return enqueue_fields(op, name, dtype_code, tuple(shape), pointer(input_ptr),
                               pointer(output_ptr), reduce_op, prescale, postscale,
                               root_rank, process_set_id, device, keepalive, finisher,
@@ -192,7 +197,7 @@ def enqueue(op, name, dtype_code, shape, input_ptr, output_ptr=None, *, reduce_o
     out = ffi.new("hvdlite_handle_t *")
     struct = ffi.new("hvdlite_tensor_t *")
     keep = fill(struct, op, name, dtype_code, shape, input_ptr, output_ptr, reduce_op,
-                prescale, postscale, root_rank, splits, process_set_id, device)
+                prescale, postscale, root_rank, splits, process_set_id, device, ready_event)
     check(lib.hvdlite_enqueue(struct, out))
     return Handle([out[0]], finisher, (keepalive, keep), name, result)
 
@@ -274,7 +279,7 @@ def enqueue_group(specs, *, name=None, keepalive=(), finisher=None, result=None)
     for i, q in enumerate(specs):
         keep.append(fill(structs[i], q.op, q.name, q.dtype, q.shape, q.input, q.output,
                          q.reduce_op, q.prescale, q.postscale, q.root_rank, q.splits,
-                         q.process_set_id, q.device))
+                         q.process_set_id, q.device, q.ready_event))
     handles = ffi.new("hvdlite_handle_t[]", len(specs))
     check(lib.hvdlite_enqueue_group(structs, len(specs), handles))
     return Handle(list(handles), finisher, (keepalive, keep), name, result)

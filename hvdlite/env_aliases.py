@@ -4,7 +4,7 @@ A job script written for Horovod sets ``HOROVOD_FUSION_THRESHOLD=...`` and the l
 ``init()`` copies each such value to the ``HVDLITE_*`` variable the core reads, unless
 that one is set too (ours win). ``ALIASES`` is the one table; the README's
 "Environment variables" section lists it. Horovod variables with no counterpart here
-(e.g. ``HOROVOD_GPU_OPERATIONS``) are ignored.
+(e.g. ``HOROVOD_GPU_ALLREDUCE``) are ignored.
 """
 import logging
 import os
@@ -32,6 +32,7 @@ ALIASES = (
     ("HOROVOD_MPI_THREADS_DISABLE", "HVDLITE_MPI_THREAD_FUNNELED", None),
     ("HOROVOD_HIERARCHICAL_ALLGATHER", "HVDLITE_HIERARCHICAL_ALLGATHER", None),
     ("HOROVOD_AUTOTUNE", "HVDLITE_AUTOTUNE", None),
+    ("HOROVOD_GPU_OPERATIONS", "HVDLITE_GPU_OPERATIONS", None),
     ("HOROVOD_AUTOTUNE_LOG", "HVDLITE_AUTOTUNE_LOG", None),
     ("HOROVOD_AUTOTUNE_WARMUP_SAMPLES", "HVDLITE_AUTOTUNE_WARMUP_SAMPLES", None),
     ("HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", "HVDLITE_AUTOTUNE_STEPS_PER_SAMPLE", None),

@@ -11,7 +11,7 @@ import torch
 from hvdlite import _checks, _enqueue, _refusals, adasum, ops, process_sets, runtime
 from hvdlite._enqueue import Adasum, Average, Sum
 from hvdlite.errors import InvalidArgumentError
-from hvdlite.torch.tensors import from_core, host_array, tensor_code
+from hvdlite.torch.tensors import from_core, gpu_fields, host_array, tensor_code
 
 global_process_set = process_sets.global_process_set
 
@@ -29,6 +29,14 @@ def enqueue_allreduce(tensor, output, name, op, prescale_factor, postscale_facto
         _checks.check_adasum_set(psid, name)
         return adasum.allreduce_async(host_array(tensor, name), name, prescale_factor,
                                       postscale_factor, host_array(output, name), output)
+    if tensor.is_cuda:
+        device, event = gpu_fields(tensor)
+        return _enqueue.enqueue(_enqueue.ALLREDUCE, name, code, tuple(tensor.shape),
+                                tensor.data_ptr(), output.data_ptr(), reduce_op=op,
+                                prescale=prescale_factor, postscale=postscale_factor,
+                                process_set_id=psid, device=device,
+                                ready_event=event.cuda_event,
+                                keepalive=(tensor, output, event), result=output)
     # The per-gradient path: every argument in order, no keywords.
     return _enqueue.enqueue_fields(_enqueue.ALLREDUCE, name, code, tensor.shape,
                                    _enqueue.pointer_at(tensor.data_ptr()),
@@ -98,7 +106,29 @@ def enqueue_grouped_allreduce(tensors, outputs, names, op, prescale_factor,
                                          process_set_id=psid))
         keep += [tensor, output]
     results = keep[1::2]
-    return _enqueue.enqueue_group(specs, name=label, keepalive=keep, result=results)
+    event = mark_gpu(specs, tensors, label)
+    return _enqueue.enqueue_group(specs, name=label, keepalive=(keep, event), result=results)
+
+
+def mark_gpu(specs, tensors, label):
+    """Gives a group's specs their GPU and one event recorded now, after every output
+    was allocated; returns the event, to keep alive (None for CPU tensors).
+
+    Raises:
+        InvalidArgumentError: the group's tensors are not all on one device.
+    """
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise InvalidArgumentError(
+            f"group '{label}' mixes devices ({', '.join(sorted(map(str, devices)))}): "
+            "the tensors of one group must be on one device")
+    if not specs:
+        return None
+    device, event = gpu_fields(tensors[0])
+    if event is not None:
+        for spec in specs:
+            spec.device, spec.ready_event = device, event.cuda_event
+    return event
 
 
 def group_names(tensors, name, process_set, kind="grouped_allreduce"):
@@ -162,10 +192,12 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
     psid = process_sets.process_set_id(process_set)
     name = _refusals.resolve_name("allgather", name, psid)
     code = tensor_code(tensor, name, min_ndim=1)
-    dtype, trailing = tensor.dtype, tuple(tensor.shape[1:])
+    dtype, trailing, where = tensor.dtype, tuple(tensor.shape[1:]), tensor.device
+    device, event = gpu_fields(tensor)
     return _enqueue.enqueue(_enqueue.ALLGATHER, name, code, tuple(tensor.shape), tensor.data_ptr(),
-                            None, process_set_id=psid, keepalive=(tensor,),
-                            finisher=lambda handle: from_core(handle, 0, dtype, trailing))
+                            None, process_set_id=psid, device=device, ready_event=ready(event),
+                            keepalive=(tensor, event),
+                            finisher=lambda handle: from_core(handle, 0, dtype, trailing, where))
 
 
 class SparseHandle:
@@ -236,6 +268,11 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
                         runtime.size() if op == Average else 1)
 
 
+def ready(event):
+    """The address of a GPU tensor's event for the core, None without one."""
+    return None if event is None else event.cuda_event
+
+
 def enqueue_broadcast(tensor, output, root_rank, name, process_set):
     psid = process_sets.process_set_id(process_set)
     name = _refusals.resolve_name("broadcast", name, psid)
@@ -243,9 +280,11 @@ def enqueue_broadcast(tensor, output, root_rank, name, process_set):
     root = _checks.check_rank(root_rank, "root_rank", name)
     if output is None:
         output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    device, event = gpu_fields(tensor)
     return _enqueue.enqueue(_enqueue.BROADCAST, name, code, tuple(tensor.shape), tensor.data_ptr(),
                             output.data_ptr(), root_rank=root, process_set_id=psid,
-                            keepalive=(tensor, output), result=output)
+                            device=device, ready_event=ready(event),
+                            keepalive=(tensor, output, event), result=output)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
@@ -303,15 +342,17 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     code = tensor_code(tensor, name, min_ndim=1)
     size, _ = process_sets.members(process_set)
     checked = _checks.check_splits(splits_list(splits), tensor.shape[0], name, size)
-    dtype, trailing = tensor.dtype, tuple(tensor.shape[1:])
+    dtype, trailing, where = tensor.dtype, tuple(tensor.shape[1:]), tensor.device
 
     def finish(handle):
-        received = from_core(handle, 0, dtype, trailing)
+        received = from_core(handle, 0, dtype, trailing, where)
         recv_splits = torch.from_numpy(handle.recv_splits(0, size).astype(np.int32))
         return received, recv_splits
 
+    device, event = gpu_fields(tensor)
     return _enqueue.enqueue(_enqueue.ALLTOALL, name, code, tuple(tensor.shape), tensor.data_ptr(),
-                            None, splits=checked, process_set_id=psid, keepalive=(tensor,),
+                            None, splits=checked, process_set_id=psid, device=device,
+                            ready_event=ready(event), keepalive=(tensor, event),
                             finisher=finish)
 
 
@@ -321,12 +362,15 @@ def enqueue_reducescatter(tensor, name, op, prescale_factor, postscale_factor, p
     code = tensor_code(tensor, name, min_ndim=1)
     _checks.check_reduction(op, prescale_factor, postscale_factor, code, name)
     rows = _checks.reducescatter_rows(tensor.shape[0], *process_sets.members(process_set))
-    output = torch.empty((rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
+    output = torch.empty((rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
+                         device=tensor.device)
+    device, event = gpu_fields(tensor)
     return _enqueue.enqueue(_enqueue.REDUCESCATTER, name, code, tuple(tensor.shape),
                             tensor.data_ptr(),
                             output.data_ptr(), reduce_op=op, prescale=prescale_factor,
-                            postscale=postscale_factor, process_set_id=psid,
-                            keepalive=(tensor, output), result=output)
+                            postscale=postscale_factor, process_set_id=psid, device=device,
+                            ready_event=ready(event), keepalive=(tensor, output, event),
+                            result=output)
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
@@ -358,13 +402,15 @@ def enqueue_grouped_allgather(tensors, names, group, process_set):
         code = tensor_code(tensor, name, min_ndim=1)
         specs.append(_enqueue.TensorSpec(_enqueue.ALLGATHER, name, code, tuple(tensor.shape),
                                          tensor.data_ptr(), process_set_id=psid))
-        layouts.append((tensor.dtype, tuple(tensor.shape[1:])))
+        layouts.append((tensor.dtype, tuple(tensor.shape[1:]), tensor.device))
 
     def finish(handle):
-        return [from_core(handle, i, dtype, trailing)
-                for i, (dtype, trailing) in enumerate(layouts)]
+        return [from_core(handle, i, dtype, trailing, where)
+                for i, (dtype, trailing, where) in enumerate(layouts)]
 
-    return _enqueue.enqueue_group(specs, name=group, keepalive=list(tensors), finisher=finish)
+    event = mark_gpu(specs, tensors, group)
+    return _enqueue.enqueue_group(specs, name=group, keepalive=(list(tensors), event),
+                                  finisher=finish)
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
@@ -396,12 +442,15 @@ def enqueue_grouped_reducescatter(tensors, names, group, op, prescale_factor,
         code = tensor_code(tensor, name, min_ndim=1)
         _checks.check_reduction(op, prescale_factor, postscale_factor, code, name)
         rows = _checks.reducescatter_rows(tensor.shape[0], size, rank)
-        output = torch.empty((rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
+        output = torch.empty((rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
+                             device=tensor.device)
         specs.append(_enqueue.TensorSpec(_enqueue.REDUCESCATTER, name, code, tuple(tensor.shape),
                                          tensor.data_ptr(), output.data_ptr(), op,
                                          prescale_factor, postscale_factor, process_set_id=psid))
         keep += [tensor, output]
-    return _enqueue.enqueue_group(specs, name=group, keepalive=keep, result=keep[1::2])
+    event = mark_gpu(specs, tensors, group)
+    return _enqueue.enqueue_group(specs, name=group, keepalive=(keep, event),
+                                  result=keep[1::2])
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average,

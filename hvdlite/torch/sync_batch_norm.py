@@ -82,9 +82,9 @@ def _global_moments(x):
     if count:
         var, mean = torch.var_mean(x, dim=dims, correction=0)
     else:
-        var = mean = torch.zeros(channels, dtype=x.dtype)
-    row = torch.cat([torch.tensor([float(count)], dtype=torch.float64), mean.double(),
-                     var.double()]).unsqueeze(0)
+        var = mean = torch.zeros(channels, dtype=x.dtype, device=x.device)
+    count_cell = torch.tensor([float(count)], dtype=torch.float64, device=x.device)
+    row = torch.cat([count_cell, mean.double(), var.double()]).unsqueeze(0)
     rows = ops.synchronize(mpi_ops.allgather_async(row, "sync_batch_norm.moments"))
     counts, means, variances = rows[:, :1], rows[:, 1:channels + 1], rows[:, channels + 1:]
     total = counts.sum()

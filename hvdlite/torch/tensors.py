@@ -2,7 +2,7 @@
 by pointer, and numpy views (Adasum) and wrappers (core-allocated results) of them.
 
 Nothing here copies a tensor: the core reads and writes its memory
-(``tensor.data_ptr()``).
+(``tensor.data_ptr()``), in host memory or on the tensor's GPU (``gpu_fields``).
 """
 import numpy as np
 import torch
@@ -65,10 +65,10 @@ def tensor_code(tensor, name, min_ndim=0):
     code = _codes.get(tensor.dtype)
     if code is None:
         code = _codes[tensor.dtype] = native_dtype_code(tensor.dtype, name)
-    if not tensor.is_cpu:
+    if not tensor.is_cpu and not tensor.is_cuda:
         raise InvalidArgumentError(
-            f"tensor '{name}' is on {tensor.device}: hvdlite's GPU path has not landed yet, "
-            "only CPU tensors are supported (move it with .cpu())")
+            f"tensor '{name}' is on {tensor.device}: hvdlite takes CPU and CUDA tensors "
+            "(move it with .cpu())")
     if tensor.layout != torch.strided:
         raise InvalidArgumentError(
             f"tensor '{name}' has layout {tensor.layout}; only dense (strided) tensors are "
@@ -89,8 +89,27 @@ def tensor_code(tensor, name, min_ndim=0):
     return code
 
 
+def gpu_fields(tensor):
+    """The core's ``device`` and ``ready_event`` for a checked tensor.
+
+    Returns ``(-1, None)`` for a CPU tensor. For a CUDA tensor: its device ordinal and
+    an event recorded now on that device's current stream, which the core's stream waits
+    on before it reads the tensor or writes its outputs (so allocate the outputs first).
+    Keep the event referenced until the op has ended.
+    """
+    if tensor.is_cpu:
+        return -1, None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensor.device))
+    return tensor.device.index, event
+
+
 def host_array(tensor, name):
     """A zero-copy numpy view of a checked CPU tensor (Adasum computes in numpy)."""
+    if tensor.is_cuda:
+        raise InvalidArgumentError(
+            f"tensor '{name}' is on {tensor.device}: Adasum runs on CPU tensors only so far "
+            "(Average or Sum run on CUDA tensors)")
     if tensor.dtype == torch.bfloat16:
         raise InvalidArgumentError(
             f"tensor '{name}': Adasum takes float16, float32 and float64 tensors, not "
@@ -98,13 +117,19 @@ def host_array(tensor, name):
     return tensor.detach().numpy()
 
 
-def from_core(handle, index, dtype, trailing_shape):
-    """Wraps a core-allocated ALLGATHER/ALLTOALL result as a tensor, without a copy."""
+def from_core(handle, index, dtype, trailing_shape, device=None):
+    """Wraps a core-allocated ALLGATHER/ALLTOALL result as a tensor, without a copy on
+    the CPU; for a CUDA ``device``, one copy to that GPU (the core's result is in host
+    memory)."""
     if dtype == torch.bfloat16:
         # numpy has no bfloat16 that torch.from_numpy accepts: such results travel as
         # int16 and are reinterpreted (a view, no copy).
         arr = handle.output_array(index, np.int16, trailing_shape)
-        return torch.from_numpy(arr).view(torch.bfloat16)
-    arr = handle.output_array(index, dtypes.numpy_dtype(TORCH_DTYPE_NAMES[dtype]),
-                              trailing_shape)
-    return torch.from_numpy(arr)
+        result = torch.from_numpy(arr).view(torch.bfloat16)
+    else:
+        arr = handle.output_array(index, dtypes.numpy_dtype(TORCH_DTYPE_NAMES[dtype]),
+                                  trailing_shape)
+        result = torch.from_numpy(arr)
+    if device is not None and device.type == "cuda":
+        return result.to(device)
+    return result

@@ -102,11 +102,12 @@ def test_lazily_negated_view_is_refused_with_the_fix(thvd):
     assert torch.equal(thvd.allreduce(x.resolve_neg(), name="neg.fixed"), -torch.arange(4.0))
 
 
-def test_device_tensors_are_refused_until_the_gpu_path_lands(thvd):
-    # A CPU build of torch cannot make CUDA tensors; "meta" goes through the same check.
+def test_tensors_neither_on_the_cpu_nor_on_a_cuda_gpu_are_refused(thvd):
+    # A CPU build of torch cannot make CUDA tensors (tests/gpu runs those on a GPU);
+    # "meta" stands for every other device.
     x = torch.zeros(2, device="meta")
     for label, call in _collectives(thvd):
-        with pytest.raises(thvd.InvalidArgumentError, match="GPU path has not landed"):
+        with pytest.raises(thvd.InvalidArgumentError, match="takes CPU and CUDA tensors"):
             call(x, f"dev.{label}")
 
 

@@ -131,7 +131,12 @@ typedef struct {
    * global rank that must be a member, splits have one entry per member (in rank
    * order), REDUCESCATTER splits rows and ALLGATHER concatenates among the members. */
   int32_t process_set_id;
-  int32_t device;              /* -1: host memory */
+  int32_t device;              /* -1: host memory; else the CUDA device ordinal */
+  /* A device tensor's cudaEvent_t, recorded on the framework's stream after the input was
+   * produced and the output allocated: the core's stream waits on it before it reads or
+   * writes either (no device-wide synchronize). NULL: nothing to wait for. The caller
+   * keeps the event alive until the handle has ended. Ignored for host memory. */
+  const void* ready_event;
 } hvdlite_tensor_t;
 
 /* Counters since init, for tests and tuning. */
@@ -153,6 +158,8 @@ typedef struct {
                                 * alltoall: the rows sent to other ranks) */
   int64_t hierarchical_collectives; /* of the collectives, hierarchical allreduces (hosts, then
                                     * across hosts, then hosts again) */
+  int64_t nccl_collectives;    /* of the collectives, on GPU tensors through NCCL */
+  int64_t staged_collectives;  /* of the collectives, on GPU tensors staged through host memory */
 } hvdlite_stats_t;
 
 /* Starts the core: MPI (unless already initialized, e.g. by mpi4py), the background

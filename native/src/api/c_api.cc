@@ -172,6 +172,8 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_stats(hvdlite_stats_t* out) {
     out->shm_collectives = c.shm_collectives;
     out->wire_bytes = c.wire_bytes;
     out->hierarchical_collectives = c.hierarchical_collectives;
+    out->nccl_collectives = c.nccl_collectives;
+    out->staged_collectives = c.staged_collectives;
     return hvdlite::Status::OK();
   });
 }

@@ -219,7 +219,7 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_test_allreduce_step(int32_t n, void** in
   for (int32_t i = 0; i < n && first == HVDLITE_OK; ++i) {
     const std::string name = std::string(prefix) + "." + std::to_string(i);
     hvdlite_tensor_t t{name.c_str(), HVDLITE_OP_ALLREDUCE, HVDLITE_FLOAT32, 1, &elements,
-                       nullptr, nullptr, HVDLITE_SUM, 1.0, 1.0, 0, nullptr, 0, -1};
+                       nullptr, nullptr, HVDLITE_SUM, 1.0, 1.0, 0, nullptr, 0, -1, nullptr};
     hvdlite_handle_t h = 0;
     first = hvdlite_enqueue_buffers(&t, ins[i], outs[i], &h);
     if (first == HVDLITE_OK) handles.push_back(h);

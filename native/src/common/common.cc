@@ -88,6 +88,19 @@ int64_t NumElements(const std::vector<int64_t>& shape) {
   return n;
 }
 
+int64_t RowElements(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (size_t i = 1; i < shape.size(); ++i) n *= shape[i];
+  return n;
+}
+
+std::vector<int64_t> ScatterCounts(const std::vector<int64_t>& shape, int size) {
+  const int64_t rows = shape.empty() ? 0 : shape[0], row = RowElements(shape);
+  std::vector<int64_t> counts(size);
+  for (int k = 0; k < size; ++k) counts[k] = (rows / size + (k < rows % size ? 1 : 0)) * row;
+  return counts;
+}
+
 namespace {
 std::atomic<int> g_log_rank{-1};
 

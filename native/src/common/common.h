@@ -45,6 +45,11 @@ std::string Disagreement(const std::vector<std::string>& values,
                          const std::vector<uint8_t>* counts = nullptr,
                          const std::vector<int>* names = nullptr);
 int64_t NumElements(const std::vector<int64_t>& shape);
+// Elements of one row: every dimension but the first.
+int64_t RowElements(const std::vector<int64_t>& shape);
+// Reducescatter's split of a tensor's rows over `size` ranks: each rank's element count
+// (the first rows % size ranks get one row more).
+std::vector<int64_t> ScatterCounts(const std::vector<int64_t>& shape, int size);
 
 // Logging: HVDLITE_LOG(WARNING) << "..."; level from HVDLITE_LOG_LEVEL.
 enum class LogLevel { TRACE = 0, DEBUG = 1, INFO = 2, WARNING = 3, ERROR = 4 };

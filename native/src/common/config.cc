@@ -1,5 +1,6 @@
 #include "common/config.h"
 
+#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 
@@ -101,6 +102,18 @@ Status LoadConfig(Config* c) {
       return InvalidArgument("HVDLITE_BIND_TO='" + v + "' must be core or none");
     }
     c->bind_to_core = v == "core";
+  }
+  if (const char* g = std::getenv("HVDLITE_GPU_OPERATIONS"); g && *g) {
+    std::string v = g;
+    for (char& ch : v) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+    if (v == "NCCL") {
+      c->gpu_operations = Config::GpuOperations::kNccl;
+    } else if (v == "MPI") {
+      c->gpu_operations = Config::GpuOperations::kStaged;
+    } else {
+      return InvalidArgument("HVDLITE_GPU_OPERATIONS='" + std::string(g) +
+                             "' must be NCCL or MPI (this build has no GLOO, DDL or CCL path)");
+    }
   }
   if (const char* h = std::getenv("HVDLITE_HOST_ID")) c->host_id = h;
   if (const char* m = std::getenv("HVDLITE_MPI_THREAD_FUNNELED")) {

@@ -57,6 +57,12 @@ struct Config {
   // Unset (-1): real-time where the kernel permits it, silently normal where not; 1:
   // the same, but a refusal is a warning that says why; 0: normal priority.
   int background_realtime = -1;
+  // HVDLITE_GPU_OPERATIONS=NCCL|MPI (Horovod's HOROVOD_GPU_OPERATIONS is an alias): how
+  // collectives on GPU tensors run. Unset: NCCL where each rank of a host has a GPU of
+  // its own and NCCL opens, else staged through pinned host memory into the CPU paths.
+  // NCCL: NCCL or an error saying why not; MPI: always staged.
+  enum class GpuOperations { kAuto, kNccl, kStaged };
+  GpuOperations gpu_operations = GpuOperations::kAuto;
   // HVDLITE_HOST_ID: ranks with equal ids count as one host (testing, advanced).
   std::string host_id;
   AutotuneSettings autotune;

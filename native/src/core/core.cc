@@ -156,7 +156,7 @@ Status Core::Init(int64_t comm_f2c) {
       auto members = std::make_shared<const ProcessSetMembers>(0, everyone, topo.rank);
       sets_.Insert(std::unique_ptr<ProcessSetState>(new ProcessSetState(
           members, std::move(world),
-          CoreParts{config_, queue_, handles_, counters_, timeline_, sets_, autotune_,
+          CoreParts{config_, queue_, handles_, counters_, timeline_, sets_, autotune_, gpu_,
                     [this](const Status& failure) { EndLoop(failure); }})));
     }
     if (ok) MakeBackgroundRealtime(config_, topo);

@@ -74,6 +74,9 @@ class Core {
   std::atomic<bool> running_{false};
   std::atomic<bool> shutdown_requested_{false};
   std::atomic<bool> loop_ended_{false};
+  // The GPU of the first device tensor enqueued (-1: none yet). One per process: a tensor
+  // on another is refused at enqueue, where its peers hear of the refusal.
+  mutable std::atomic<int> gpu_ordinal_{-1};
   std::mutex lifecycle_mutex_;  // serializes Init/Shutdown
   std::mutex end_mutex_;
   Status end_status_;           // Guarded by end_mutex_: why the loop ended.
@@ -88,7 +91,8 @@ class Core {
   Timeline timeline_;  // used by the background thread; Start/Stop under timeline_mutex_
   std::mutex timeline_mutex_;
   ProcessSetTable sets_;
-  Autotuner autotune_;  // started by the background thread at init; View() any thread
+  Autotuner autotune_;
+  gpu::Device gpu_;  // background thread; its resources freed as the loop ends  // started by the background thread at init; View() any thread
 
   // Background thread only.
   std::vector<TensorEntry*> fresh_;  // this cycle's new entries (TensorQueue::PopPending)

@@ -30,9 +30,14 @@ Status Core::Validate(const hvdlite_tensor_t& t, int64_t index, const ProcessSet
     elems *= t.shape[i];
   }
   const char* op = OpName(t.op);
-  if (t.device != -1) {
-    return InvalidArgument(who() + ": device tensors (device " + std::to_string(t.device) +
-                           ") are not supported by this build yet; only host memory");
+  if (t.device < -1) return InvalidArgument(who() + ": invalid device " + std::to_string(t.device));
+  if (t.device >= 0) {
+    int first = -1;
+    if (!gpu_ordinal_.compare_exchange_strong(first, t.device) && first != t.device) {
+      return InvalidArgument(who() + ": is on GPU " + std::to_string(t.device) + ", but this process already used GPU " +
+                             std::to_string(first) + ": hvdlite works with one GPU per process (pin it with "
+                             "torch.cuda.set_device(hvd.local_rank()))");
+    }
   }
   if (t.op == HVDLITE_OP_ALLREDUCE || t.op == HVDLITE_OP_REDUCESCATTER) {
     if (!ValidReduceOp(t.reduce_op)) {
@@ -160,6 +165,7 @@ Status Core::Submit(const hvdlite_tensor_t* tensors, int32_t n, bool group, bool
     q.group_size = group ? n : 0;
     e.input = t.input;
     e.output = t.output;
+    e.ready_event = t.device >= 0 ? t.ready_event : nullptr;
     e.enqueued = now;
     entries.push_back(std::move(e));
   }

@@ -118,7 +118,8 @@ void Core::Loop() {
   }
   // Closing may wait in MPI for peers that are still training.
   LeaveRealtime();
-  sets_.Clear(transport_ok);
+  sets_.Clear(transport_ok);  // NCCL communicators first, then the GPU they ran on
+  gpu_.Release();
 }
 
 bool Core::RunCycle() {

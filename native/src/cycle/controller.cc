@@ -151,6 +151,7 @@ Response Controller::Validate(const std::string& name, const PendingTensor& p) c
   out.op = base.op;
   out.name = name;
   out.dtype = base.dtype;
+  out.on_device = base.device >= 0;
   out.shape = base.shape;
   out.reduce_op = base.reduce_op;
   out.prescale = base.prescale;
@@ -176,7 +177,7 @@ Response Controller::Validate(const std::string& name, const PendingTensor& p) c
   if (!Agree(rq, p.have, ranks_, [](const Request& q) { return std::string(DtypeName(q.dtype)); }, &diff)) {
     return fail("data types", diff);
   }
-  if (!Agree(rq, p.have, ranks_, [](const Request& q) { return q.device < 0 ? std::string("host memory") : "device " + std::to_string(q.device); }, &diff)) {
+  if (!Agree(rq, p.have, ranks_, [](const Request& q) { return std::string(q.device < 0 ? "host memory" : "GPU memory"); }, &diff)) {
     return fail("devices", diff);
   }
   if (!Agree(rq, p.have, ranks_, [](const Request& q) { return "process set " + std::to_string(q.process_set); }, &diff)) {

@@ -17,22 +17,6 @@ namespace {
 // saves. (Through shared memory every tensor is read in place, so any size fuses.)
 constexpr int64_t kFuseAloneBytes = 1 << 20;
 
-// Bytes one rank sends to the others in a collective whose buffer (allreduce) or result
-// (allgather, broadcast, reducescatter's input) is `payload` bytes, counted as a
-// bandwidth-optimal algorithm sends them, whichever path ran: what a compressor saves is
-// then counted the same way for every op (hvdlite_stats_t.wire_bytes).
-int64_t WireBytes(int32_t op, int64_t payload, int size) {
-  if (size <= 1) return 0;
-  const int64_t share = payload / size * (size - 1);
-  return op == HVDLITE_OP_ALLREDUCE ? 2 * share : share;
-}
-
-int64_t RowElements(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (size_t i = 1; i < shape.size(); ++i) n *= shape[i];
-  return n;
-}
-
 // Timeline names of the operation span, by HVDLITE_OP_*.
 const char* const kOpActivity[] = {"ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL",
                                    "REDUCESCATTER", "BARRIER", "JOIN", "ADD_PROCESS_SET",
@@ -103,8 +87,16 @@ uint64_t TimelineArgsKey(const Response& r, size_t fused) {
 
 }  // namespace
 
-void ProcessSetState::Finish(TensorEntry* e, const Status& s, OpOutput out) {
+int64_t WireBytes(int32_t op, int64_t payload, int size) {
+  if (size <= 1) return 0;
+  const int64_t share = payload / size * (size - 1);
+  return op == HVDLITE_OP_ALLREDUCE ? 2 * share : share;
+}
+
+void ProcessSetState::Finish(TensorEntry* e, const Status& status, OpOutput out) {
   if (!e) return;
+  Status s = status;
+  if (!staged_.empty()) StageOut({e}, &s);
   hvdlite_handle_t h = e->handle;
   queue_.Remove(e->request.name);  // e is gone from here on
   if (s.ok()) {
@@ -115,7 +107,9 @@ void ProcessSetState::Finish(TensorEntry* e, const Status& s, OpOutput out) {
   handles_.Complete(h, s, std::move(out));
 }
 
-void ProcessSetState::FinishAll(const std::vector<TensorEntry*>& entries, const Status& s) {
+void ProcessSetState::FinishAll(const std::vector<TensorEntry*>& entries, const Status& status) {
+  Status s = status;
+  if (!staged_.empty()) StageOut(entries, &s);
   std::vector<hvdlite_handle_t> handles = queue_.RemoveAll(entries);  // entries gone
   (s.ok() ? counters_.tensors : counters_.errors) += static_cast<int64_t>(handles.size());
   handles_.CompleteAll(handles, s);
@@ -131,6 +125,8 @@ void ProcessSetState::Execute(const std::vector<Response>& ready) {
       // An error for some ranks only (a late submission of a refused tensor) leaves
       // the others' entries of that name alone: theirs may be a later op of it.
       if (r.targets.empty() || r.targets[rank_]) Finish(queue_.Find(r.name), Status(r.error_code, r.error));
+    } else if (r.on_device) {
+      ExecuteOnDevice(ready, i, end);
     } else if (r.op == HVDLITE_OP_ALLGATHER && end - i > 1) {
       std::vector<const Response*> fused;
       for (size_t k = i; k < end; ++k) fused.push_back(&ready[k]);
@@ -168,7 +164,7 @@ std::vector<size_t> ProcessSetState::PlanFusion(const std::vector<Response>& rea
       int64_t gathered = AllgatherBytes(r);
       while (threshold > 0 && gathered < kFuseAloneBytes && j < ready.size()) {
         const Response& c = ready[j];
-        if (c.op != HVDLITE_OP_ALLGATHER || !c.error.empty()) break;
+        if (c.op != HVDLITE_OP_ALLGATHER || !c.error.empty() || c.on_device != r.on_device) break;
         int64_t b = AllgatherBytes(c);
         if (b >= kFuseAloneBytes || gathered + b > threshold) break;
         gathered += b;
@@ -179,6 +175,7 @@ std::vector<size_t> ProcessSetState::PlanFusion(const std::vector<Response>& rea
         const Response& c = ready[j];
         int64_t b = NumElements(c.shape) * ElementSize(c.dtype);
         if (c.op != HVDLITE_OP_ALLREDUCE || !c.error.empty() || b >= fuse_alone_bytes || c.dtype != r.dtype ||
+            c.on_device != r.on_device ||
             c.reduce_op != r.reduce_op || !SameFactor(c.prescale, r.prescale) ||
             !SameFactor(c.postscale, r.postscale) ||
             c.contributors != r.contributors || bytes + b > threshold) {
@@ -425,10 +422,8 @@ Status ProcessSetState::ExecuteAlltoall(const Response& r, TensorEntry* e, OpOut
 Status ProcessSetState::ExecuteReducescatter(const Response& r, TensorEntry* e, OpTally* tally) {
   const int size = size_, me = rank_;
   const int elem = ElementSize(r.dtype);
-  int64_t rows = r.shape[0], row = RowElements(r.shape);
-  std::vector<int64_t> counts(size);
-  for (int k = 0; k < size; ++k) counts[k] = (rows / size + (k < rows % size ? 1 : 0)) * row;
-  int64_t total = rows * row;
+  const std::vector<int64_t> counts = ScatterCounts(r.shape, size);
+  const int64_t total = NumElements(r.shape);
   const void* in = e->input;
   // MPI forbids aliased buffers: an in-place (or overlapping) call reduces a copy.
   auto in_at = reinterpret_cast<uintptr_t>(e->input);

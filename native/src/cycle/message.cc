@@ -182,6 +182,7 @@ void SerializeResponses(const std::vector<Response>& responses, std::vector<uint
     w.Str(p.error);
     w.Put<int32_t>(p.error_code);
     w.Put<int32_t>(p.dtype);
+    w.Put<uint8_t>(p.on_device ? 1 : 0);
     w.Ints(p.shape);
     w.Put<int32_t>(p.reduce_op);
     w.Put<double>(p.prescale);
@@ -211,6 +212,7 @@ Status ParseResponses(const uint8_t* data, size_t len, std::vector<Response>* ou
     p.error = r.Str();
     p.error_code = r.Get<int32_t>();
     p.dtype = r.Get<int32_t>();
+    p.on_device = r.Get<uint8_t>() != 0;
     p.shape = r.Ints();
     p.reduce_op = r.Get<int32_t>();
     p.prescale = r.Get<double>();

@@ -51,6 +51,7 @@ struct Response {
   std::string error;            // non-empty: fail the handles with this message
   int32_t error_code = HVDLITE_OK;
   int32_t dtype = HVDLITE_FLOAT32;
+  bool on_device = false;       // GPU tensors (on every rank: negotiation checks it)
   std::vector<int64_t> shape;   // rank 0's shape (the full shape for allreduce/broadcast)
   int32_t reduce_op = HVDLITE_SUM;
   double prescale = 1.0;

@@ -42,6 +42,7 @@ ProcessSetState::ProcessSetState(std::shared_ptr<const ProcessSetMembers> member
       timeline_(parts.timeline),
       sets_(parts.sets),
       autotune_(parts.autotune),
+      gpu_(parts.gpu),
       end_loop_(std::move(parts.end_loop)),
       mpi_(std::move(mpi)) {
   if (!included()) return;
@@ -73,7 +74,7 @@ Status ProcessSetState::AddSet(const Response& r, OpOutput* out) {
   HVDLITE_LOG(DEBUG) << "added " << members->Describe();
   sets_.Insert(std::unique_ptr<ProcessSetState>(new ProcessSetState(
       members, std::move(mpi),
-      CoreParts{config_, queue_, handles_, counters_, timeline_, sets_, autotune_, end_loop_})));
+      CoreParts{config_, queue_, handles_, counters_, timeline_, sets_, autotune_, gpu_, end_loop_})));
   return Status::OK();
 }
 

@@ -22,6 +22,8 @@
 #include <vector>
 
 #include "cycle/autotune.h"
+#include "gpu/device.h"
+#include "gpu/nccl_comm.h"
 #include "backend/backend_mpi.h"
 #include "common/config.h"
 #include "common/fusion_buffer.h"
@@ -36,8 +38,14 @@ namespace hvdlite {
 struct Counters {
   std::atomic<int64_t> cycles{0}, coordinator_gathers{0}, cache_hits{0}, cache_misses{0},
       collectives{0}, fused_collectives{0}, tensors{0}, bytes{0}, errors{0}, shm_collectives{0},
-      wire_bytes{0}, hierarchical_collectives{0};
+      wire_bytes{0}, hierarchical_collectives{0}, nccl_collectives{0}, staged_collectives{0};
 };
+
+// Bytes one rank sends to the others in a collective whose buffer (allreduce) or result
+// (allgather, broadcast, reducescatter's input) is `payload` bytes, counted as a
+// bandwidth-optimal algorithm sends them, whichever path ran: what a compressor saves is
+// then counted the same way for every op (hvdlite_stats_t.wire_bytes).
+int64_t WireBytes(int32_t op, int64_t payload, int size);
 
 // The topology-layer knobs of config, the same for every process set's communicator
 // (the world's and each subset's: a subset's hosts are its members' hosts).
@@ -84,6 +92,7 @@ struct CoreParts {
   Timeline& timeline;
   ProcessSetTable& sets;
   Autotuner& autotune;  // the knobs in force; the global set's round carries them
+  gpu::Device& gpu;     // the process's GPU, once a device tensor came
   std::function<void(const Status&)> end_loop;  // a transport failure ends the loop
 };
 
@@ -112,7 +121,10 @@ class ProcessSetState {
   // Fails this set's ops in flight with s (the set is being removed).
   void FailInFlight(const Status& s);
   // Frees the communicator; collective over the members when transport_ok.
-  void Close(bool transport_ok) { mpi_->Shutdown(transport_ok); }
+  void Close(bool transport_ok) {
+    nccl_.Destroy();
+    mpi_->Shutdown(transport_ok);
+  }
 
  private:
   // Steps of RunCycle.
@@ -146,6 +158,17 @@ class ProcessSetState {
   Status ExecuteBroadcast(const Response& r, TensorEntry* e, OpTally* tally);
   Status ExecuteAlltoall(const Response& r, TensorEntry* e, OpOutput* out, OpTally* tally);
   Status ExecuteReducescatter(const Response& r, TensorEntry* e, OpTally* tally);
+  // GPU tensors (gpu_execution.cc): ready[begin, end) through NCCL, or staged through
+  // pinned host memory into the functions above (Finish then copies results back).
+  void ExecuteOnDevice(const std::vector<Response>& ready, size_t begin, size_t end);
+  // How this set runs GPU tensors, decided once by all members together.
+  enum class GpuPath { kUndecided, kNccl, kStaged, kFailed };
+  Status DecideGpuPath(int device);
+  bool NcclCanRun(const Response& r) const;
+  Status RunOnNccl(const std::vector<const Response*>& run, const std::vector<TensorEntry*>& entries);
+  Status StageIn(const std::vector<const Response*>& run, const std::vector<TensorEntry*>& entries);
+  // Copies staged results back to the device; s becomes the copy's failure, if any.
+  void StageOut(const std::vector<TensorEntry*>& entries, Status* s);
   // The table changes, run where the response list puts them on every rank.
   Status AddSet(const Response& r, OpOutput* out);
   Status RemoveSet(const Response& r);
@@ -165,6 +188,7 @@ class ProcessSetState {
   Timeline& timeline_;
   ProcessSetTable& sets_;
   Autotuner& autotune_;
+  gpu::Device& gpu_;
   std::function<void(const Status&)> end_loop_;
 
   std::unique_ptr<MpiBackend> mpi_;
@@ -179,6 +203,18 @@ class ProcessSetState {
   bool local_joined_ = false;
   bool failed_ = false;  // a transport failure: the loop ends after this round
   int64_t queue_start_us_ = 0;  // timeline: when this cycle's operations began to queue
+
+  GpuPath gpu_path_ = GpuPath::kUndecided;
+  std::string gpu_path_error_;  // kFailed: why, for every later GPU op of the set
+  gpu::NcclComm nccl_;
+  // A staged collective in flight: each staged entry's device output and where its
+  // result lies in host memory (Finish copies it back before the handle completes).
+  struct Staged {
+    TensorEntry* entry;
+    void* device_output;
+    int64_t output_bytes;
+  };
+  std::vector<Staged> staged_;
 };
 
 // Id -> set. The background thread changes it (under the mutex) and reads it freely;

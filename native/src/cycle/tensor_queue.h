@@ -25,6 +25,7 @@ struct TensorEntry {
   Request request;
   const void* input = nullptr;
   void* output = nullptr;
+  const void* ready_event = nullptr;  // device tensors: the framework's cudaEvent_t
   hvdlite_handle_t handle = 0;
   Clock::time_point enqueued;
   bool popped = false;  // handed out by PopPending (else still in pending_). Queue mutex.

@@ -1,0 +1,102 @@
+#include "gpu/device.h"
+
+#include <unistd.h>
+
+namespace hvdlite {
+namespace gpu {
+
+Status Device::Check(int code, const char* what) const {
+  if (code == 0) return Status::OK();
+  return Status(HVDLITE_ERR_INTERNAL, std::string("CUDA: ") + what + " on GPU " + std::to_string(ordinal_) +
+                                          " failed: " + cuda_->GetErrorString(code) + " (error " +
+                                          std::to_string(code) + ")");
+}
+
+Status Device::Use(int ordinal) {
+  if (cuda_) {
+    if (ordinal == ordinal_) return Status::OK();
+    return InvalidArgument("a tensor on GPU " + std::to_string(ordinal) + " after tensors on GPU " +
+                           std::to_string(ordinal_) +
+                           ": hvdlite works with one GPU per process (pin it with torch.cuda.set_device"
+                           "(hvd.local_rank()))");
+  }
+  std::string error;
+  const CudaApi* cuda = Cuda(&error);
+  if (!cuda) return Status(HVDLITE_ERR_INVALID_ARGUMENT, "a tensor on GPU " + std::to_string(ordinal) + ": " + error);
+  cuda_ = cuda;
+  ordinal_ = ordinal;
+  Status s = Check(cuda_->SetDevice(ordinal), "cudaSetDevice");
+  if (s.ok()) s = Check(cuda_->StreamCreateWithFlags(&stream_, kStreamNonBlocking), "cudaStreamCreateWithFlags");
+  if (s.ok()) s = Check(cuda_->EventCreateWithFlags(&done_, kEventBlockingNoTiming), "cudaEventCreateWithFlags");
+  char bus[64] = {0};
+  if (s.ok()) s = Check(cuda_->DeviceGetPCIBusId(bus, sizeof(bus), ordinal), "cudaDeviceGetPCIBusId");
+  if (!s.ok()) {
+    cuda_ = nullptr;
+    return s;
+  }
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  identity_ = std::string(host) + "/" + bus;
+  return Status::OK();
+}
+
+Status Device::WaitFor(const void* event) {
+  if (!event) return Status::OK();
+  return Check(cuda_->StreamWaitEvent(stream_, const_cast<void*>(event), 0), "cudaStreamWaitEvent");
+}
+
+Status Device::Copy(void* dst, const void* src, int64_t bytes) {
+  if (bytes <= 0 || dst == src) return Status::OK();
+  return Check(cuda_->MemcpyAsync(dst, src, static_cast<size_t>(bytes), kMemcpyDefault, stream_), "cudaMemcpyAsync");
+}
+
+Status Device::Finish() {
+  Status s = Check(cuda_->EventRecord(done_, stream_), "cudaEventRecord");
+  return s.ok() ? Check(cuda_->EventSynchronize(done_), "cudaEventSynchronize") : s;
+}
+
+Status Device::Pinned(int64_t bytes, uint8_t** out) {
+  if (bytes > pinned_bytes_) {
+    if (pinned_) cuda_->FreeHost(pinned_);
+    pinned_ = nullptr;
+    pinned_bytes_ = 0;
+    void* p = nullptr;
+    Status s = Check(cuda_->HostAlloc(&p, static_cast<size_t>(bytes), 0), "cudaHostAlloc");
+    if (!s.ok()) return s;
+    pinned_ = static_cast<uint8_t*>(p);
+    pinned_bytes_ = bytes;
+  }
+  *out = pinned_;
+  return Status::OK();
+}
+
+Status Device::Scratch(int64_t bytes, uint8_t** out) {
+  if (bytes > scratch_bytes_) {
+    // The stream may still use the old buffer: cudaFree waits for the device first.
+    if (scratch_) cuda_->Free(scratch_);
+    scratch_ = nullptr;
+    scratch_bytes_ = 0;
+    void* p = nullptr;
+    Status s = Check(cuda_->Malloc(&p, static_cast<size_t>(bytes)), "cudaMalloc");
+    if (!s.ok()) return s;
+    scratch_ = static_cast<uint8_t*>(p);
+    scratch_bytes_ = bytes;
+  }
+  *out = scratch_;
+  return Status::OK();
+}
+
+void Device::Release() {
+  if (!cuda_) return;
+  if (pinned_) cuda_->FreeHost(pinned_);
+  if (scratch_) cuda_->Free(scratch_);
+  if (done_) cuda_->EventDestroy(done_);
+  if (stream_) cuda_->StreamDestroy(stream_);
+  pinned_ = scratch_ = nullptr;
+  pinned_bytes_ = scratch_bytes_ = 0;
+  done_ = stream_ = nullptr;
+  cuda_ = nullptr;
+}
+
+}  // namespace gpu
+}  // namespace hvdlite

@@ -1,0 +1,70 @@
+// The one GPU a process works with, as the background thread sees it: the core's own
+// stream, an event to wait for it with, and the buffers that device tensors pass through
+// (pinned host memory for staging, a device-side fusion buffer for NCCL).
+//
+// Background thread only. Nothing here is created before the first device tensor.
+//
+// Ordering with the framework: the adapter records an event on the stream that produced
+// a tensor (after allocating any output); the core's stream waits on that event
+// (WaitFor) before reading, so no device-wide synchronize is ever made. The core's stream
+// is synchronized (Finish: a blocking event, the thread sleeps) before an op's handle
+// completes, so a result is ready for every stream once the handle says done.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/common.h"
+#include "gpu/cuda_api.h"
+
+namespace hvdlite {
+namespace gpu {
+
+class Device {
+ public:
+  Device() = default;
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+
+  // Makes `ordinal` this thread's device and creates the stream, once. A later call with
+  // another ordinal is refused: one GPU per process, as in Horovod.
+  Status Use(int ordinal);
+  bool ready() const { return cuda_ != nullptr; }
+  int ordinal() const { return ordinal_; }
+  const CudaApi& cuda() const { return *cuda_; }
+  Stream stream() const { return stream_; }
+  // "hostname/0000:1b:00.0": equal for two processes on the same GPU.
+  const std::string& identity() const { return identity_; }
+
+  // The core's stream waits for the framework's event (null: nothing to wait for).
+  Status WaitFor(const void* event);
+  // Copies on the core's stream, in any direction.
+  Status Copy(void* dst, const void* src, int64_t bytes);
+  // Waits until the core's stream has done all it was given.
+  Status Finish();
+
+  // Grow-only buffers, reused from op to op; their old contents are not kept.
+  Status Pinned(int64_t bytes, uint8_t** out);
+  Status Scratch(int64_t bytes, uint8_t** out);
+
+  // Frees the stream, event and buffers (the background loop's end). Never from a
+  // destructor: at exit the CUDA runtime may be gone first.
+  void Release();
+
+  // A CUDA status as a Status (ok for 0), naming what was being done.
+  Status Check(int code, const char* what) const;
+
+ private:
+  const CudaApi* cuda_ = nullptr;
+  int ordinal_ = -1;
+  Stream stream_ = nullptr;
+  Event done_ = nullptr;
+  std::string identity_;
+  uint8_t* pinned_ = nullptr;
+  int64_t pinned_bytes_ = 0;
+  uint8_t* scratch_ = nullptr;
+  int64_t scratch_bytes_ = 0;
+};
+
+}  // namespace gpu
+}  // namespace hvdlite
