@@ -1,0 +1,299 @@
+"""The core's GPU paths, run without a GPU: a stand-in CUDA runtime and a stand-in NCCL
+(C, compiled here, opened through HVDLITE_CUDART_LIB and HVDLITE_NCCL_LIB) whose
+"device memory" is host memory. What this proves on any machine: the run-time loading,
+the choice of path per process set with every member (NCCL for one rank with its own
+GPU; staged for ranks that share one; the errors when neither can run), the staging of
+every op and the NCCL path's packing, scaling and per-op calls, against numpy. The real
+CUDA and NCCL run in tests/gpu, on a GPU (scripts/gpu_check.sh).
+
+The stand-in NCCL serves one rank only (a communicator of one: its collectives are
+copies, its pre-multiplied sum a scaling), which is all a CPU can check of it.
+"""
+import os
+import subprocess
+
+import pytest
+
+from harness import assert_ok, describe, run_job
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("native")]
+
+FAKE_CUDART = r'''
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+static int waits = 0;
+int cudaSetDevice(int d) { return d == 0 ? 0 : 101; }
+int cudaStreamCreateWithFlags(void** s, unsigned f) { *s = (void*)0x5; return 0; }
+int cudaStreamDestroy(void* s) { return 0; }
+int cudaStreamWaitEvent(void* s, void* e, unsigned f) { waits++; return 0; }
+int cudaEventCreateWithFlags(void** e, unsigned f) { *e = malloc(1); return 0; }
+int cudaEventDestroy(void* e) { free(e); return 0; }
+int cudaEventRecord(void* e, void* s) { return 0; }
+int cudaEventSynchronize(void* e) { return 0; }
+int cudaMemcpyAsync(void* d, const void* s, size_t n, int k, void* st) { memmove(d, s, n); return 0; }
+int cudaHostAlloc(void** p, size_t n, unsigned f) { *p = malloc(n); return *p ? 0 : 2; }
+int cudaFreeHost(void* p) { free(p); return 0; }
+int cudaMalloc(void** p, size_t n) { *p = malloc(n); return *p ? 0 : 2; }
+int cudaFree(void* p) { free(p); return 0; }
+int cudaDeviceGetPCIBusId(char* b, int len, int d) {
+  const char* id = getenv("FAKE_GPU_BUS");
+  snprintf(b, len, "%s", id ? id : "0000:00:00.0");
+  return 0;
+}
+int cudaRuntimeGetVersion(int* v) { *v = 13000; return 0; }
+const char* cudaGetErrorString(int c) { return "stand-in CUDA error"; }
+int fake_stream_waits(void) { return waits; }
+'''
+
+FAKE_NCCL = r'''
+#include <string.h>
+typedef struct { char internal[128]; } ncclUniqueId;
+static double factor[64];
+static int made = 0;
+static const void* sent;
+static size_t esize(int t) {
+  switch (t) { case 0: case 1: return 1; case 2: case 3: case 7: return 4; case 6: case 9: return 2; }
+  return 8;
+}
+static void scale(void* buf, size_t n, int type, int op) {
+  if (op < 16) return;
+  double f = factor[op - 16];
+  for (size_t i = 0; i < n; ++i) {
+    if (type == 7) ((float*)buf)[i] *= (float)f;
+    if (type == 8) ((double*)buf)[i] *= f;
+  }
+}
+int ncclGetVersion(int* v) { *v = 22703; return 0; }
+int ncclGetUniqueId(ncclUniqueId* id) { memset(id, 7, sizeof *id); return 0; }
+int ncclCommInitRank(void** c, int n, ncclUniqueId id, int r) { if (n != 1) return 5; *c = (void*)0xc; return 0; }
+int ncclCommDestroy(void* c) { return 0; }
+int ncclRedOpCreatePreMulSum(int* op, void* s, int type, int where, void* c) {
+  int i = made++ % 64;
+  factor[i] = type == 7 ? *(float*)s : type == 8 ? *(double*)s : 1.0;
+  *op = 16 + i;
+  return 0;
+}
+int ncclRedOpDestroy(int op, void* c) { return 0; }
+int ncclAllReduce(const void* in, void* out, size_t n, int type, int op, void* c, void* s) {
+  memmove(out, in, n * esize(type)); scale(out, n, type, op); return 0;
+}
+int ncclBroadcast(const void* in, void* out, size_t n, int type, int root, void* c, void* s) {
+  memmove(out, in, n * esize(type)); return 0;
+}
+int ncclReduce(const void* in, void* out, size_t n, int type, int op, int root, void* c, void* s) {
+  memmove(out, in, n * esize(type)); scale(out, n, type, op); return 0;
+}
+int ncclSend(const void* in, size_t n, int type, int peer, void* c, void* s) { sent = in; return 0; }
+int ncclRecv(void* out, size_t n, int type, int peer, void* c, void* s) { memmove(out, sent, n * esize(type)); return 0; }
+int ncclGroupStart(void) { return 0; }
+int ncclGroupEnd(void) { return 0; }
+const char* ncclGetErrorString(int r) { return "stand-in NCCL error"; }
+'''
+
+PRELUDE = r'''
+import ctypes, json, os
+import numpy as np
+import hvdlite as hvd
+from hvdlite import _enqueue, dtypes, errors
+
+failures, checks = [], [0]
+EVENT = np.zeros(1)  # any address: the stand-in runtime only counts the waits
+
+
+def check(label, ok, detail=""):
+    checks[0] += 1
+    if not ok:
+        failures.append(f"{label}: {detail}")
+
+
+def close(label, got, want):
+    got, want = np.asarray(got), np.asarray(want)
+    check(label, got.shape == want.shape and np.allclose(got, want),
+          f"got {got.tolist()} want {want.tolist()}")
+
+
+def on_gpu(op, name, x, out=None, gather=False, **kw):
+    """op on x as if it were in GPU memory (device 0), waiting for the result."""
+    code = dtypes.native_code(x.dtype.name)
+    finisher = None
+    if gather:
+        finisher = lambda h: h.output_array(0, x.dtype, x.shape[1:]).copy()
+    h = _enqueue.enqueue(op, name, code, x.shape, x.ctypes.data,
+                         None if out is None else out.ctypes.data, device=0,
+                         ready_event=EVENT.ctypes.data, keepalive=(x, out),
+                         finisher=finisher, result=out, **kw)
+    return hvd.synchronize(h)
+
+
+def data(r, shape, salt=0, dtype=np.float64):
+    n = int(np.prod(shape))
+    return ((np.arange(n) * 3 + r * 5 + salt * 7) % 17 - 8).astype(dtype).reshape(shape)
+
+
+def report(**extra):
+    hvd.barrier()
+    print("HVDLITE_RESULT", json.dumps({"failures": failures, "checks": checks[0], **extra}),
+          flush=True)
+'''
+
+OPS = PRELUDE + r'''
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+ranks = range(size)
+for dtype in (np.float32, np.float64, np.int32):
+    tag = np.dtype(dtype).name
+    x = data(rank, (5, 3), dtype=dtype)
+    out = np.empty_like(x)
+    close(f"{tag} sum", on_gpu(_enqueue.ALLREDUCE, f"{tag}.sum", x, out, reduce_op=_enqueue.Sum),
+          sum(data(r, (5, 3), dtype=dtype) for r in ranks))
+    out = np.empty_like(x)
+    close(f"{tag} max", on_gpu(_enqueue.ALLREDUCE, f"{tag}.max", x, out,
+                               reduce_op=_enqueue.Max),
+          np.max([data(r, (5, 3), dtype=dtype) for r in ranks], axis=0))
+    if dtype != np.int32:
+        out = np.empty_like(x)
+        close(f"{tag} scaled average",
+              on_gpu(_enqueue.ALLREDUCE, f"{tag}.avg", x, out, reduce_op=_enqueue.Average,
+                     prescale=2.0, postscale=0.25),
+              sum(data(r, (5, 3), dtype=dtype) for r in ranks) * 0.5 / size)
+    else:
+        out = np.empty_like(x)  # integer Average: floor division, staged even under NCCL
+        close(f"{tag} average", on_gpu(_enqueue.ALLREDUCE, f"{tag}.avg", x, out,
+                                       reduce_op=_enqueue.Average),
+              sum(data(r, (5, 3), dtype=dtype) for r in ranks) // size)
+    mine = data(rank, (rank + 1, 3), dtype=dtype)
+    close(f"{tag} allgather", on_gpu(_enqueue.ALLGATHER, f"{tag}.gather", mine, gather=True),
+          np.concatenate([data(r, (r + 1, 3), dtype=dtype) for r in ranks]))
+    for root in ranks:
+        out = np.empty_like(x)
+        close(f"{tag} broadcast {root}",
+              on_gpu(_enqueue.BROADCAST, f"{tag}.bcast{root}", x, out, root_rank=root),
+              data(root, (5, 3), dtype=dtype))
+    rows = data(rank, (2 * size + 1, 3), dtype=dtype)
+    mine_rows = (2 * size + 1) // size + (1 if rank < (2 * size + 1) % size else 0)
+    out = np.empty((mine_rows, 3), dtype=dtype)
+    total = sum(data(r, (2 * size + 1, 3), dtype=dtype) for r in ranks)
+    start = sum((2 * size + 1) // size + (1 if k < (2 * size + 1) % size else 0)
+                for k in range(rank))
+    close(f"{tag} reducescatter",
+          on_gpu(_enqueue.REDUCESCATTER, f"{tag}.rs", rows, out, reduce_op=_enqueue.Sum),
+          total[start:start + mine_rows])
+    splits = [rank + k + 1 for k in ranks]
+    send = data(rank, (sum(splits), 2), dtype=dtype)
+    got = on_gpu(_enqueue.ALLTOALL, f"{tag}.a2a", send, gather=True, splits=splits)
+    want = []
+    for r in ranks:
+        theirs = data(r, (sum(r + k + 1 for k in ranks), 2), dtype=dtype)
+        at = sum(r + k + 1 for k in range(rank))
+        want.append(theirs[at:at + r + rank + 1])
+    close(f"{tag} alltoall", got, np.concatenate(want))
+# A fused run: several allreduces submitted together (one group).
+xs = [data(rank, (4 + i,), salt=i) for i in range(3)]
+outs = [np.empty_like(x) for x in xs]
+specs = [_enqueue.TensorSpec(_enqueue.ALLREDUCE, f"fused.{i}", dtypes.native_code("float64"),
+                             x.shape, x.ctypes.data, o.ctypes.data, _enqueue.Sum, device=0,
+                             ready_event=EVENT.ctypes.data) for i, (x, o) in enumerate(zip(xs, outs))]
+hvd.synchronize(_enqueue.enqueue_group(specs, name="fused", keepalive=(xs, outs)))
+for i, o in enumerate(outs):
+    close(f"fused {i}", o, sum(data(r, (4 + i,), salt=i) for r in ranks))
+# Host tensors still run beside GPU ones.
+close("host", hvd.allreduce(data(rank, (3,)), op=hvd.Sum), sum(data(r, (3,)) for r in ranks))
+waits = ctypes.CDLL(os.environ["HVDLITE_CUDART_LIB"]).fake_stream_waits()
+check("the core's stream waited on the framework's events", waits > 0, str(waits))
+report(stats=hvd.stats())
+'''
+
+REFUSED = PRELUDE + r'''
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+x = data(rank, (4,))
+for attempt in range(2):  # every later GPU op of the set gets the same answer
+    try:
+        on_gpu(_enqueue.ALLREDUCE, f"refused.{attempt}", x, np.empty_like(x),
+               reduce_op=_enqueue.Sum)
+    except errors.InvalidArgumentError as e:
+        for word in os.environ["EXPECT"].split("|"):
+            check(f"message names {word!r}", word in str(e), str(e))
+    else:
+        check("refused", False, "a GPU op ran")
+# The job stays usable for host tensors.
+close("host after", hvd.allreduce(x, op=hvd.Sum), sum(data(r, (4,)) for r in range(size)))
+report()
+'''
+
+
+@pytest.fixture(scope="module")
+def fakes(tmp_path_factory):
+    where = tmp_path_factory.mktemp("fake_gpu")
+    libs = {}
+    for name, source in (("cudart", FAKE_CUDART), ("nccl", FAKE_NCCL)):
+        src = where / f"fake_{name}.c"
+        src.write_text(source)
+        lib = where / f"libfake_{name}.so"
+        subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(lib), str(src)], check=True)
+        libs[name] = str(lib)
+    return libs
+
+
+def _outcomes(result, np_):
+    assert_ok(result)
+    problems, outcomes = [], {}
+    for r in range(np_):
+        outcome = result.result(r)
+        outcomes[r] = outcome
+        if outcome["checks"] < 1:
+            problems.append(f"rank {r} made no checks")
+        problems += [f"rank {r}: {f}" for f in outcome["failures"]]
+    assert not problems, "\n".join(problems) + "\n" + describe(result)
+    return outcomes
+
+
+def test_one_rank_with_its_own_gpu_runs_every_op_through_nccl(fakes):
+    env = {"HVDLITE_CUDART_LIB": fakes["cudart"], "HVDLITE_NCCL_LIB": fakes["nccl"],
+           "HVDLITE_LOG_LEVEL": "INFO"}
+    result = run_job(1, OPS, env=env, timeout=120)
+    stats = _outcomes(result, 1)[0]["stats"]
+    assert stats["nccl_collectives"] >= 15, stats
+    # Integer Average (floor division) is not NCCL's: staged, also on an NCCL set.
+    assert stats["staged_collectives"] >= 1, stats
+    assert "through NCCL 2.27.3" in result.stderr, describe(result)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_ranks_sharing_a_gpu_stage_every_op_through_host_memory(fakes, np_):
+    env = {"HVDLITE_CUDART_LIB": fakes["cudart"], "HVDLITE_NCCL_LIB": fakes["nccl"],
+           "HVDLITE_LOG_LEVEL": "INFO"}
+    result = run_job(np_, OPS, env=env, timeout=150)
+    outcomes = _outcomes(result, np_)
+    for r in range(np_):
+        stats = outcomes[r]["stats"]
+        assert stats["nccl_collectives"] == 0 and stats["staged_collectives"] >= 15, stats
+    assert "share the GPU" in result.stderr and "staged through host memory" in result.stderr, \
+        describe(result)
+
+
+def test_gpu_operations_mpi_stages_even_where_nccl_could_run(fakes):
+    env = {"HVDLITE_CUDART_LIB": fakes["cudart"], "HVDLITE_NCCL_LIB": fakes["nccl"],
+           "HOROVOD_GPU_OPERATIONS": "MPI"}
+    stats = _outcomes(run_job(1, OPS, env=env, timeout=120), 1)[0]["stats"]
+    assert stats["nccl_collectives"] == 0 and stats["staged_collectives"] >= 15, stats
+
+
+@pytest.mark.parametrize("case", ["nccl_forced_on_a_shared_gpu", "no_cuda_runtime"])
+def test_a_gpu_op_that_cannot_run_is_refused_on_every_rank_with_the_reason(fakes, case):
+    if case == "nccl_forced_on_a_shared_gpu":
+        env = {"HVDLITE_CUDART_LIB": fakes["cudart"], "HVDLITE_NCCL_LIB": fakes["nccl"],
+               "HVDLITE_GPU_OPERATIONS": "NCCL",
+               "EXPECT": "ranks 0, 1 share the GPU|HVDLITE_GPU_OPERATIONS=NCCL|unset it"}
+    else:
+        env = {"HVDLITE_CUDART_LIB": "/nonexistent/libcudart.so",
+               "EXPECT": "ranks 0, 1 could not use a GPU|/nonexistent/libcudart.so"}
+    _outcomes(run_job(2, REFUSED, env=env, timeout=120), 2)
+
+
+def test_a_bad_gpu_operations_value_fails_init_naming_it():
+    result = run_job(1, "import hvdlite as hvd\nhvd.init()\n",
+                     env={"HVDLITE_GPU_OPERATIONS": "GLOO"}, timeout=60)
+    assert result.returncode != 0 and "HVDLITE_GPU_OPERATIONS='GLOO'" in result.stderr, \
+        describe(result)
