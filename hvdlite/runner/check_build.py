@@ -193,6 +193,17 @@ def _mpi_lines(loaded: Optional[dict]) -> List[str]:
     return lines
 
 
+# How CUDA tensors travel, and what of it has run on a real GPU (docs/gpu.md).
+GPU_PATHS = (
+    "NCCL:    when each rank of a host has its own GPU and NCCL opens (HVDLITE_GPU_OPERATIONS=NCCL "
+    "insists)",
+    "staged:  through pinned host memory into the CPU paths otherwise, or with "
+    "HVDLITE_GPU_OPERATIONS=MPI",
+    "run on a GPU: not yet (both paths are tested on the CPU against stand-in libraries; "
+    "docs/gpu.md)",
+)
+
+
 def report() -> str:
     """Builds the --check-build report.
 
@@ -223,6 +234,8 @@ def report() -> str:
                                                               if detail else ""))
         else:
             lines.append(f"    [ ] {label:<13} cannot be opened ({detail})")
+    lines += ["", "GPU paths (CUDA tensors in hvdlite.torch; the libraries above are opened by "
+              "the core at run time):"] + [f"    {line}" for line in GPU_PATHS]
     return "\n".join(lines) + "\n"
 
 
