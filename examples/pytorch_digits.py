@@ -2,11 +2,14 @@
 downloaded: the 1,797 8x8 images ship with scikit-learn).
 
     hvdliterun -np 2 python examples/pytorch_digits.py
+    hvdliterun -np 2 python examples/pytorch_digits.py --cuda   # on GPUs
 
 A Horovod PyTorch script: replace ``import hvdlite.torch as hvd`` with
 ``import horovod.torch as hvd`` and it runs under horovodrun unchanged. Each rank trains
 on its shard of the data (DistributedSampler); DistributedOptimizer averages the
 gradients while backward runs; rank 0 prints the loss and accuracy averaged over ranks.
+With ``--cuda`` each rank pins one GPU (ranks beyond the number of GPUs share them) and
+trains there.
 """
 import argparse
 import time
@@ -33,6 +36,8 @@ def parse_args():
                              "a reducer's options after colons, e.g. topk:0.1:momentum=0 "
                              "(README, 'Gradient compression')")
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--cuda", action="store_true",
+                        help="train on the GPU local_rank() %% device_count()")
     return parser.parse_args()
 
 
@@ -52,7 +57,13 @@ def metric_average(value, name):
 
 def main():
     args = parse_args()
+    if args.cuda and not torch.cuda.is_available():
+        raise SystemExit("--cuda: torch sees no CUDA device")
     hvd.init()
+    if args.cuda:
+        # Pin one GPU per process, as Horovod scripts do.
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    device = torch.device("cuda" if args.cuda else "cpu")
     torch.set_num_threads(1)  # one compute thread per rank; ranks share the machine
     torch.manual_seed(args.seed)
 
@@ -66,7 +77,7 @@ def main():
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
                                 torch.nn.Linear(128, 64), torch.nn.ReLU(),
-                                torch.nn.Linear(64, 10))
+                                torch.nn.Linear(64, 10)).to(device)
     # The effective batch is size() times larger: scale the learning rate alike.
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
     compression = hvd.Compression.parse(args.compression or
@@ -79,7 +90,7 @@ def main():
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
     if hvd.rank() == 0:
-        print(f"training on {hvd.size()} rank(s): {len(train_set)} train / "
+        print(f"training on {hvd.size()} rank(s) ({device.type}): {len(train_set)} train / "
               f"{len(test_set)} test samples, batch {args.batch_size} per rank", flush=True)
     start = time.perf_counter()
     for epoch in range(1, args.epochs + 1):
@@ -87,6 +98,7 @@ def main():
         train_sampler.set_epoch(epoch)
         total_loss, batches = 0.0, 0
         for x, y in train_loader:
+            x, y = x.to(device), y.to(device)
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
@@ -98,6 +110,7 @@ def main():
         correct, seen = 0, 0
         with torch.no_grad():
             for x, y in test_loader:
+                x, y = x.to(device), y.to(device)
                 correct += int((model(x).argmax(1) == y).sum())
                 seen += len(y)
         train_loss = metric_average(total_loss / max(batches, 1), "avg_loss")

@@ -1,0 +1,45 @@
+"""hvdlite.torch collectives on CUDA tensors: one rank through NCCL, one rank forced onto
+the staged MPI path (``HVDLITE_GPU_OPERATIONS=MPI``), and 2 and 3 ranks sharing the one
+GPU (NCCL refuses two ranks on one device, so the core stages through host memory by
+itself). Every job runs ``gpu_scripts/collectives.py``: every op and dtype against
+values computed on the CPU, each result on the rank's device; the core's counters say
+which path ran. Skipped without a CUDA device (gpu_support.py).
+"""
+import gpu_support
+
+torch = gpu_support.require_cuda()
+
+import pytest  # noqa: E402
+
+from harness import assert_ok, describe, run_job  # noqa: E402
+
+pytestmark = pytest.mark.timeout(150)
+SCRIPT = gpu_support.script("collectives.py")
+
+
+def run(np, env):
+    result = assert_ok(run_job(np, SCRIPT, timeout=120, env=env))
+    bodies = gpu_support.reports(result, np, describe)
+    for rank, body in enumerate(bodies):
+        assert body["info"]["device"].startswith("cuda"), body["info"]
+        assert body["checks"] > 400, f"rank {rank}: {body['checks']} checks"
+    return bodies
+
+
+def test_one_rank_goes_through_nccl(native):
+    (body,) = run(1, {"HVDLITE_GPU_OPERATIONS": None})
+    assert gpu_support.stat(body, "nccl_collectives") > 0, body["info"]["stats"]
+
+
+def test_one_rank_with_gpu_operations_mpi_is_staged(native):
+    (body,) = run(1, {"HVDLITE_GPU_OPERATIONS": "MPI"})
+    assert gpu_support.stat(body, "staged_collectives") > 0, body["info"]["stats"]
+    assert gpu_support.stat(body, "nccl_collectives") == 0, body["info"]["stats"]
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_ranks_sharing_a_gpu_are_staged(native, np):
+    bodies = run(np, {"HVDLITE_GPU_OPERATIONS": None})
+    if torch.cuda.device_count() < np:  # ranks share a device: NCCL cannot serve them
+        for body in bodies:
+            assert gpu_support.stat(body, "staged_collectives") > 0, body["info"]["stats"]
