@@ -129,7 +129,11 @@ def build_native(out_dir):
     rpaths = ["$ORIGIN/../../.."]  # <prefix>/lib when installed next to the mpich wheel
     if source == "system":
         rpaths.insert(0, libdir)
-    link = ["-L" + libdir, "-lmpi", "-ldl"] + ["-Wl,-rpath," + r for r in rpaths]
+    # --exclude-libs: a toolchain that links its libstdc++ statically (one GPU machine's
+    # /opt/gcc did) would otherwise export it, and the process's own libstdc++.so (loaded
+    # by Python or torch, another version) would take over some of its calls: the core
+    # then crashed in the first ostream << double. Static libraries' symbols stay inside.
+    link = ["-L" + libdir, "-lmpi", "-ldl", "-Wl,--exclude-libs,ALL"] + ["-Wl,-rpath," + r for r in rpaths]
     target = os.path.join(out_dir, "libhvdlite.so")
     os.makedirs(out_dir, exist_ok=True)
     cmd = [cxx] + flags + sources + ["-o", target] + link
