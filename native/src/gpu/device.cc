@@ -55,45 +55,32 @@ Status Device::Finish() {
   return s.ok() ? Check(cuda_->EventSynchronize(done_), "cudaEventSynchronize") : s;
 }
 
-Status Device::Pinned(int64_t bytes, uint8_t** out) {
-  if (bytes > pinned_bytes_) {
-    if (pinned_) cuda_->FreeHost(pinned_);
-    pinned_ = nullptr;
-    pinned_bytes_ = 0;
+Status Device::Grow(Buffer* buffer, int64_t bytes, bool pinned, uint8_t** out) {
+  if (bytes > buffer->bytes) {
+    // Whatever the stream still does with the old buffer ends first: cudaFree and
+    // cudaFreeHost wait for the device.
+    if (buffer->data) pinned ? cuda_->FreeHost(buffer->data) : cuda_->Free(buffer->data);
+    *buffer = Buffer();
+    // To a power of two (1 MiB at least): a size that creeps up reallocates rarely.
+    int64_t size = 1 << 20;
+    while (size < bytes) size *= 2;
     void* p = nullptr;
-    Status s = Check(cuda_->HostAlloc(&p, static_cast<size_t>(bytes), 0), "cudaHostAlloc");
+    Status s = pinned ? Check(cuda_->HostAlloc(&p, static_cast<size_t>(size), 0), "cudaHostAlloc")
+                      : Check(cuda_->Malloc(&p, static_cast<size_t>(size)), "cudaMalloc");
     if (!s.ok()) return s;
-    pinned_ = static_cast<uint8_t*>(p);
-    pinned_bytes_ = bytes;
+    *buffer = Buffer{static_cast<uint8_t*>(p), size};
   }
-  *out = pinned_;
-  return Status::OK();
-}
-
-Status Device::Scratch(int64_t bytes, uint8_t** out) {
-  if (bytes > scratch_bytes_) {
-    // The stream may still use the old buffer: cudaFree waits for the device first.
-    if (scratch_) cuda_->Free(scratch_);
-    scratch_ = nullptr;
-    scratch_bytes_ = 0;
-    void* p = nullptr;
-    Status s = Check(cuda_->Malloc(&p, static_cast<size_t>(bytes)), "cudaMalloc");
-    if (!s.ok()) return s;
-    scratch_ = static_cast<uint8_t*>(p);
-    scratch_bytes_ = bytes;
-  }
-  *out = scratch_;
+  *out = buffer->data;
   return Status::OK();
 }
 
 void Device::Release() {
   if (!cuda_) return;
-  if (pinned_) cuda_->FreeHost(pinned_);
-  if (scratch_) cuda_->Free(scratch_);
+  if (pinned_.data) cuda_->FreeHost(pinned_.data);
+  if (scratch_.data) cuda_->Free(scratch_.data);
   if (done_) cuda_->EventDestroy(done_);
   if (stream_) cuda_->StreamDestroy(stream_);
-  pinned_ = scratch_ = nullptr;
-  pinned_bytes_ = scratch_bytes_ = 0;
+  pinned_ = scratch_ = Buffer();
   done_ = stream_ = nullptr;
   cuda_ = nullptr;
 }

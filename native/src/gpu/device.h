@@ -44,8 +44,8 @@ class Device {
   Status Finish();
 
   // Grow-only buffers, reused from op to op; their old contents are not kept.
-  Status Pinned(int64_t bytes, uint8_t** out);
-  Status Scratch(int64_t bytes, uint8_t** out);
+  Status Pinned(int64_t bytes, uint8_t** out) { return Grow(&pinned_, bytes, true, out); }
+  Status Scratch(int64_t bytes, uint8_t** out) { return Grow(&scratch_, bytes, false, out); }
 
   // Frees the stream, event and buffers (the background loop's end). Never from a
   // destructor: at exit the CUDA runtime may be gone first.
@@ -55,15 +55,19 @@ class Device {
   Status Check(int code, const char* what) const;
 
  private:
+  struct Buffer {
+    uint8_t* data = nullptr;
+    int64_t bytes = 0;
+  };
+  Status Grow(Buffer* buffer, int64_t bytes, bool pinned, uint8_t** out);
+
   const CudaApi* cuda_ = nullptr;
   int ordinal_ = -1;
   Stream stream_ = nullptr;
   Event done_ = nullptr;
   std::string identity_;
-  uint8_t* pinned_ = nullptr;
-  int64_t pinned_bytes_ = 0;
-  uint8_t* scratch_ = nullptr;
-  int64_t scratch_bytes_ = 0;
+  Buffer pinned_;   // host memory the staged path copies through
+  Buffer scratch_;  // device memory: NCCL's fusion buffer
 };
 
 }  // namespace gpu
