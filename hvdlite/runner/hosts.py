@@ -97,7 +97,8 @@ def parse_host_string(spec: str) -> List[HostSlots]:
 
 
 def parse_hostfile_text(text: str, source: str = "hostfile") -> List[HostSlots]:
-    """Parses hostfile content: one ``host [slots=N]`` per line, ``#`` comments.
+    """Parses hostfile content: one host per line, as Open MPI writes it
+    (``host [slots=N]``) or as MPICH's hydra does (``host:N``); ``#`` comments.
 
     Args:
         text: the file's content.
@@ -116,12 +117,20 @@ def parse_hostfile_text(text: str, source: str = "hostfile") -> List[HostSlots]:
             continue
         where = f"{source}:{lineno}"
         fields = line.split()
+        name, colon, count = fields[0].partition(":")
+        if colon:
+            if len(fields) > 1:
+                raise HostSpecError(f"{where}: expected 'host:N' or 'host slots=N', got "
+                                    f"{raw.strip()!r}")
+            entries.append(HostSlots(_check_host_name(name, where), _parse_slots(count, where)))
+            continue
         host = _check_host_name(fields[0], where)
         slots = 1
         for field in fields[1:]:
             key, sep, value = field.partition("=")
             if not sep or key not in ("slots", "max_slots", "max-slots"):
-                raise HostSpecError(f"{where}: expected 'host slots=N', got {raw.strip()!r}")
+                raise HostSpecError(f"{where}: expected 'host slots=N' or 'host:N', got "
+                                    f"{raw.strip()!r}")
             if key == "slots":
                 slots = _parse_slots(value, where)
             else:

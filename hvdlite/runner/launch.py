@@ -26,6 +26,7 @@ from hvdlite.runner import elastic_settings
 from hvdlite.runner import hosts as hostlib
 from hvdlite.runner import mpi_command
 from hvdlite.runner import openmpi
+from hvdlite.runner import schedulers
 from hvdlite.runner import wire
 from hvdlite.runner.check_build import check_build
 from hvdlite.runner.job import (DEFAULT_START_TIMEOUT_S, LaunchConfig, new_supervisor,
@@ -235,12 +236,15 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
-    hosts = None
+    hosts, allocation = None, None
     try:
         if args.hosts is not None:
             hosts = hostlib.parse_host_string(args.hosts)
         elif args.hostfile is not None:
             hosts = hostlib.parse_hostfile(args.hostfile)
+        else:
+            allocation = schedulers.allocation(os.environ)
+            hosts = allocation.hosts if allocation else None
     except hostlib.HostSpecError as exc:
         raise UsageError(str(exc)) from exc
     env = tuning_env(args)
@@ -259,7 +263,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                           mpi_args=mpi_args, verbose=args.verbose,
                           check_build=args.check_build,
                           allow_run_as_root=args.allow_run_as_root,
-                          remote_shell=remote_shell_command(args),
+                          remote_shell=remote_shell_command(args) or
+                          (allocation.remote_shell if allocation else None),
                           network_interface=args.network_interface, elastic=elastic)
     if args.check_build:
         return config
@@ -280,8 +285,14 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         raise UsageError(f"-np must be at least 1, got {config.num_ranks}")
     if hosts is not None and config.num_ranks > hostlib.total_slots(hosts):
         given = ",".join(f"{h.host}:{h.slots}" for h in hosts)
+        where = f" by {allocation.source} (-H overrides it)" if allocation else ""
         raise UsageError(f"-np {config.num_ranks} is more than the {hostlib.total_slots(hosts)} "
-                         f"slots given ({given})")
+                         f"slots given{where} ({given})")
+    if allocation and config.verbose:
+        print(f"{PROG}: hosts from {allocation.source}: "
+              + ",".join(f"{h.host}:{h.slots}" for h in hosts)
+              + (f"; remote shell {config.remote_shell!r}" if config.remote_shell else ""),
+              file=sys.stderr, flush=True)
     return config
 
 
