@@ -8,6 +8,7 @@ Modules, lowest first; each imports only modules above it in this list:
 * version.py: hvdlite's version, from the distribution's metadata
 * wire.py: the launcher <-> rank wrapper control protocol (stdlib only)
 * hosts.py: ``-H`` strings and hostfiles
+* schedulers.py: the hosts of a Slurm allocation or an MPI operator's launcher pod
 * remote_start.py: the ``ssh`` replacement mpiexec starts remote processes with (run by path)
 * openmpi.py: what Open MPI's mpirun needs (run-as-root, -x forwarding, its arguments)
 * mpi_command.py: finding mpiexec, telling Open MPI from hydra, building its argv
