@@ -35,6 +35,7 @@ from hvdlite.torch.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSe
                                    reducescatter_async, sparse_allreduce_async,
                                    synchronize)
 from hvdlite.torch.optimizer import DistributedOptimizer
+from hvdlite.torch.layerwise import LAMB, LARS
 from hvdlite.torch.sync_batch_norm import SyncBatchNorm
 from hvdlite.torch import elastic  # noqa: E402 - hvd.elastic.run, TorchState, ElasticSampler
 

@@ -89,6 +89,8 @@ def broadcast_optimizer_state(optimizer, root_rank, process_set=mpi_ops.global_p
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    if getattr(optimizer, "shard", 0):
+        return optimizer._hvd_broadcast_state(root_rank, process_set)
     if not optimizer.state:
         _zero_missing_gradients(optimizer)
     params = [p for group in optimizer.param_groups for p in group["params"]]

@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from hvdlite import _checks, process_sets, runtime
-from hvdlite.torch import mpi_ops, parameters, reduction
+from hvdlite.torch import mpi_ops, parameters, reduction, sharding
 from hvdlite.torch.adasum import _DistributedAdasumOptimizer
 from hvdlite.torch.compression import Compression
 
@@ -247,6 +247,10 @@ class _DistributedOptimizer:
 
     def step(self, closure=None):
         """Synchronizes the gradients (unless skipped) and steps the wrapped optimizer."""
+        self._synchronize_for_step()
+        return self._hvd_base.step(self, closure)
+
+    def _synchronize_for_step(self):
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
@@ -254,7 +258,6 @@ class _DistributedOptimizer:
                               "synchronized again, which is slow and, for Sum, wrong")
             self.synchronize()
         self._synchronized = False
-        return self._hvd_base.step(self, closure)
 
     def zero_grad(self, set_to_none=True):
         """Clears gradients; refused while gradients are being accumulated or reduced.
@@ -279,7 +282,7 @@ class _DistributedOptimizer:
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=mpi_ops.Average,
                          gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
-                         process_set=mpi_ops.global_process_set):
+                         process_set=mpi_ops.global_process_set, shard=0):
     """Wraps a torch optimizer so that gradients are averaged across ranks before a step.
 
     The result is an instance of a subclass of ``type(optimizer)`` sharing the
@@ -323,6 +326,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             sparse_dim, so optimizers such as SparseAdam take it.
         process_set: the ProcessSet whose members average the gradients (Average
             divides by its size); every member wraps its optimizer alike.
+        shard: 0 (default): every rank holds the whole optimizer state. 1: each rank
+            steps only its share of the parameters and holds only their state; the
+            updated parameters are gathered after each step (``hvdlite.torch.sharding``:
+            checkpoints go through ``consolidate_state_dict``).
 
     Returns:
         The distributed optimizer.
@@ -334,8 +341,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     base = optimizer.__class__
     if getattr(optimizer, "_hvd_base", None) is not None:
         raise ValueError("the optimizer is already a DistributedOptimizer")
-    mixin = _DistributedAdasumOptimizer if op == mpi_ops.Adasum else _DistributedOptimizer
-    methods = {k: v for k, v in mixin.__dict__.items() if not k.startswith("__")}
+    mixins = [_DistributedAdasumOptimizer if op == mpi_ops.Adasum else _DistributedOptimizer]
+    if shard:
+        if op == mpi_ops.Adasum:
+            raise ValueError("shard=1 cannot go with op=Adasum")
+        mixins.append(sharding._ShardedOptimizer)
+    methods = {k: v for mixin in mixins for k, v in mixin.__dict__.items()
+               if not k.startswith("__")}
     cls = type(base.__name__, (base,), {**methods, "_hvd_base": base,
                                         "__module__": __name__,
                                         "__doc__": base.__doc__})
@@ -346,4 +358,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                              if k not in methods})
     wrapped._hvd_setup(named_parameters, compression, backward_passes_per_step, op,
                        gradient_predivide_factor, groups, sparse_as_dense, process_set)
+    if shard:
+        wrapped._hvd_shard_setup(shard)
     return wrapped

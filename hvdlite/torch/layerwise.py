@@ -1,0 +1,121 @@
+"""Layer-wise adaptive optimizers for large batches: LARS (SGD with momentum) and LAMB
+(Adam), each scaling a parameter's step by a trust ratio ||w|| / ||update||.
+
+Both are plain ``torch.optim`` optimizers: wrap them in ``hvd.DistributedOptimizer`` like
+any other. Under ``shard=1`` each parameter is stepped whole by the rank that owns it, so
+its norms are local and need no communication.
+
+A ratio whose norms are not both positive is 1 (a fresh zero layer, a zero update).
+"""
+import torch
+
+
+def _trust(weight, update, coefficient=1.0):
+    """coefficient * ||weight|| / ||update|| where both norms are positive, else 1; a
+    tensor, so that no step waits for the device."""
+    w, u = torch.linalg.vector_norm(weight), torch.linalg.vector_norm(update)
+    ok = (w > 0) & (u > 0)
+    return torch.where(ok, coefficient * w / torch.where(ok, u, torch.ones_like(u)),
+                       torch.ones_like(w))
+
+
+class LARS(torch.optim.Optimizer):
+    """Layer-wise Adaptive Rate Scaling (You, Gitman and Ginsburg, 2017).
+
+    For each parameter w with gradient g::
+
+        d = g + weight_decay * w
+        local_lr = lr * trust_coefficient * ||w|| / ||d||   (lr alone if a norm is 0)
+        buf = momentum * buf + local_lr * d
+        w = w - buf
+
+    Args:
+        params: parameters or parameter groups.
+        lr: base learning rate.
+        momentum: momentum factor (0: none).
+        weight_decay: L2 penalty added to the gradient before the ratio.
+        trust_coefficient: eta, the ratio's factor.
+    """
+
+    def __init__(self, params, lr, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001):
+        if lr <= 0 or momentum < 0 or weight_decay < 0 or trust_coefficient <= 0:
+            raise ValueError(f"LARS: lr {lr} and trust_coefficient {trust_coefficient} must be "
+                             f"> 0, momentum {momentum} and weight_decay {weight_decay} >= 0")
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                      trust_coefficient=trust_coefficient))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for w in group["params"]:
+                if w.grad is None:
+                    continue
+                d = w.grad.add(w, alpha=group["weight_decay"]) if group["weight_decay"] else w.grad
+                scaled = d * (_trust(w, d, group["trust_coefficient"]) * group["lr"])
+                if group["momentum"]:
+                    state = self.state[w]
+                    if "momentum_buffer" not in state:
+                        state["momentum_buffer"] = scaled.clone()
+                    else:
+                        state["momentum_buffer"].mul_(group["momentum"]).add_(scaled)
+                    scaled = state["momentum_buffer"]
+                w.sub_(scaled)
+        return loss
+
+
+class LAMB(torch.optim.Optimizer):
+    """Layer-wise Adaptive Moments for Batch training (You et al., 2019).
+
+    For each parameter w with gradient g, at step t::
+
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        r = (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps) + weight_decay * w
+        w = w - lr * ||w|| / ||r|| * r                      (lr alone if a norm is 0)
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate.
+        betas: (beta1, beta2).
+        eps: added to the denominator.
+        weight_decay: decoupled weight decay, inside the ratio's update.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
+        if lr <= 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"LAMB: bad lr {lr}, betas {betas}, eps {eps} or weight_decay "
+                             f"{weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
+                                      weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for w in group["params"]:
+                if w.grad is None:
+                    continue
+                g = w.grad
+                state = self.state[w]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(w)
+                    state["exp_avg_sq"] = torch.zeros_like(w)
+                state["step"] += 1
+                t = state["step"]
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(beta1).add_(g, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                r = (m / (1 - beta1 ** t)) / ((v / (1 - beta2 ** t)).sqrt_().add_(group["eps"]))
+                if group["weight_decay"]:
+                    r.add_(w, alpha=group["weight_decay"])
+                w.sub_(r * (_trust(w, r) * group["lr"]))
+        return loss
