@@ -14,15 +14,18 @@ One job per rank count runs everything (Lightning's import is the slow part):
   whole set, predictions of every rank together cover the set once;
 * the strategy's all_gather, broadcast, barrier, reduce and reduce_boolean_decision;
 * a second fit with accumulate_grad_batches=2 equals the reference on a doubled batch.
+
+And examples/lightning_digits.py learns on 2 ranks (rank 0 alone prints and checkpoints).
 """
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 import needs
-from harness import assert_ok, describe, job_env, run_job
+from harness import REPO_ROOT, assert_ok, describe, job_env, run_job
 
 pytestmark = [pytest.mark.timeout(300),
               needs.needs("lightning", needs.installed("lightning", "torch"),
@@ -132,3 +135,17 @@ def test_two_ranks(native, common, tmp_path):
 
 def test_three_ranks(native, common, tmp_path):
     run_and_check(3, common, tmp_path)
+
+
+def test_digits_example_learns(native, tmp_path):
+    needs.import_or_skip("sklearn")
+    example = os.path.join(REPO_ROOT, "examples", "lightning_digits.py")
+    result = assert_ok(run_job(2, example, args=["--epochs", "6", "--root-dir", str(tmp_path)],
+                               timeout=200))
+    lines = [line for line in result.rank_stdout.get(0, []) if "test accuracy" in line]
+    assert len(lines) == 1, describe(result)
+    accuracy = float(re.search(r"test accuracy ([\d.]+)%", lines[0]).group(1))
+    assert accuracy >= 90.0, lines
+    assert not any("test accuracy" in line for line in result.rank_stdout.get(1, []))
+    best = re.search(r"best checkpoint (\S+)", lines[0]).group(1)
+    assert os.path.exists(best) and best.startswith(str(tmp_path))
