@@ -2,6 +2,12 @@
 # Creates .venv in the repository root and installs hvdlite (editable) with what the
 # tests, examples and adapters need. torch is pinned to the 2.13.0 CPU wheel: an
 # unpinned torch would pull gigabytes of CUDA packages.
+#
+#   bash scripts/setup_venv.sh [EXTRA...]
+#
+# EXTRAs are more of pyproject.toml's extras to install (scripts/test.sh passes
+# "lightning"). Every install runs under scripts/constraints.txt, so no extra's
+# dependency (lightning needs torch) can replace the pinned torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The namespace-cluster tests (tests/cluster) need ip/tc (iproute2), unshare (util-linux)
@@ -23,5 +29,7 @@ if [[ ",${HVDLITE_REQUIRE:-}," =~ ,(cluster|all), ]]; then
 fi
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
-.venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test,tensorflow]"
+extras=test,tensorflow
+for extra in "$@"; do extras="$extras,$extra"; done
+.venv/bin/python -m pip install -q -c scripts/constraints.txt "torch==2.13.0"
+.venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[$extras]"

@@ -29,6 +29,7 @@ AREAS = {
     "realtime": "a kernel that lets this user make a thread SCHED_FIFO (root, CAP_SYS_NICE or "
                 "RLIMIT_RTPRIO > 0) and at least 2 cores: tests/multirank/test_thread_sched.py",
     "torch": "torch importable",
+    "lightning": "lightning (PyTorch Lightning 2.x, the package) importable, with torch",
     "tensorflow": "tensorflow importable",
     "keras": "keras importable (with tensorflow or torch as its backend)",
     "sklearn": "scikit-learn importable (the examples' data set)",

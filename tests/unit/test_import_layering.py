@@ -49,6 +49,8 @@ LAYERS = [
     # What also reaches Keras: the TF DistributedOptimizer wraps Keras optimizers too.
     ("tensorflow's top", [
         "hvdlite.tensorflow", "hvdlite.tensorflow.optimizer", "hvdlite.tensorflow.keras.*"]),
+    # Integrations with other frameworks' trainers, on the adapters' public API.
+    ("lightning", ["hvdlite.lightning.*"]),
     ("the package", ["hvdlite"]),
     ("launcher and command line", ["hvdlite.runner.*", "hvdlite.cli", "hvdlite.__main__"]),
 ]
