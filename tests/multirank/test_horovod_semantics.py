@@ -59,15 +59,19 @@ def report(**extra):
 '''
 
 JOIN_BODY = r'''
-# As Horovod's own join test: two tensors (fused), ints and floats, cached or not,
-# each rank in turn joining first.
+# As Horovod's own join test: two tensors (fused) of shapes 5^d and 17^d, ints and
+# floats, cached or not, each rank in turn joining first. Integer Average truncates
+# toward zero (Horovod's test divides with rounding_mode='trunc'); the joined rank
+# adds zeros.
 returned = []
 for first in range(size):
-    for dtype in (torch.int32, torch.int64, torch.float32, torch.float64, torch.int16):
+    cases = [(dtype, dim) for dtype in (torch.int32, torch.int64) for dim in (1, 2, 3)]
+    cases += [(dtype, 2) for dtype in (torch.float32, torch.float64, torch.int16)]
+    for dtype, dim in cases:
         for caching in (False, True):
             g = torch.Generator().manual_seed(1234)
-            a = torch.randint(-100, 100, (5, 5), generator=g).to(dtype)
-            b = torch.randint(-100, 100, (17,), generator=g).to(dtype)
+            a = torch.randint(-100, 100, (5,) * dim, generator=g).to(dtype)
+            b = torch.randint(-100, 100, (17,) * dim, generator=g).to(dtype)
             if caching:
                 hvd.synchronize(hvd.allreduce_async(a, name="tensor_a", op=hvd.Average))
                 hvd.synchronize(hvd.allreduce_async(b, name="tensor_b", op=hvd.Average))
@@ -80,9 +84,9 @@ for first in range(size):
             returned.append(hvd.join())
             for label, t, got in (("a", a, got_a), ("b", b, got_b)):
                 total = t.double() * (size - 1)
-                exp = (torch.floor(total / size) if not dtype.is_floating_point
+                exp = (torch.trunc(total / size) if not dtype.is_floating_point
                        else total / size).to(dtype)
-                check(f"join avg {label} first={first} {dtype} cache={caching}", got,
+                check(f"join avg {label} first={first} {dtype} dim={dim} cache={caching}", got,
                       exp.numpy())
 # Every rank's join returned the same (last-joined) rank, never the first to join
 # when another rank joined after it.
@@ -158,7 +162,7 @@ for dtype in (torch.int16,):
     check("int16 max", hvd.allreduce(x, op=hvd.Max, name="i16.max"),
           torch.stack(each).max(0).values.to(dtype).numpy())
     check("int16 average", hvd.allreduce(x, op=hvd.Average, name="i16.avg"),
-          torch.floor(sum(each).double() / size).to(dtype).numpy())
+          torch.trunc(sum(each).double() / size).to(dtype).numpy())
     check("int16 allgather", hvd.allgather(x, name="i16.ag"), torch.cat(each).to(dtype).numpy())
     check("int16 broadcast", hvd.broadcast(x, size - 1, name="i16.bc"), each[-1].to(dtype).numpy())
     y = torch.arange(size * 2, dtype=dtype) + rank * 100
