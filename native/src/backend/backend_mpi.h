@@ -48,7 +48,8 @@ struct MpiTopology {
 class MpiBackend {
  public:
   // comm_f2c < 0: MPI_COMM_WORLD. Initializes MPI when nobody has, from the calling
-  // (background) thread, at MPI_THREAD_MULTIPLE if thread_multiple, else FUNNELED.
+  // (background) thread, at MPI_THREAD_MULTIPLE if thread_multiple, else SERIALIZED (a
+  // later run's thread makes the calls after init follows shutdown).
   // Builds the topology layers (topology_layers.h) as `layers` and PlanLayers say: on
   // one host, allreduce (and AND the coordination's bits) through shared memory
   // (ShmCollectives) instead of MPI; on several, the hierarchical allreduce.
@@ -128,7 +129,6 @@ class MpiBackend {
   Status SetUpLayers(const LayerSettings& settings, const MpiTopology& topo, void* local, void* cross);
 
   void* comm_ = nullptr;  // MPI_Comm*, kept opaque so that only common/mpi_glue.h includes mpi.h
-  bool initialized_mpi_ = false;
   bool spans_hosts_ = false;  // this communicator's ranks are on more than one host
   std::vector<void*> ops_;  // user-defined reductions for 16-bit floats
   // The layers in use: host_ alone (every rank on one host, shared memory), all three
