@@ -262,6 +262,7 @@ def test_refusals_and_grouped_ops_in_a_process_set():
 ERROR_TYPES_BODY = r'''
 # Each refusal raises our own class (an HvdliteError) that is also the class Horovod
 # raises for the same call, so handlers written for Horovod catch it.
+import time
 import hvdlite
 
 
@@ -294,8 +295,13 @@ refused("alltoall splits", ValueError,
         lambda: hvd.alltoall(torch.ones(3), splits=torch.tensor([2] * size), name="e.a2a"))
 refused("broadcast root out of range", ValueError,
         lambda: hvd.broadcast(torch.ones(2), size, name="e.bc"))
+# The name in flight: rank 0 submits it a second later, so it cannot finish meanwhile.
+if rank == 0:
+    time.sleep(1.0)
 held = hvd.allreduce_async(torch.ones(2), name="e.dup")
-refused("duplicate name", ValueError, lambda: hvd.allreduce_async(torch.ones(2), name="e.dup"))
+if rank != 0:
+    refused("duplicate name", ValueError,
+            lambda: hvd.allreduce_async(torch.ones(2), name="e.dup"))
 hvd.synchronize(held)
 ps = hvd.add_process_set(list(range(size - 1)))
 if ps.included():
@@ -369,3 +375,54 @@ def test_refusals_raise_horovods_classes(np_):
 @pytest.mark.parametrize("np_", [2, 3])
 def test_init_after_shutdown_and_sets_left_behind(np_):
     _run(np_, RESTART_BODY, timeout=150)
+
+
+LEFT_JOIN_BODY = r"""
+# A join() whose caller gave up (a test's timeout: the call is left blocked in a thread)
+# must not leave the rank joined for good: its next op leaves the join (which fails
+# with AbortedError), and every collective works again. Horovod has no way out of this
+# state; the other ranks' ops failed with "not supported while rank 0 has joined".
+import threading
+import time
+outcome = {}
+if rank == 0:
+    def wait_for_join():
+        try:
+            outcome["returned"] = hvd.join()
+        except Exception as e:
+            outcome["error"] = e
+
+    waiter = threading.Thread(target=wait_for_join, daemon=True)
+    waiter.start()
+    time.sleep(0.5)  # rank 0 has joined; no other rank joins
+else:
+    time.sleep(3.0)  # the others come back after rank 0 moved on
+hvd.barrier()
+if rank == 0:
+    waiter.join(30)
+    error = outcome.get("error")
+    if not isinstance(error, errors.AbortedError) or "join() was left" not in str(error):
+        failures.append(f"the left join ended with {outcome!r}")
+t = torch.arange(size * 2, dtype=torch.float32).reshape(size, 2) + rank
+check("broadcast after a left join", hvd.broadcast(t, 0, name="lj.bc"),
+      (torch.arange(size * 2, dtype=torch.float32).reshape(size, 2)).numpy())
+everyone = sum(torch.arange(size * 2, dtype=torch.float32).reshape(size, 2) + r
+               for r in range(size))
+check("reducescatter after a left join", hvd.reducescatter(t, op=hvd.Sum, name="lj.rs"),
+      everyone[rank:rank + 1].numpy())
+check("allgather after a left join", hvd.allgather(t[:1], name="lj.ag"),
+      torch.cat([t[:1] - rank + r for r in range(size)]).numpy())
+check("allreduce after a left join", hvd.allreduce(t, op=hvd.Sum, name="lj.ar"),
+      everyone.numpy())
+# join works again, with the last rank to join returned everywhere.
+if rank == size - 1:
+    time.sleep(0.5)
+last = hvd.join()
+check("join again", np.array([last]), np.array([size - 1]))
+report()
+"""
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_left_join_does_not_leave_the_rank_joined(np_):
+    _run(np_, LEFT_JOIN_BODY, timeout=120)
