@@ -64,16 +64,15 @@ small_ints = st.lists(i64, max_size=6)
 
 requests = st.builds(
     wire.Request, rank=i32, name=names, op=st.integers(0, NUM_OPS - 1),
-    dtype=st.integers(0, NUM_DTYPES - 1), on_device=st.booleans(), shape=small_ints,
-    reduce_op=i32, prescale=f64,
+    dtype=st.integers(0, NUM_DTYPES - 1), shape=small_ints, reduce_op=i32, prescale=f64,
     postscale=f64, root_rank=i32, splits=small_ints, process_set=i32, device=i32,
     group=names, group_size=i32, wait_ms=i64, refusal=names)
 
 responses = st.builds(
     wire.Response, op=st.integers(0, NUM_OPS - 1), name=names, error=names, error_code=i32,
     dtype=st.integers(0, NUM_DTYPES - 1), on_device=st.booleans(), shape=small_ints,
-    reduce_op=i32, prescale=f64,
-    postscale=f64, root_rank=i32, contributors=i32, last_joined_rank=i32,
+    reduce_op=i32, prescale=f64, postscale=f64, root_rank=i32, contributors=i32,
+    last_joined_rank=i32,
     cacheable=st.booleans(), group=names, first_dims=small_ints, splits=small_ints,
     joined=st.binary(max_size=8), targets=st.binary(max_size=8))
 
