@@ -82,9 +82,9 @@ Status MpiBackend::Init(int64_t comm_f2c, bool thread_multiple, const LayerSetti
   int provided = 0;
   g_finalize_at_exit = false;  // until this run ends cleanly
   if (!initialized) {
-    // One thread at a time makes MPI calls: this run's background thread, then the next
-    // run's (after shutdown and init again), so SERIALIZED.
-    int required = thread_multiple ? MPI_THREAD_MULTIPLE : MPI_THREAD_SERIALIZED;
+    // The background thread makes every MPI call (HVDLITE_MPI_THREAD_FUNNELED asks for
+    // no more; a later run's thread, after shutdown and init again, takes over).
+    int required = thread_multiple ? MPI_THREAD_MULTIPLE : MPI_THREAD_FUNNELED;
     int rc = MPI_Init_thread(nullptr, nullptr, required, &provided);
     if (rc != MPI_SUCCESS) return Check(rc, "MPI_Init_thread");
     g_started_mpi = true;

@@ -48,8 +48,7 @@ struct MpiTopology {
 class MpiBackend {
  public:
   // comm_f2c < 0: MPI_COMM_WORLD. Initializes MPI when nobody has, from the calling
-  // (background) thread, at MPI_THREAD_MULTIPLE if thread_multiple, else SERIALIZED (a
-  // later run's thread makes the calls after init follows shutdown).
+  // (background) thread, at MPI_THREAD_MULTIPLE if thread_multiple, else FUNNELED.
   // Builds the topology layers (topology_layers.h) as `layers` and PlanLayers say: on
   // one host, allreduce (and AND the coordination's bits) through shared memory
   // (ShmCollectives) instead of MPI; on several, the hierarchical allreduce.

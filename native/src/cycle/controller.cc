@@ -16,11 +16,6 @@ std::string Num(double v) {
 
 void Controller::AddRequest(const Request& q, Clock::time_point now) {
   if (q.rank < 0 || q.rank >= size_) return;
-  if (q.op != HVDLITE_OP_JOIN && joined_[q.rank]) {
-    // The rank left its join (ProcessSetState::AbandonJoin): a full rank again.
-    joined_[q.rank] = 0;
-    --joined_count_;
-  }
   if (!q.refusal.empty()) return AddRefusal(q);
   if (!refused_.empty() && AnswerRefused(q)) return;
   if (q.op == HVDLITE_OP_JOIN) {

@@ -28,23 +28,6 @@ bool ProcessSetState::EndLoop(const Status& s) {
   return false;
 }
 
-// A rank that submits anything while its join() is pending has left that join (its
-// caller gave up waiting: an exception, a test's timeout): the join fails here, and the
-// coordinator, getting this request, counts the rank as joined no more (Controller::
-// AddRequest), in this same cycle, before it plans any response. Otherwise the rank
-// would stay joined for good and every later op but allreduce would fail.
-void ProcessSetState::AbandonJoin(const std::string& by) {
-  local_joined_ = false;
-  TensorEntry* join = queue_.Find(kJoinName);
-  if (!join) return;
-  hvdlite_handle_t h = join->handle;
-  queue_.Remove(kJoinName);
-  counters_.errors++;
-  handles_.Complete(h, Status(HVDLITE_ERR_ABORTED,
-                              "join() was left: this rank submitted '" + by +
-                                  "' before every rank had joined, and takes part as before"));
-}
-
 bool ProcessSetState::RunCycle(Clock::time_point now, const RoundFlags& mine, RoundFlags* heard) {
   SortFresh(now);
   bool any_uncached = false;
@@ -72,7 +55,6 @@ void ProcessSetState::SortFresh(Clock::time_point now) {
   for (const TensorEntry* e : fresh_) {
     const Request& q = e->request;
     if (q.op == HVDLITE_OP_JOIN) local_joined_ = true;
-    else if (local_joined_) AbandonJoin(q.name);
     int64_t slot = -1;
     auto lookup = ResponseCache::Lookup::kMiss;
     if (cache_ && !join_active_ && q.group.empty() && q.op != HVDLITE_OP_JOIN &&

@@ -129,9 +129,6 @@ class ProcessSetState {
  private:
   // Steps of RunCycle.
   void SortFresh(Clock::time_point now);
-  // This rank submitted `by` while its join() was pending: the join fails, and the rank
-  // is a full rank again (here and, from this request, at the coordinator).
-  void AbandonJoin(const std::string& by);
   // The bit-vector round: fills ready with the cached responses every member is ready
   // for; false (loop ends) on a transport failure.
   bool Coordinate(Clock::time_point now, const RoundFlags& mine, bool* any_uncached,
