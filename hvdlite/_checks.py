@@ -11,7 +11,7 @@ import numpy as np
 from hvdlite import core, dtypes
 from hvdlite._enqueue import REDUCE_OP_NAMES, Adasum, Average, Max, Min, Sum
 from hvdlite._native import lib
-from hvdlite.errors import InvalidArgumentError
+from hvdlite.errors import InvalidArgumentError, NotSupportedError, UnsupportedOpError
 
 BOOL = lib.HVDLITE_BOOL
 
@@ -44,7 +44,7 @@ def input_array(array, name, *, min_ndim=0):
 def check_reduce_op(op, is_bool, name):
     """Refuses an op that is not one of the five, or that bool tensors do not support."""
     if op == Adasum and not isinstance(op, bool):
-        raise InvalidArgumentError(f"tensor '{name}': Adasum is supported by allreduce only")
+        raise UnsupportedOpError(f"tensor '{name}': Adasum is supported by allreduce only")
     if (isinstance(op, bool) or not isinstance(op, (int, np.integer))
             or op not in REDUCE_OP_NAMES):
         raise InvalidArgumentError(
@@ -146,9 +146,10 @@ def writable_contiguous(flags):
 
 
 def check_adasum_set(process_set_id, name):
-    """Refuses Adasum in a process set other than the global one."""
+    """Refuses Adasum in a process set other than the global one (NotImplementedError
+    too, as Horovod's)."""
     if process_set_id != 0:
-        raise InvalidArgumentError(
+        raise NotSupportedError(
             f"tensor '{name}': Adasum runs over the global process set only, not process "
             f"set {process_set_id}")
 

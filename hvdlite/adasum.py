@@ -1,8 +1,13 @@
 """Adasum: the adaptive summation of gradients (allreduce with ``op=Adasum``).
 
 Two vectors combine as ``a * (1 - a.b / (2 |a|^2)) + b * (1 - a.b / (2 |b|^2))`` (a
-coefficient stays 1 when its vector's squared norm is below 1e-8): orthogonal vectors
-add, equal ones average. Ranks combine along the binary tree of recursive
+coefficient stays 1 when its vector is zero): orthogonal vectors add, equal ones average.
+Each vector is written as ``m * u``, ``m`` a power of two and ``u``'s largest entry in
+[0.5, 1), and the formula is evaluated on ``u`` and ``m`` (``combine``): no square
+underflows or overflows, so vectors with entries near the smallest normal number of
+their type, or of magnitudes from there to the square root of its largest, combine as
+well as any others (Horovod's stability tests: multiples of one vector give their mean).
+Ranks combine along the binary tree of recursive
 halving/doubling, level by level: rank r with rank r + 1 (r even), then each result with
 the one at distance 2, 4, ... With a rank count that is not a power of two, the ranks
 past the largest power of two p first fold into rank ``r - p`` (that pair combines
@@ -26,16 +31,30 @@ from hvdlite.errors import InvalidArgumentError
 #: The dtypes Adasum takes (Horovod: float16, float32, float64).
 FLOAT_TYPES = ("float16", "float32", "float64")
 
-_NORM_FLOOR = 1e-8
+def _unit(v):
+    """(m, u) with v = m * u: m a power of two (exact), u's largest entry in [0.5, 1).
+    A zero or non-finite vector gives (its largest entry, v)."""
+    largest = float(np.max(np.abs(v), initial=0.0))
+    if largest == 0.0 or not np.isfinite(largest):
+        return largest, v
+    m = np.ldexp(1.0, int(np.frexp(largest)[1]))
+    return m, v / m
 
 
 def combine(a, b):
-    """The Adasum of two float64 vectors of one tensor."""
-    dot = float(np.dot(a, b))
-    anorm, bnorm = float(np.dot(a, a)), float(np.dot(b, b))
-    acoeff = 1.0 - dot / anorm * 0.5 if anorm >= _NORM_FLOOR else 1.0
-    bcoeff = 1.0 - dot / bnorm * 0.5 if bnorm >= _NORM_FLOOR else 1.0
-    return acoeff * a + bcoeff * b
+    """The Adasum of two float64 vectors of one tensor.
+
+    With a = ma * ua and b = mb * ub, ``a * (1 - a.b / 2|a|^2)`` is
+    ``a - (ua.ub / 2) * (mb / ua.ua) * ua``, and alike for b: only the unit vectors'
+    products, in [0.25 * n, n], and the ratio of the two magnitudes are formed.
+    """
+    ma, ua = _unit(a)
+    mb, ub = _unit(b)
+    if ma == 0.0 or mb == 0.0:  # a zero vector: both coefficients are 1
+        return a + b
+    half_dot = float(np.dot(ua, ub)) * 0.5
+    return a + b - half_dot * ((mb / float(np.dot(ua, ua))) * ua
+                               + (ma / float(np.dot(ub, ub))) * ub)
 
 
 def reduce_vectors(vectors):

@@ -49,6 +49,12 @@ def cuda_built():
     return False
 
 
+def gpu_available(ext_base_name, verbose=False):
+    """Returns ``cuda_built()`` (False): whether the framework extension ``ext_base_name``
+    ('tensorflow', 'torch') runs collectives on GPU tensors, as Horovod's query."""
+    return cuda_built()
+
+
 def rocm_built():
     """Returns False: no ROCm."""
     return False

@@ -41,8 +41,9 @@ class HvdliteError(Exception):
         return (type(self), (self.status, self.status_name, self.message))
 
 
-class NotInitializedError(HvdliteError, RuntimeError):
-    """Called before ``hvdlite.init()`` or after ``hvdlite.shutdown()``."""
+class NotInitializedError(HvdliteError, RuntimeError, ValueError):
+    """Called before ``hvdlite.init()`` or after ``hvdlite.shutdown()``. Also a ValueError:
+    Horovod's ``rank()``/``size()`` raise one then (its collectives a RuntimeError)."""
 
 
 class InvalidArgumentError(HvdliteError, ValueError):
@@ -52,6 +53,16 @@ class InvalidArgumentError(HvdliteError, ValueError):
 class UnsupportedDtypeError(InvalidArgumentError, RuntimeError):
     """A tensor of an element type the core does not take. Also a RuntimeError: the
     class horovod.torch raises for one, so handlers written for either keep working."""
+
+
+class UnsupportedOpError(InvalidArgumentError, RuntimeError):
+    """A reduction op the collective does not take (``reducescatter(op=Adasum)``). Also a
+    RuntimeError: Horovod's core aborts such an op and ``horovod.torch`` raises that."""
+
+
+class NotSupportedError(InvalidArgumentError, NotImplementedError):
+    """A combination Horovod has not implemented either and refuses with
+    NotImplementedError (Adasum in a process set other than the global one)."""
 
 
 class DuplicateNameError(HvdliteError, ValueError):

@@ -74,7 +74,10 @@ class ProcessSet:
         return _query(lib.hvdlite_process_set_rank, self.process_set_id)
 
     def included(self):
-        """Returns whether this process is in the set, or None if its ranks are unknown."""
+        """Returns whether this process is in the set, or None if its ranks are unknown.
+        Every process is in the global set."""
+        if self is global_process_set:
+            return True
         if self.ranks is None:
             return None
         return core.rank() in self.ranks
@@ -178,17 +181,29 @@ def members(process_set):
             _query(lib.hvdlite_process_set_rank, psid))
 
 
+def set_size(process_set):
+    """The number of ranks in ``process_set`` (a registered set, or None: the global)."""
+    return members(process_set)[0]
+
+
 def add_process_set(process_set):
     """Adds a process set; collective over every rank (same call, same order).
 
     Args:
         process_set: a ProcessSet or a sequence of global ranks.
 
+    A set of the same ranks that is registered already (say, left behind by code that
+    failed before its ``remove_process_set``) is not added twice: ``process_set`` is
+    registered under that set's id and returned, on every rank alike (every rank holds
+    the same table). Horovod raises ValueError there instead; answering with the set
+    keeps one failure from making every later ``add_process_set`` of the job fail.
+    Removing either object removes the set.
+
     Returns:
         The registered ProcessSet (the one given, or a new one).
 
     Raises:
-        ValueError (InvalidArgumentError): bad ranks, or a set of these ranks exists.
+        ValueError (InvalidArgumentError): bad ranks, or the ranks of the global set.
         MismatchError: ranks made different calls.
     """
     if not isinstance(process_set, ProcessSet):
@@ -199,6 +214,11 @@ def add_process_set(process_set):
             "supported; build it from a list of ranks")
     if process_set.process_set_id is not None:
         raise InvalidArgumentError(f"{process_set} is already registered")
+    same = [psid for psid, ranks in process_set_ids_and_ranks().items()
+            if psid != 0 and ranks == process_set.ranks]
+    if same:
+        register(process_set, same[0])
+        return process_set
     ranks = ffi.new("int32_t[]", process_set.ranks or [0])
     out = ffi.new("int32_t *")
     try:

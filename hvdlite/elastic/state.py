@@ -73,6 +73,10 @@ class State:
     def save(self):
         """Saves the current state as the last commit (no host check)."""
         self._commit_id += 1
+        self._keep()
+
+    def _keep(self):
+        """Makes the current state the one ``restore`` returns to (commit id unchanged)."""
         if self._store is not None:
             # Straight into tmpfs: no copy of the serialized state in process memory.
             self._store.write(self._write, self._commit_id)
@@ -86,13 +90,16 @@ class State:
             self._load_blob(blob)
 
     def sync(self, root_rank=0):
-        """Makes every rank's state equal to ``root_rank``'s (bit for bit).
+        """Makes every rank's state equal to ``root_rank``'s (bit for bit) and keeps it as
+        the state ``restore`` returns to, on every rank (as Horovod's TensorFlow states
+        save in ``sync``; the commit id does not change).
 
         Args:
             root_rank: the rank whose state everyone takes.
         """
         blob = self._blob() if core.rank() == root_rank else None
         self._load_blob(objects.broadcast_bytes(blob, root_rank, "hvdlite.elastic.sync"))
+        self._keep()
 
     def check_host_updates(self):
         """Raises HostsUpdatedInterrupt on every rank when the driver has added slots.

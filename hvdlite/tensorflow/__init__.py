@@ -12,8 +12,9 @@ here is compiled against TensorFlow. The names are Horovod's (README, "TensorFlo
 Keras"); what is absent is listed there.
 """
 from hvdlite.capabilities import (ccl_built, check_num_rank_power_of_2, cuda_built,
-                                  ddl_built, gloo_built, gloo_enabled, is_homogeneous,
-                                  mpi_built, mpi_enabled, nccl_built, rocm_built)
+                                  ddl_built, gloo_built, gloo_enabled, gpu_available,
+                                  is_homogeneous, mpi_built, mpi_enabled, nccl_built,
+                                  rocm_built)
 from hvdlite.errors import (HorovodInternalError, HvdliteError, InvalidArgumentError,
                             MismatchError)
 from hvdlite.ops import resolve_op as handle_average_backwards_compatibility

@@ -42,7 +42,7 @@ from hvdlite.torch import elastic  # noqa: E402 - hvd.elastic.run, TorchState, E
 
 # What this build has, by the names Horovod scripts query (shared with TensorFlow).
 from hvdlite.capabilities import (ccl_built, cuda_built, ddl_built, gloo_built,
-                                  gloo_enabled, is_homogeneous, mpi_built, mpi_enabled,
-                                  nccl_built, rocm_built)
+                                  gloo_enabled, gpu_available, is_homogeneous, mpi_built,
+                                  mpi_enabled, nccl_built, rocm_built)
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -233,14 +233,14 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     """Starts reducing a sparse COO tensor: every rank's indices and values are gathered.
 
     The result holds every rank's entries, those with the same index summed; for Average
-    the values are divided by size(). Ranks may have different numbers of entries.
+    the values are divided by the set's size. Ranks may have different numbers of entries.
 
     Args:
         tensor: a sparse COO CPU tensor, same shape on every rank.
         name: a base name, equal across ranks (``<name>.indices`` and ``<name>.values``
             are gathered); None names it automatically.
         op: Sum or Average.
-        process_set: the global process set.
+        process_set: the ProcessSet whose members take part (Average divides by its size).
 
     Returns:
         A SparseHandle: ``handle()`` or ``synchronize(handle)`` returns the reduced sparse
@@ -264,8 +264,9 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     values = tensor._values().contiguous()
     values_handle = allgather_async(values, f"{name}.values", process_set)
     indices_handle = allgather_async(indices, f"{name}.indices", process_set)
+    # Average divides by the members of the set that gathered, as Horovod does.
     return SparseHandle(indices_handle, values_handle, tensor.shape,
-                        runtime.size() if op == Average else 1)
+                        process_sets.set_size(process_set) if op == Average else 1)
 
 
 def ready(event):

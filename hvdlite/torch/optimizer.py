@@ -67,9 +67,10 @@ class _DistributedOptimizer:
         self._synchronized = False
         self._should_synchronize = True
         self._hook_handles = []
-        # One process has nothing to average: like Horovod, no hooks, and step() is the
-        # wrapped optimizer's.
-        if runtime.size() > 1:
+        # One process has nothing to average, and a rank outside process_set takes no
+        # part: like Horovod, no hooks, and step() is the wrapped optimizer's. A set of
+        # one rank in a larger job keeps its hooks (its allreduces are that rank's own).
+        if runtime.size() > 1 and process_set.included():
             for p in self._requires_update:
                 self._hook_handles.append(
                     p.register_post_accumulate_grad_hook(self._make_hook(p)))
@@ -198,7 +199,7 @@ class _DistributedOptimizer:
         Raises:
             HorovodInternalError: a collective failed (e.g. MismatchError).
         """
-        if runtime.size() == 1 and not self._hook_handles:
+        if not self._hook_handles and (runtime.size() == 1 or not self.process_set.included()):
             self._synchronized = True
             return
         for index in range(len(self._units)):

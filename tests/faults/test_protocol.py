@@ -70,8 +70,9 @@ requests = st.builds(
 
 responses = st.builds(
     wire.Response, op=st.integers(0, NUM_OPS - 1), name=names, error=names, error_code=i32,
-    dtype=st.integers(0, NUM_DTYPES - 1), shape=small_ints, reduce_op=i32, prescale=f64,
-    postscale=f64, root_rank=i32, contributors=i32, last_joined_rank=i32,
+    dtype=st.integers(0, NUM_DTYPES - 1), on_device=st.booleans(), shape=small_ints,
+    reduce_op=i32, prescale=f64, postscale=f64, root_rank=i32, contributors=i32,
+    last_joined_rank=i32,
     cacheable=st.booleans(), group=names, first_dims=small_ints, splits=small_ints,
     joined=st.binary(max_size=8), targets=st.binary(max_size=8))
 

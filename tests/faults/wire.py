@@ -71,8 +71,8 @@ REQUEST_FIELDS = (
 RESPONSE_FIELDS = (
     ("op", "i", 0), ("name", "str", ""), ("error", "str", ""), ("error_code", "i", 0),
     ("dtype", "i", 6), ("on_device", "bool", False), ("shape", "ints", None),
-    ("reduce_op", "i", 1), ("prescale", "d", 1.0), ("postscale", "d", 1.0), ("root_rank", "i", 0),
-    ("contributors", "i", 0), ("last_joined_rank", "i", -1), ("cacheable", "bool", False),
+    ("reduce_op", "i", 1), ("prescale", "d", 1.0), ("postscale", "d", 1.0),
+    ("root_rank", "i", 0), ("contributors", "i", 0), ("last_joined_rank", "i", -1), ("cacheable", "bool", False),
     ("group", "str", ""), ("first_dims", "ints", None), ("splits", "ints", None),
     ("joined", "bytes", b""), ("targets", "bytes", b""),
 )

@@ -8,8 +8,8 @@ numbers, not from the core's code:
 
 * integers wrap in the element type (two's complement), so Sum and Product are exact in
   any reduction order;
-* Average on integers is the wrapped sum divided by the number of ranks, rounding toward
-  negative infinity (as Horovod's floor_divide);
+* Average on integers is the wrapped sum divided by the number of ranks, truncating toward
+  zero (as Horovod's: its test divides with rounding_mode='trunc');
 * integer scale factors multiply in double and truncate toward zero (only integral
   factors are used on integer tensors here, so that is exact);
 * float16 and bfloat16 reduce pairwise in float32 and round after every step, in an
@@ -84,7 +84,7 @@ def contribution(seed, rank, case):
         if case.prescale != 1.0 or case.postscale != 1.0:
             # Scaled integers: small values keep the double arithmetic exact.
             lo, hi = max(lo, -1000), min(hi, 1000)
-        # Full range: sums and products wrap, and negative averages round down.
+        # Full range: sums and products wrap, and negative averages truncate toward zero.
         return np.asarray(rng.integers(lo, hi, size=shape, endpoint=True, dtype=np.int64)
                           .astype(dt))
     if case.op == "Product":
@@ -98,9 +98,10 @@ def contribution(seed, rank, case):
     return np.asarray(np.asarray(values).astype(dt))
 
 
-def _floor_div(v, n):
-    """Integer division rounding toward negative infinity of int64 array v by n > 0."""
-    return v // n
+def _trunc_div(v, n):
+    """Integer division truncating toward zero of int64 array v by n > 0."""
+    q = np.abs(v) // n
+    return np.where(v < 0, -q, q)
 
 
 def expected_int(contribs, case):
@@ -132,7 +133,7 @@ def expected_int(contribs, case):
         if case.postscale != 1.0:
             v = np.trunc(v.astype(np.float64) * case.postscale).astype(np.int64)
         if case.op == "Average":
-            v = _floor_div(v, n)
+            v = _trunc_div(v, n)
         return v.astype(dt).reshape(case.shape)
 
 

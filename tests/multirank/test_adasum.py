@@ -28,8 +28,8 @@ failures = []
 def pair(a, b):
     dot = np.sum(a * b)
     na, nb = np.sum(a * a), np.sum(b * b)
-    ca = 1.0 if na < 1e-8 else 1.0 - dot / (2.0 * na)
-    cb = 1.0 if nb < 1e-8 else 1.0 - dot / (2.0 * nb)
+    ca = 1.0 if na == 0.0 else 1.0 - dot / (2.0 * na)
+    cb = 1.0 if nb == 0.0 else 1.0 - dot / (2.0 * nb)
     return ca * a + cb * b
 
 
@@ -202,3 +202,64 @@ def test_tensorflow_adasum_allreduce(np_):
 def test_torch_adasum_and_distributed_optimizer(np_):
     needs.import_or_skip("torch")
     _run(np_, TORCH_BODY)
+
+
+STABILITY_BODY = r'''
+# Horovod's stability tests: every rank's vector is a multiple of one vector whose
+# entries are near the smallest normal number of the type (or, second case, multiples
+# spanning tiny to sqrt(max)). Adasum of parallel vectors is their mean, pair by pair
+# along the tree: the expectation is that tree of means, taken here of the scalars.
+import torch
+torch.set_num_threads(1)
+import hvdlite.torch as hvd_torch
+
+
+def tree_of_means(values):
+    v = list(values)
+    p = 2 ** int(np.floor(np.log2(len(v))))
+    for r in range(p, len(v)):
+        v[r - p] = (v[r - p] + v[r]) / 2
+    distance = 1
+    while distance < p:
+        for r in range(0, p, 2 * distance):
+            v[r] = (v[r] + v[r + distance]) / 2
+        distance *= 2
+    return v[0]
+
+
+for dt in (np.float16, np.float32, np.float64):
+    tiny, huge = float(np.finfo(dt).tiny), float(np.sqrt(np.finfo(dt).max))
+    rng = np.random.default_rng(2)
+    cases = {"tiny": (rng.normal(0, 1, 64) * tiny, rng.normal(0, 1, size)),
+             "spread": (rng.normal(0, 1, 64),
+                        np.array([huge ** ((i + 1) / size) * tiny ** ((size - i - 1) / size)
+                                  for i in range(size)]))}
+    for case, (a, r) in cases.items():
+        q = [(a * r[k]).astype(dt) for k in range(size)]  # what each rank holds
+        wide = [x.astype(np.float64) for x in q]
+        unit = np.max(np.abs(wide))  # compare in units of the largest entry
+        expected = np.asarray(tree_of_means([x / unit for x in wide]))
+        for api in ("numpy", "torch"):
+            if api == "numpy":
+                got = hvd.allreduce(q[rank], op=hvd.Adasum,
+                                    name=f"st.{case}.{np.dtype(dt).name}")
+            else:
+                t = torch.from_numpy(q[rank].copy())
+                hvd_torch.allreduce_(t, op=hvd_torch.Adasum,
+                                     name=f"st.t.{case}.{np.dtype(dt).name}")
+                got = t.numpy()
+            got = np.asarray(got, np.float64) / unit
+            err = np.linalg.norm(got - expected) / np.linalg.norm(expected)
+            # The result is rounded to the type, whose subnormals hold fewer digits.
+            if not err < 100 * float(np.finfo(dt).eps):
+                failures.append(f"{api} {case} {np.dtype(dt).name}: relative error {err:.3g}")
+            if size > 1 and np.allclose(np.sum(wide, 0) / unit, expected):
+                failures.append("the mean equals the sum: inputs too weak")
+print("HVDLITE_RESULT " + json.dumps({"failures": failures}), flush=True)
+'''
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_adasum_of_tiny_and_spread_multiples_is_their_mean(np_):
+    needs.import_or_skip("torch")
+    _run(np_, STABILITY_BODY)

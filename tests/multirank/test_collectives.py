@@ -54,7 +54,7 @@ def reduce_expected(arrays, dt, op):
     if op in ("sum", "average"):
         total = np.sum(wide, axis=0)
         if op == "average":
-            total = total / len(arrays) if dt in FLOATS else np.floor(total / len(arrays))
+            total = total / len(arrays) if dt in FLOATS else np.trunc(total / len(arrays))
     elif op == "min":
         total = np.min(wide, axis=0)
     else:
@@ -485,7 +485,7 @@ for step in range(steps[rank]):
           np.sum([data(r, (5,), "int32", step) for r in active], axis=0).astype(np.int32))
     iavg = hvd.allreduce(data(rank, (5,), "int64", step), name="int.avg", op=hvd.Average)
     check(f"join int average step {step}", iavg,
-          np.floor(np.sum([data(r, (5,), "int64", step) for r in active], axis=0) / size)
+          np.trunc(np.sum([data(r, (5,), "int64", step) for r in active], axis=0) / size)
           .astype(np.int64))
     grouped = hvd.grouped_allreduce([data(rank, (2,), "float32", step),
                                      data(rank, (3, 1), "float32", step + 1)],

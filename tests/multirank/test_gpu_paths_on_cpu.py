@@ -158,10 +158,10 @@ for dtype in (np.float32, np.float64, np.int32):
                      prescale=2.0, postscale=0.25),
               sum(data(r, (5, 3), dtype=dtype) for r in ranks) * 0.5 / size)
     else:
-        out = np.empty_like(x)  # integer Average: floor division, staged even under NCCL
+        out = np.empty_like(x)  # integer Average: truncating division, staged even under NCCL
         close(f"{tag} average", on_gpu(_enqueue.ALLREDUCE, f"{tag}.avg", x, out,
                                        reduce_op=_enqueue.Average),
-              sum(data(r, (5, 3), dtype=dtype) for r in ranks) // size)
+              np.trunc(sum(data(r, (5, 3), dtype=dtype) for r in ranks) / size).astype(dtype))
     mine = data(rank, (rank + 1, 3), dtype=dtype)
     close(f"{tag} allgather", on_gpu(_enqueue.ALLGATHER, f"{tag}.gather", mine, gather=True),
           np.concatenate([data(r, (r + 1, 3), dtype=dtype) for r in ranks]))

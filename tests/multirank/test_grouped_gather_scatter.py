@@ -79,14 +79,14 @@ for op_name, op in (("sum", hvd.Sum), ("average", hvd.Average)):
             at, count = split_rows(n)
             check(f"grouped_reducescatter {op_name} pre {pre} tensor {i}", got[i],
                   total[at:at + count])
-# integer Average rounds toward negative infinity; async
+# integer Average truncates toward zero; async
 arrays = [data(rank, i, size + 2, np.int32) for i in range(2)]
 got = hvd.synchronize(hvd.grouped_reducescatter_async(arrays, op=hvd.Average))
 for i in range(2):
     total = np.sum([data(r, i, size + 2, np.int64) for r in range(size)], axis=0)
     at, count = split_rows(size + 2)
     check(f"grouped_reducescatter int average {i}", got[i],
-          (total // size).astype(np.int32)[at:at + count])
+          np.trunc(total / size).astype(np.int32)[at:at + count])
 
 # -- all or nothing: a bad member refuses the whole group on every rank (all ranks
 # make the same bad call), and the names are free again right after.

@@ -59,15 +59,19 @@ def report(**extra):
 '''
 
 JOIN_BODY = r'''
-# As Horovod's own join test: two tensors (fused), ints and floats, cached or not,
-# each rank in turn joining first.
+# As Horovod's own join test: two tensors (fused) of shapes 5^d and 17^d, ints and
+# floats, cached or not, each rank in turn joining first. Integer Average truncates
+# toward zero (Horovod's test divides with rounding_mode='trunc'); the joined rank
+# adds zeros.
 returned = []
 for first in range(size):
-    for dtype in (torch.int32, torch.int64, torch.float32, torch.float64, torch.int16):
+    cases = [(dtype, dim) for dtype in (torch.int32, torch.int64) for dim in (1, 2, 3)]
+    cases += [(dtype, 2) for dtype in (torch.float32, torch.float64, torch.int16)]
+    for dtype, dim in cases:
         for caching in (False, True):
             g = torch.Generator().manual_seed(1234)
-            a = torch.randint(-100, 100, (5, 5), generator=g).to(dtype)
-            b = torch.randint(-100, 100, (17,), generator=g).to(dtype)
+            a = torch.randint(-100, 100, (5,) * dim, generator=g).to(dtype)
+            b = torch.randint(-100, 100, (17,) * dim, generator=g).to(dtype)
             if caching:
                 hvd.synchronize(hvd.allreduce_async(a, name="tensor_a", op=hvd.Average))
                 hvd.synchronize(hvd.allreduce_async(b, name="tensor_b", op=hvd.Average))
@@ -80,9 +84,9 @@ for first in range(size):
             returned.append(hvd.join())
             for label, t, got in (("a", a, got_a), ("b", b, got_b)):
                 total = t.double() * (size - 1)
-                exp = (torch.floor(total / size) if not dtype.is_floating_point
+                exp = (torch.trunc(total / size) if not dtype.is_floating_point
                        else total / size).to(dtype)
-                check(f"join avg {label} first={first} {dtype} cache={caching}", got,
+                check(f"join avg {label} first={first} {dtype} dim={dim} cache={caching}", got,
                       exp.numpy())
 # Every rank's join returned the same (last-joined) rank, never the first to join
 # when another rank joined after it.
@@ -158,7 +162,7 @@ for dtype in (torch.int16,):
     check("int16 max", hvd.allreduce(x, op=hvd.Max, name="i16.max"),
           torch.stack(each).max(0).values.to(dtype).numpy())
     check("int16 average", hvd.allreduce(x, op=hvd.Average, name="i16.avg"),
-          torch.floor(sum(each).double() / size).to(dtype).numpy())
+          torch.trunc(sum(each).double() / size).to(dtype).numpy())
     check("int16 allgather", hvd.allgather(x, name="i16.ag"), torch.cat(each).to(dtype).numpy())
     check("int16 broadcast", hvd.broadcast(x, size - 1, name="i16.bc"), each[-1].to(dtype).numpy())
     y = torch.arange(size * 2, dtype=dtype) + rank * 100
@@ -253,3 +257,122 @@ def test_int16_collectives_and_uint16_refusal(np_):
 def test_refusals_and_grouped_ops_in_a_process_set():
     # A wait for the stall time (600 s) on the refusal would exceed the job's timeout.
     _run(3, SET_BODY, timeout=150, env=NO_STALL)
+
+
+ERROR_TYPES_BODY = r'''
+# Each refusal raises our own class (an HvdliteError) that is also the class Horovod
+# raises for the same call, so handlers written for Horovod catch it.
+import time
+import hvdlite
+
+
+def refused(label, horovod_class, fn):
+    try:
+        fn()
+    except Exception as e:
+        if not isinstance(e, errors.HvdliteError):
+            failures.append(f"{label}: {type(e).__name__} is not an HvdliteError")
+        if not isinstance(e, horovod_class):
+            failures.append(f"{label}: {type(e).__mro__} is not a {horovod_class.__name__}")
+        return
+    failures.append(f"{label}: did not raise")
+
+
+rows = torch.ones(size, 2)
+# horovod.torch: its core aborts a reducescatter that is not Sum or Average (RuntimeError).
+refused("reducescatter Adasum", RuntimeError,
+        lambda: hvd.reducescatter(rows, op=hvd.Adasum, name="e.rs"))
+refused("grouped_reducescatter Adasum", RuntimeError,
+        lambda: hvd.grouped_reducescatter([rows], op=hvd.Adasum, name="e.grs"))
+refused("numpy reducescatter Adasum", RuntimeError,
+        lambda: hvdlite.reducescatter(rows.numpy(), op=hvdlite.Adasum, name="e.nrs"))
+# ValueError: the checks horovod.torch makes in Python or at enqueue (invalid argument).
+refused("unsupported dtype", ValueError,
+        lambda: hvd.allreduce(torch.ones(2, dtype=torch.complex64), name="e.dt"))
+refused("unsupported dtype (RuntimeError too)", RuntimeError,
+        lambda: hvd.allreduce(torch.ones(2, dtype=torch.complex64), name="e.dt2"))
+refused("alltoall splits", ValueError,
+        lambda: hvd.alltoall(torch.ones(3), splits=torch.tensor([2] * size), name="e.a2a"))
+refused("broadcast root out of range", ValueError,
+        lambda: hvd.broadcast(torch.ones(2), size, name="e.bc"))
+# The name in flight: rank 0 submits it a second later, so it cannot finish meanwhile.
+if rank == 0:
+    time.sleep(1.0)
+held = hvd.allreduce_async(torch.ones(2), name="e.dup")
+if rank != 0:
+    refused("duplicate name", ValueError,
+            lambda: hvd.allreduce_async(torch.ones(2), name="e.dup"))
+hvd.synchronize(held)
+ps = hvd.add_process_set(list(range(size - 1)))
+if ps.included():
+    # Horovod: "Adasum does not support non-global process sets yet."
+    refused("Adasum in a set", NotImplementedError,
+            lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum, name="e.ps", process_set=ps))
+else:
+    refused("outside the set", ValueError,
+            lambda: hvd.allreduce(torch.ones(2), name="e.out", process_set=ps))
+hvd.remove_process_set(ps)
+check("usable after", hvd.allreduce(torch.ones(2), op=hvd.Sum, name="e.after"),
+      np.full(2, float(size), np.float32))
+hvd.shutdown()
+# Horovod's rank()/size() raise ValueError before init, its collectives RuntimeError.
+refused("rank() after shutdown", ValueError, hvd.rank)
+refused("allreduce after shutdown", RuntimeError, lambda: hvd.allreduce(torch.ones(2)))
+report()
+'''
+
+RESTART_BODY = r'''
+# init() after shutdown() starts hvdlite again (as Horovod's reset of its init flag
+# allows): MPI is finalized at exit, not at shutdown. The sets are gone after a restart,
+# and a set whose ranks exist already is answered rather than refused.
+from hvdlite import process_sets
+ps = hvd.add_process_set([size - 1])
+left_behind = hvd.add_process_set([0])  # "a failed test" never removes it
+twin = hvd.add_process_set([0])
+check("twin set", np.array([twin.process_set_id]), np.array([left_behind.process_set_id]))
+hvd.barrier()
+for restart in range(2):
+    hvd.shutdown()
+    check(f"not initialized {restart}", np.array([hvd.is_initialized()]), np.array([False]))
+    hvd.init()
+    check(f"rank/size {restart}", np.array([hvd.rank(), hvd.size()]), np.array([rank, size]))
+    check(f"sum after restart {restart}",
+          hvd.allreduce(torch.full((3,), rank + 1.0), op=hvd.Sum, name="r.sum"),
+          np.full(3, size * (size + 1) / 2, np.float32))
+    table = process_sets.process_set_ids_and_ranks()
+    if table != {0: list(range(size))}:
+        failures.append(f"sets after restart {restart}: {table}")
+    if ps.process_set_id is not None:
+        failures.append(f"set still registered after restart {restart}: {ps}")
+    ps = hvd.add_process_set([size - 1])
+    if ps.included():
+        check(f"set after restart {restart}",
+              hvd.allreduce(torch.ones(2), op=hvd.Sum, name="r.ps", process_set=ps),
+              np.ones(2, np.float32))
+    hvd.barrier()  # a rank's shutdown ends every rank's run: not while one still works
+# A shutdown by one rank ends the others' pending op (ShutdownError, a RuntimeError);
+# every rank starts again and the job goes on.
+if rank == 0:
+    hvd.shutdown()
+else:
+    expect("pending at a remote shutdown", RuntimeError,
+           lambda: hvd.allreduce(torch.ones(2), name="r.pending"), "shut down")
+    hvd.shutdown()
+hvd.init()
+check("after a remote shutdown", hvd.allreduce(torch.ones(2), op=hvd.Sum, name="r.after"),
+      np.full(2, float(size), np.float32))
+joined = hvd.join()
+check("join after restarts", np.array([joined]), np.array([joined]))
+report()
+'''
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_refusals_raise_horovods_classes(np_):
+    _run(np_, ERROR_TYPES_BODY, timeout=120, env=NO_STALL)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_init_after_shutdown_and_sets_left_behind(np_):
+    _run(np_, RESTART_BODY, timeout=150)
+

@@ -101,6 +101,13 @@ def test_horovods_private_helpers_that_its_suites_use():
     from hvdlite.tensorflow.util import _executing_eagerly
 
     assert hvd._executing_eagerly() and hvd.util._executing_eagerly() and _executing_eagerly()
+    # Horovod's process-set suites reach the table through hvd.mpi_ops._basics; its
+    # Adasum suite asks hvd.gpu_available('tensorflow').
+    import hvdlite.tensorflow.mpi_ops as mpi_ops
+
+    assert hvd.mpi_ops is mpi_ops
+    assert callable(hvd.mpi_ops._basics._get_process_set_ids_and_ranks)
+    assert hvd.gpu_available("tensorflow") is False
     with tf.Graph().as_default():
         assert not hvd._executing_eagerly()
 

@@ -76,7 +76,7 @@ enum {
 };
 
 /* Reductions. Average is Sum followed by a division by the number of contributing
- * ranks (integer types round toward negative infinity, as Horovod's floor_divide);
+ * ranks (integer types truncate toward zero, as Horovod's do);
  * joined ranks count, as in Horovod. */
 typedef int32_t hvdlite_reduce_op_t;
 enum {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 
 #include "common/elementwise.h"
@@ -13,6 +14,22 @@
 
 namespace hvdlite {
 namespace {
+
+// MPI lives as long as the process, not as one run of the core: hvdlite.init() may follow
+// hvdlite.shutdown(), as it may in Horovod, and MPI cannot start again once finalized.
+// So a clean shutdown of a run that started MPI leaves MPI_Finalize to the process's
+// exit. A shutdown after a failure does not (peers may be gone: MPI_Finalize could block),
+// as before. Read and written by whichever thread starts or stops the core, one at a time.
+bool g_started_mpi = false;
+bool g_finalize_at_exit = false;
+
+void FinalizeMpiAtExit() {
+  if (!g_finalize_at_exit) return;
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Finalize();
+}
 
 // Elementwise reductions over 16-bit floats, which MPI has no type for: MPI's
 // user-defined ops compute inout = in op inout, as ReduceHalfInto does.
@@ -63,12 +80,15 @@ Status MpiBackend::Init(int64_t comm_f2c, bool thread_multiple, const LayerSetti
   int initialized = 0;
   MPI_Initialized(&initialized);
   int provided = 0;
+  g_finalize_at_exit = false;  // until this run ends cleanly
   if (!initialized) {
-    // This thread initializes MPI and makes every MPI call, so FUNNELED is enough.
+    // The background thread makes every MPI call (HVDLITE_MPI_THREAD_FUNNELED asks for
+    // no more; a later run's thread, after shutdown and init again, takes over).
     int required = thread_multiple ? MPI_THREAD_MULTIPLE : MPI_THREAD_FUNNELED;
     int rc = MPI_Init_thread(nullptr, nullptr, required, &provided);
     if (rc != MPI_SUCCESS) return Check(rc, "MPI_Init_thread");
-    initialized_mpi_ = true;
+    g_started_mpi = true;
+    std::atexit(FinalizeMpiAtExit);
   } else {
     int finalized = 0;
     MPI_Finalized(&finalized);
@@ -238,7 +258,7 @@ void MpiBackend::Shutdown(bool finalize) {
   if (finalize) {
     for (void* p : ops_) MPI_Op_free(static_cast<MPI_Op*>(p));
     if (comm_ && Comm(comm_) != MPI_COMM_NULL) MPI_Comm_free(&Comm(comm_));
-    if (initialized_mpi_) MPI_Finalize();
+    g_finalize_at_exit = g_started_mpi;  // at exit: see FinalizeMpiAtExit
   }
   for (void* p : ops_) delete static_cast<MPI_Op*>(p);
   ops_.clear();

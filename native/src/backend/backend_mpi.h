@@ -128,7 +128,6 @@ class MpiBackend {
   Status SetUpLayers(const LayerSettings& settings, const MpiTopology& topo, void* local, void* cross);
 
   void* comm_ = nullptr;  // MPI_Comm*, kept opaque so that only common/mpi_glue.h includes mpi.h
-  bool initialized_mpi_ = false;
   bool spans_hosts_ = false;  // this communicator's ranks are on more than one host
   std::vector<void*> ops_;  // user-defined reductions for 16-bit floats
   // The layers in use: host_ alone (every rank on one host, shared memory), all three

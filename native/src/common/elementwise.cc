@@ -8,15 +8,15 @@
 namespace hvdlite {
 namespace {
 
-// Integer Average rounds toward negative infinity, as Horovod's (floor_divide) does.
+// Integer Average truncates toward zero, as Horovod's does (it multiplies the sum by
+// 1/size in double and converts back; its own test divides with rounding_mode='trunc').
+// The division here is exact where the double product would round for large values.
 template <typename T>
 void ScaleInt(T* dst, const T* src, int64_t n, double factor, int64_t divisor) {
   for (int64_t i = 0; i < n; ++i) {
     int64_t v = factor == 1.0 ? static_cast<int64_t>(src[i])
                               : static_cast<int64_t>(static_cast<double>(src[i]) * factor);
-    int64_t q = v / divisor;
-    if (v % divisor != 0 && (v < 0) != (divisor < 0)) --q;
-    dst[i] = static_cast<T>(q);
+    dst[i] = static_cast<T>(v / divisor);  // C++ division truncates toward zero
   }
 }
 

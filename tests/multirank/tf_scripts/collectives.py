@@ -36,12 +36,12 @@ def check_ops(mode):
                     (hvd.Max, np.max), (hvd.Product, np.prod)):
         got = wrap(lambda t, op=op: hvd.allreduce(t, op=op))(tf.constant(x))
         C.close(f"{mode}.allreduce.{op}", got, ref(np.stack(xs), axis=0), rtol=1e-5)
-    # Integer Average: sum, then division by the ranks rounding toward -inf (Horovod's).
+    # Integer Average: sum, then division by the ranks truncating toward zero (Horovod's).
     xi = base((5,), R, np.int32) * (1 if R else -1)
     si = np.sum([base((5,), r, np.int32) * (1 if r else -1) for r in range(N)], axis=0)
     got = wrap(lambda t: hvd.allreduce(t, op=hvd.Average))(tf.constant(xi))
     C.equal(f"{mode}.allreduce.int32_average", got.numpy().tolist(),
-            np.floor(si / N).astype(np.int32).tolist())
+            np.trunc(si / N).astype(np.int32).tolist())
     C.equal(f"{mode}.allreduce.int32_dtype", got.dtype, tf.int32)
     # bool: Min / Max.
     xb = np.array([True, R == 0, False])

@@ -60,7 +60,7 @@ def reduce_expected(op, xs):
         if dtype.is_floating_point:
             out = out / len(xs)
         else:
-            out = torch.div(out, len(xs), rounding_mode="floor")
+            out = torch.div(out, len(xs), rounding_mode="trunc")
     return out.to(dtype)
 
 
