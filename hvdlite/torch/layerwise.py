@@ -19,6 +19,14 @@ def _trust(weight, update, coefficient=1.0):
                        torch.ones_like(w))
 
 
+def _evaluate(closure):
+    """The loss of ``closure`` (recomputed with gradients on), or None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class LARS(torch.optim.Optimizer):
     """Layer-wise Adaptive Rate Scaling (You, Gitman and Ginsburg, 2017).
 
@@ -46,10 +54,7 @@ class LARS(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         for group in self.param_groups:
             for w in group["params"]:
                 if w.grad is None:
@@ -94,10 +99,7 @@ class LAMB(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for w in group["params"]:

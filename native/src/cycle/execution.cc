@@ -95,8 +95,9 @@ int64_t WireBytes(int32_t op, int64_t payload, int size) {
 
 void ProcessSetState::Finish(TensorEntry* e, const Status& status, OpOutput out) {
   if (!e) return;
-  Status s = status;
-  if (!staged_.empty()) StageOut({e}, &s);
+  // Host tensors (every op but a staged one) complete with the status as given, uncopied.
+  Status after_copy_back;
+  const Status& s = staged_.empty() ? status : (after_copy_back = StageOut({e}, status));
   hvdlite_handle_t h = e->handle;
   queue_.Remove(e->request.name);  // e is gone from here on
   if (s.ok()) {
@@ -108,8 +109,8 @@ void ProcessSetState::Finish(TensorEntry* e, const Status& status, OpOutput out)
 }
 
 void ProcessSetState::FinishAll(const std::vector<TensorEntry*>& entries, const Status& status) {
-  Status s = status;
-  if (!staged_.empty()) StageOut(entries, &s);
+  Status after_copy_back;
+  const Status& s = staged_.empty() ? status : (after_copy_back = StageOut(entries, status));
   std::vector<hvdlite_handle_t> handles = queue_.RemoveAll(entries);  // entries gone
   (s.ok() ? counters_.tensors : counters_.errors) += static_cast<int64_t>(handles.size());
   handles_.CompleteAll(handles, s);

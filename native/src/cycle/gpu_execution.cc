@@ -225,7 +225,9 @@ Status ProcessSetState::StageIn(const std::vector<const Response*>& run, const s
   return s.ok() ? gpu_.Finish() : s;
 }
 
-void ProcessSetState::StageOut(const std::vector<TensorEntry*>& entries, Status* s) {
+Status ProcessSetState::StageOut(const std::vector<TensorEntry*>& entries, const Status& status) {
+  Status result = status;
+  Status* s = &result;
   bool copied = false;
   for (TensorEntry* e : entries) {
     if (!e) continue;
@@ -244,6 +246,7 @@ void ProcessSetState::StageOut(const std::vector<TensorEntry*>& entries, Status*
     Status f = gpu_.Finish();
     if (s->ok() && !f.ok()) *s = f;
   }
+  return result;
 }
 
 Status ProcessSetState::RunOnNccl(const std::vector<const Response*>& run, const std::vector<TensorEntry*>& entries) {

@@ -167,8 +167,8 @@ class ProcessSetState {
   bool NcclCanRun(const Response& r) const;
   Status RunOnNccl(const std::vector<const Response*>& run, const std::vector<TensorEntry*>& entries);
   Status StageIn(const std::vector<const Response*>& run, const std::vector<TensorEntry*>& entries);
-  // Copies staged results back to the device; s becomes the copy's failure, if any.
-  void StageOut(const std::vector<TensorEntry*>& entries, Status* s);
+  // Copies staged results back to the device; returns s, or the copy's failure.
+  Status StageOut(const std::vector<TensorEntry*>& entries, const Status& s);
   // The table changes, run where the response list puts them on every rank.
   Status AddSet(const Response& r, OpOutput* out);
   Status RemoveSet(const Response& r);
