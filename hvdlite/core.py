@@ -177,7 +177,10 @@ def stats():
     sent to the others, counted as a bandwidth-optimal algorithm sends them: an
     allreduce of S bytes on n ranks counts 2(n-1)/n S, an allgather whose result is S
     bytes (n-1)/n S; what compression saves shows here), hierarchical_collectives
-    (allreduces over hosts in layers: README, "Hierarchical collectives"). The core
+    (allreduces over hosts in layers: README, "Hierarchical collectives"),
+    nccl_collectives and staged_collectives (collectives on GPU tensors through NCCL, or
+    staged through host memory), nccl_us (microseconds the core spent on the NCCL ones:
+    packing, the collective, unpacking, to the end of its stream). The core
     answers at any time (after ``shutdown()`` it keeps the last counts).
     """
     out = ffi.new("hvdlite_stats_t *")

@@ -44,6 +44,19 @@ int cudaDeviceGetPCIBusId(char* b, int len, int d) {
 int cudaRuntimeGetVersion(int* v) { *v = 13000; return 0; }
 const char* cudaGetErrorString(int c) { return "stand-in CUDA error"; }
 int fake_stream_waits(void) { return waits; }
+/* cudaMemcpyBatchAsync, CUDA 13's signature; the attributes as the core must give them
+   (one entry for all copies, sources read in stream order). */
+typedef struct { int type, id; } loc;
+typedef struct { int order; loc src, dst; unsigned flags; } attrs_t;
+static int batches = 0;
+int cudaMemcpyBatchAsync(const void** d, const void** s, const size_t* n, size_t count,
+                         attrs_t* a, size_t* idx, size_t num, void* st) {
+  if (num != 1 || idx[0] != 0 || a[0].order != 1 || count < 1) return 1;
+  for (size_t i = 0; i < count; ++i) memmove((void*)d[i], s[i], n[i]);
+  batches++;
+  return 0;
+}
+int fake_batches(void) { return batches; }
 '''
 
 FAKE_NCCL = r'''
@@ -199,9 +212,10 @@ for i, o in enumerate(outs):
     close(f"fused {i}", o, sum(data(r, (4 + i,), salt=i) for r in ranks))
 # Host tensors still run beside GPU ones.
 close("host", hvd.allreduce(data(rank, (3,)), op=hvd.Sum), sum(data(r, (3,)) for r in ranks))
-waits = ctypes.CDLL(os.environ["HVDLITE_CUDART_LIB"]).fake_stream_waits()
-check("the core's stream waited on the framework's events", waits > 0, str(waits))
-report(stats=hvd.stats())
+cudart = ctypes.CDLL(os.environ["HVDLITE_CUDART_LIB"])
+check("the core's stream waited on the framework's events", cudart.fake_stream_waits() > 0,
+      str(cudart.fake_stream_waits()))
+report(stats=hvd.stats(), batches=cudart.fake_batches())
 '''
 
 REFUSED = PRELUDE + r'''
@@ -249,12 +263,20 @@ def _outcomes(result, np_):
     return outcomes
 
 
-def test_one_rank_with_its_own_gpu_runs_every_op_through_nccl(fakes):
+@pytest.mark.parametrize("batch", ["1", "0"])
+def test_one_rank_with_its_own_gpu_runs_every_op_through_nccl(fakes, batch):
     env = {"HVDLITE_CUDART_LIB": fakes["cudart"], "HVDLITE_NCCL_LIB": fakes["nccl"],
-           "HVDLITE_LOG_LEVEL": "INFO"}
+           "HVDLITE_LOG_LEVEL": "INFO", "HVDLITE_GPU_BATCH_COPY": batch}
     result = run_job(1, OPS, env=env, timeout=120)
-    stats = _outcomes(result, 1)[0]["stats"]
+    outcome = _outcomes(result, 1)[0]
+    stats = outcome["stats"]
     assert stats["nccl_collectives"] >= 15, stats
+    assert stats["nccl_us"] > 0, stats
+    # The fused allreduces' pack and unpack: one batched copy each, unless turned off.
+    if batch == "1":
+        assert outcome["batches"] >= 2, outcome
+    else:
+        assert outcome["batches"] == 0, outcome
     # Integer Average (floor division) is not NCCL's: staged, also on an NCCL set.
     assert stats["staged_collectives"] >= 1, stats
     assert "through NCCL 2.27.3" in result.stderr, describe(result)

@@ -160,6 +160,9 @@ typedef struct {
                                     * across hosts, then hosts again) */
   int64_t nccl_collectives;    /* of the collectives, on GPU tensors through NCCL */
   int64_t staged_collectives;  /* of the collectives, on GPU tensors staged through host memory */
+  int64_t nccl_us;             /* microseconds the background thread spent on the NCCL
+                                * collectives: waiting for the inputs' events, packing,
+                                * the collective, unpacking, until the core's stream ended */
 } hvdlite_stats_t;
 
 /* Starts the core: MPI (unless already initialized, e.g. by mpi4py), the background

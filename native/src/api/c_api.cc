@@ -174,6 +174,7 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_stats(hvdlite_stats_t* out) {
     out->hierarchical_collectives = c.hierarchical_collectives;
     out->nccl_collectives = c.nccl_collectives;
     out->staged_collectives = c.staged_collectives;
+    out->nccl_us = c.nccl_us;
     return hvdlite::Status::OK();
   });
 }

@@ -13,6 +13,7 @@
 // whose results the core allocates in host memory (c_api.h), end with one copy of the
 // gathered result to the host; the adapter moves it to the tensor's GPU.
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -205,6 +206,7 @@ Status ProcessSetState::StageIn(const std::vector<const Response*>& run, const s
   uint8_t* host = nullptr;
   Status s = gpu_.Pinned(std::max<int64_t>(total, 64), &host);
   int64_t at = 0;
+  const void* waited = nullptr;
   for (size_t k = 0; k < entries.size() && s.ok(); ++k) {
     TensorEntry* e = entries[k];
     if (!e) continue;
@@ -215,7 +217,8 @@ Status ProcessSetState::StageIn(const std::vector<const Response*>& run, const s
       host_out = host + at;
       at += Aligned(out_bytes[k]);
     }
-    s = gpu_.WaitFor(e->ready_event);
+    if (e->ready_event != waited) s = gpu_.WaitFor(e->ready_event);  // a group's: once
+    waited = e->ready_event;
     if (s.ok()) s = gpu_.Copy(host_in, e->input, in_bytes[k]);
     if (!s.ok()) break;
     staged_.push_back({e, e->output, out_bytes[k]});
@@ -252,9 +255,14 @@ Status ProcessSetState::StageOut(const std::vector<TensorEntry*>& entries, const
 Status ProcessSetState::RunOnNccl(const std::vector<const Response*>& run, const std::vector<TensorEntry*>& entries) {
   const Response& r = *run[0];
   const int elem = ElementSize(r.dtype);
+  const auto start = std::chrono::steady_clock::now();
   Status s;
+  const void* waited = nullptr;  // a group's tensors share one event: waited once
   for (TensorEntry* e : entries) {
-    if (s.ok() && e) s = gpu_.WaitFor(e->ready_event);
+    if (s.ok() && e && e->ready_event != waited) {
+      s = gpu_.WaitFor(e->ready_event);
+      waited = e->ready_event;
+    }
   }
   const bool average = r.reduce_op == HVDLITE_AVERAGE;
   const double scale = r.prescale * r.postscale / (average ? std::max(1, r.contributors) : 1);
@@ -271,19 +279,17 @@ Status ProcessSetState::RunOnNccl(const std::vector<const Response*>& run, const
       // Fused: the tensors packed into the device buffer, reduced there, unpacked.
       uint8_t* buf = nullptr;
       s = gpu_.Scratch(std::max<int64_t>(moved, 64), &buf);
+      std::vector<gpu::Device::Span> pack, unpack;
       int64_t at = 0;
-      for (size_t k = 0; k < entries.size() && s.ok(); ++k) {
+      for (size_t k = 0; k < entries.size(); ++k) {
         const int64_t n = NumElements(run[k]->shape) * elem;
-        s = gpu_.Copy(buf + at, entries[k]->input, n);
+        pack.push_back({buf + at, entries[k]->input, n});
+        unpack.push_back({entries[k]->output, buf + at, n});
         at += n;
       }
+      if (s.ok()) s = gpu_.CopyOnDevice(pack);
       if (s.ok()) s = nccl_.Allreduce(buf, buf, count, r.dtype, reduce_op, scale);
-      at = 0;
-      for (size_t k = 0; k < entries.size() && s.ok(); ++k) {
-        const int64_t n = NumElements(run[k]->shape) * elem;
-        s = gpu_.Copy(entries[k]->output, buf + at, n);
-        at += n;
-      }
+      if (s.ok()) s = gpu_.CopyOnDevice(unpack);
     }
   } else if (s.ok() && r.op == HVDLITE_OP_BROADCAST) {
     TensorEntry* e = entries[0];
@@ -341,6 +347,7 @@ Status ProcessSetState::RunOnNccl(const std::vector<const Response*>& run, const
   if (timeline_.active()) {
     for (const Response* f : run) timeline_.End(f->name);
   }
+  counters_.nccl_us += std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - start).count();
   counters_.collectives++;
   counters_.nccl_collectives++;
   if (run.size() > 1) counters_.fused_collectives++;

@@ -38,7 +38,8 @@ namespace hvdlite {
 struct Counters {
   std::atomic<int64_t> cycles{0}, coordinator_gathers{0}, cache_hits{0}, cache_misses{0},
       collectives{0}, fused_collectives{0}, tensors{0}, bytes{0}, errors{0}, shm_collectives{0},
-      wire_bytes{0}, hierarchical_collectives{0}, nccl_collectives{0}, staged_collectives{0};
+      wire_bytes{0}, hierarchical_collectives{0}, nccl_collectives{0}, staged_collectives{0},
+      nccl_us{0};
 };
 
 // Bytes one rank sends to the others in a collective whose buffer (allreduce) or result

@@ -82,6 +82,14 @@ const CudaApi* Cuda(std::string* error) {
       failure = api.path + " lacks " + missing;
       return;
     }
+    api.RuntimeGetVersion(&api.version);
+    // Optional: without it, batches of copies are issued one by one.
+    void* batch = dlsym(lib, "cudaMemcpyBatchAsync");
+    if (batch && api.version >= 13000) {
+      api.MemcpyBatchAsync13 = reinterpret_cast<decltype(api.MemcpyBatchAsync13)>(batch);
+    } else if (batch && api.version >= 12080) {
+      api.MemcpyBatchAsync12 = reinterpret_cast<decltype(api.MemcpyBatchAsync12)>(batch);
+    }
     loaded = true;
   });
   if (!loaded) *error = failure;

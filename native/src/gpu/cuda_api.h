@@ -38,8 +38,29 @@ struct CudaApi {
   int (*DeviceGetPCIBusId)(char*, int, int);
   int (*RuntimeGetVersion)(int*);
   const char* (*GetErrorString)(int);
+  // cudaMemcpyBatchAsync, where the runtime has it (12.8 and later); its C signature
+  // differs between 12.x (a failIdx out-parameter before the stream) and 13.x, so each
+  // has its own pointer and at most one is set (by the runtime's version).
+  int (*MemcpyBatchAsync12)(void**, void**, size_t*, size_t, void*, size_t*, size_t, size_t*, Stream) = nullptr;
+  int (*MemcpyBatchAsync13)(const void**, const void**, const size_t*, size_t, void*, size_t*, size_t, Stream) = nullptr;
+  int version = 0;  // cudaRuntimeGetVersion: major*1000 + minor*10
   std::string path;  // what was opened
 };
+
+// cudaMemcpyAttributes (CUDA 12.8+): the order in which a batched copy's sources are
+// read, and location hints (used for managed memory only).
+struct MemLocation {
+  int type;  // cudaMemLocationType: 1 = a device
+  int id;
+};
+struct MemcpyAttributes {
+  int src_access_order;  // cudaMemcpySrcAccessOrder: 1 = in stream order
+  MemLocation src_hint;
+  MemLocation dst_hint;
+  unsigned flags;
+};
+constexpr int kMemcpySrcAccessOrderStream = 1;
+constexpr int kMemLocationTypeDevice = 1;
 
 // cudaMemcpyDefault: the direction follows from the pointers (unified addressing).
 constexpr int kMemcpyDefault = 4;

@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <cstdlib>
+
 namespace hvdlite {
 namespace gpu {
 
@@ -34,6 +36,8 @@ Status Device::Use(int ordinal) {
     cuda_ = nullptr;
     return s;
   }
+  const char* batch = std::getenv("HVDLITE_GPU_BATCH_COPY");
+  batch_copies_ = (cuda_->MemcpyBatchAsync12 || cuda_->MemcpyBatchAsync13) && !(batch && std::string(batch) == "0");
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
   identity_ = std::string(host) + "/" + bus;
@@ -48,6 +52,40 @@ Status Device::WaitFor(const void* event) {
 Status Device::Copy(void* dst, const void* src, int64_t bytes) {
   if (bytes <= 0 || dst == src) return Status::OK();
   return Check(cuda_->MemcpyAsync(dst, src, static_cast<size_t>(bytes), kMemcpyDefault, stream_), "cudaMemcpyAsync");
+}
+
+Status Device::CopyOnDevice(const std::vector<Span>& copies) {
+  if (batch_copies_ && copies.size() > 1) {
+    std::vector<const void*> dsts, srcs;
+    std::vector<size_t> sizes;
+    for (const Span& c : copies) {
+      if (c.bytes <= 0 || c.dst == c.src) continue;
+      dsts.push_back(c.dst);
+      srcs.push_back(c.src);
+      sizes.push_back(static_cast<size_t>(c.bytes));
+    }
+    if (dsts.empty()) return Status::OK();
+    MemLocation here{kMemLocationTypeDevice, ordinal_};
+    MemcpyAttributes attrs{kMemcpySrcAccessOrderStream, here, here, 0};
+    size_t first = 0;
+    int code;
+    if (cuda_->MemcpyBatchAsync13) {
+      code = cuda_->MemcpyBatchAsync13(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attrs, &first, 1, stream_);
+    } else {
+      size_t failed = 0;
+      code = cuda_->MemcpyBatchAsync12(const_cast<void**>(dsts.data()), const_cast<void**>(srcs.data()),
+                                       sizes.data(), dsts.size(), &attrs, &first, 1, &failed, stream_);
+    }
+    if (code == 0) return Status::OK();
+    // Refused (a driver older than the runtime, say): nothing was queued; from now on
+    // the copies go one by one.
+    batch_copies_ = false;
+  }
+  for (const Span& c : copies) {
+    Status s = Copy(c.dst, c.src, c.bytes);
+    if (!s.ok()) return s;
+  }
+  return Status::OK();
 }
 
 Status Device::Finish() {

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "common/common.h"
 #include "gpu/cuda_api.h"
@@ -40,6 +41,16 @@ class Device {
   Status WaitFor(const void* event);
   // Copies on the core's stream, in any direction.
   Status Copy(void* dst, const void* src, int64_t bytes);
+  // Copies between device buffers of this GPU on the core's stream, in one
+  // cudaMemcpyBatchAsync where the runtime has it (a fusion buffer's pack or unpack:
+  // hundreds of small copies cost one launch), else one by one. The copies must not
+  // overlap each other. HVDLITE_GPU_BATCH_COPY=0 issues them one by one.
+  struct Span {
+    void* dst;
+    const void* src;
+    int64_t bytes;
+  };
+  Status CopyOnDevice(const std::vector<Span>& copies);
   // Waits until the core's stream has done all it was given.
   Status Finish();
 
@@ -64,6 +75,7 @@ class Device {
   const CudaApi* cuda_ = nullptr;
   int ordinal_ = -1;
   Stream stream_ = nullptr;
+  bool batch_copies_ = false;  // cudaMemcpyBatchAsync is there, allowed, and has worked
   Event done_ = nullptr;
   std::string identity_;
   Buffer pinned_;   // host memory the staged path copies through
