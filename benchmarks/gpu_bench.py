@@ -219,7 +219,11 @@ def _run(args, cmd, env=None):
     for line in out.stdout.splitlines():
         body = line.split(RESULT, 1)
         if len(body) == 2:
-            return json.loads(body[1])
+            result = json.loads(body[1])
+            # What the core said of its GPU path (with HVDLITE_LOG_LEVEL=INFO).
+            result["said"] = [l.split("INFO: ", 1)[1] for l in out.stderr.splitlines()
+                              if "INFO: " in l and ("pack" in l or "NCCL" in l)]
+            return result
     sys.stderr.write(f"gpu_bench: {' '.join(cmd)} exited with {out.returncode} and no "
                      f"result\n--- stdout ---\n{out.stdout[-3000:]}\n--- stderr ---\n"
                      f"{out.stderr[-3000:]}\n")
@@ -239,6 +243,8 @@ def _ratio_part(args, title, part, np, nbytes, peer, env=None):
     print(f"  {peer:18s} {cp * 1e6:10.1f} us  {nbytes / cp / 1e9:8.2f} GB/s")
     print(f"  ratio (peer time / allreduce time): {cp / ar:.3f}")
     print(f"  core path counters during the part: {body['paths'] or 'not counted by this core'}")
+    for line in body.get("said", []):
+        print(f"  the core said: {line}")
     result = {"allreduce_s": ar, "peer_s": cp, "ratio": cp / ar, "paths": body["paths"],
               "allreduce_all_s": body["allreduce"], "peer_all_s": body["copy"]}
     if body.get("enqueue"):
@@ -267,17 +273,19 @@ def driver(args):
         args, f"(a) 1 rank: grouped_allreduce_ of {args.small_count} x "
               f"{args.small_bytes // KIB} KiB float32 vs one {args.device} copy_ of "
               f"{small_bytes / MIB:.2f} MiB ({args.reps} reps)",
-        "small", 1, small_bytes, "copy_ (same bytes)")
+        "small", 1, small_bytes, "copy_ (same bytes)", env={"HVDLITE_LOG_LEVEL": "INFO"})
     if summary["small"]:
         for key, what in (("ratio", "end to end"), ("core_ratio", "the core's part")):
             if key in summary["small"]:
                 verdict = "meets" if summary["small"][key] >= TARGET_SMALL_RATIO else "misses"
                 print(f"  target ratio >= {TARGET_SMALL_RATIO}, {what}: {verdict}")
     if args.device == "cuda":
-        # The same part with the fusion buffer packed copy by copy: what batching saves.
-        summary["small_unbatched"] = _ratio_part(
-            args, "(a') as (a), with HVDLITE_GPU_BATCH_COPY=0 (pack and unpack copy by copy)",
-            "small", 1, small_bytes, "copy_ (same bytes)", env={"HVDLITE_GPU_BATCH_COPY": "0"})
+        # The same part with the other ways of packing: what the kernel saves.
+        for key, pack in (("small_batch", "batch"), ("small_copies", "copies")):
+            summary[key] = _ratio_part(
+                args, f"(a, {pack}) as (a), with HVDLITE_GPU_PACK={pack}", "small", 1,
+                small_bytes, "copy_ (same bytes)",
+                env={"HVDLITE_GPU_PACK": pack, "HVDLITE_LOG_LEVEL": "INFO"})
     summary["large"] = _ratio_part(
         args, f"(b) 2 ranks sharing the device: allreduce_ of {args.large_bytes // MIB} MiB "
               f"float32 vs a pinned D2H+H2D copy of it on both ranks at once ({args.reps} reps)",

@@ -95,7 +95,7 @@ Status ProcessSetState::DecideGpuPath(int device) {
       return Status::OK();
     }
     gpu_path_ = GpuPath::kNccl;
-    how = "through " + gpu::Describe(*nccl);
+    how = "through " + gpu::Describe(*nccl) + ", fused tensors packed with " + gpu_.PackMethod();
   } else if (config_.gpu_operations == Config::GpuOperations::kNccl) {
     gpu_path_ = GpuPath::kFailed;
     gpu_path_error_ = where + " cannot run through NCCL, which HVDLITE_GPU_OPERATIONS=NCCL asks for: " + shared +

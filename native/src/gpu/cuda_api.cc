@@ -96,6 +96,33 @@ const CudaApi* Cuda(std::string* error) {
   return loaded ? &api : nullptr;
 }
 
+const DriverApi* Driver(std::string* error) {
+  static std::once_flag once;
+  static DriverApi api;
+  static std::string failure;
+  static bool loaded = false;
+  std::call_once(once, [] {
+    std::string tried;
+    void* lib = Open("HVDLITE_CUDA_LIB", {"libcuda.so.1", "libcuda.so"}, &api.path, &tried);
+    if (!lib) {
+      failure = "the CUDA driver could not be opened (" + tried + ")";
+      return;
+    }
+    std::string missing;
+    Bind(lib, "cuModuleLoadData", &api.ModuleLoadData, &missing);
+    Bind(lib, "cuModuleGetFunction", &api.ModuleGetFunction, &missing);
+    Bind(lib, "cuModuleUnload", &api.ModuleUnload, &missing);
+    Bind(lib, "cuLaunchKernel", &api.LaunchKernel, &missing);
+    if (!missing.empty()) {
+      failure = api.path + " lacks " + missing;
+      return;
+    }
+    loaded = true;
+  });
+  if (!loaded) *error = failure;
+  return loaded ? &api : nullptr;
+}
+
 const NcclApi* Nccl(std::string* error) {
   static std::once_flag once;
   static NcclApi api;

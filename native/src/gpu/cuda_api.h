@@ -98,8 +98,21 @@ enum NcclType { kNcclInt8 = 0, kNcclUint8 = 1, kNcclInt32 = 2, kNcclInt64 = 4, k
 enum NcclOp { kNcclSum = 0, kNcclProd = 1, kNcclMax = 2, kNcclMin = 3 };
 constexpr int kNcclScalarHostImmediate = 1;
 
+// The few driver-API calls that load and launch the core's own kernels (PTX text, see
+// copy_kernel.h): libcuda.so.1, opened on first use like the runtime ($HVDLITE_CUDA_LIB
+// names another file). CUmodule, CUfunction and CUstream are opaque pointers here.
+struct DriverApi {
+  int (*ModuleLoadData)(void**, const void*);
+  int (*ModuleGetFunction)(void**, void*, const char*);
+  int (*ModuleUnload)(void*);
+  int (*LaunchKernel)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                      Stream, void**, void**);
+  std::string path;
+};
+
 // Opened once per process, on first use; null with *error saying what was tried.
 const CudaApi* Cuda(std::string* error);
+const DriverApi* Driver(std::string* error);
 const NcclApi* Nccl(std::string* error);
 
 // "NCCL 2.27.3 (/path/libnccl.so.2)" and the like, for logs.

@@ -1,7 +1,10 @@
 #include "gpu/device.h"
 
+#include "gpu/copy_kernel.h"
+
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 
 namespace hvdlite {
@@ -22,6 +25,11 @@ Status Device::Use(int ordinal) {
                            ": hvdlite works with one GPU per process (pin it with torch.cuda.set_device"
                            "(hvd.local_rank()))");
   }
+  const char* pack = std::getenv("HVDLITE_GPU_PACK");
+  const std::string asked = pack && *pack ? pack : "kernel";
+  if (asked != "kernel" && asked != "batch" && asked != "copies") {
+    return InvalidArgument("HVDLITE_GPU_PACK=" + asked + ": expected kernel, batch or copies");
+  }
   std::string error;
   const CudaApi* cuda = Cuda(&error);
   if (!cuda) return Status(HVDLITE_ERR_INVALID_ARGUMENT, "a tensor on GPU " + std::to_string(ordinal) + ": " + error);
@@ -36,8 +44,9 @@ Status Device::Use(int ordinal) {
     cuda_ = nullptr;
     return s;
   }
-  const char* batch = std::getenv("HVDLITE_GPU_BATCH_COPY");
-  batch_copies_ = (cuda_->MemcpyBatchAsync12 || cuda_->MemcpyBatchAsync13) && !(batch && std::string(batch) == "0");
+  const bool batch = cuda_->MemcpyBatchAsync12 || cuda_->MemcpyBatchAsync13;
+  pack_ = asked == "copies" ? Pack::kCopies : batch ? Pack::kBatch : Pack::kCopies;
+  if (asked == "kernel" && LoadKernel()) pack_ = Pack::kKernel;
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
   identity_ = std::string(host) + "/" + bus;
@@ -54,43 +63,113 @@ Status Device::Copy(void* dst, const void* src, int64_t bytes) {
   return Check(cuda_->MemcpyAsync(dst, src, static_cast<size_t>(bytes), kMemcpyDefault, stream_), "cudaMemcpyAsync");
 }
 
-Status Device::CopyOnDevice(const std::vector<Span>& copies) {
-  if (batch_copies_ && copies.size() > 1) {
-    std::vector<const void*> dsts, srcs;
-    std::vector<size_t> sizes;
-    for (const Span& c : copies) {
-      if (c.bytes <= 0 || c.dst == c.src) continue;
-      dsts.push_back(c.dst);
-      srcs.push_back(c.src);
-      sizes.push_back(static_cast<size_t>(c.bytes));
-    }
-    if (dsts.empty()) return Status::OK();
-    MemLocation here{kMemLocationTypeDevice, ordinal_};
-    MemcpyAttributes attrs{kMemcpySrcAccessOrderStream, here, here, 0};
-    size_t first = 0;
-    int code;
-    if (cuda_->MemcpyBatchAsync13) {
-      code = cuda_->MemcpyBatchAsync13(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attrs, &first, 1, stream_);
-    } else {
-      size_t failed = 0;
-      code = cuda_->MemcpyBatchAsync12(const_cast<void**>(dsts.data()), const_cast<void**>(srcs.data()),
-                                       sizes.data(), dsts.size(), &attrs, &first, 1, &failed, stream_);
-    }
-    if (code == 0) return Status::OK();
-    // Refused (a driver older than the runtime, say): nothing was queued; from now on
-    // the copies go one by one.
-    batch_copies_ = false;
+bool Device::LoadKernel() {
+  std::string error;
+  driver_ = Driver(&error);
+  int code = driver_ ? driver_->ModuleLoadData(&module_, kCopyBatchPtx) : 0;
+  if (driver_ && code == 0) code = driver_->ModuleGetFunction(&copy_fn_, module_, kCopyBatchEntry);
+  if (driver_ && code != 0) error = "the driver refused the copy kernel (CUresult " + std::to_string(code) + ")";
+  if (error.empty()) return true;
+  if (module_) driver_->ModuleUnload(module_);
+  module_ = copy_fn_ = nullptr;
+  HVDLITE_LOG(INFO) << "GPU " << ordinal_ << ": fused tensors are packed without the core's copy kernel: " << error;
+  return false;
+}
+
+const char* Device::PackMethod() const {
+  switch (pack_) {
+    case Pack::kKernel: return "the core's copy kernel";
+    case Pack::kBatch: return "cudaMemcpyBatchAsync";
+    case Pack::kCopies: return "one cudaMemcpyAsync per tensor";
   }
+  return "";
+}
+
+Status Device::CopyOnDevice(const std::vector<Span>& copies) {
+  std::vector<const Span*> todo;
   for (const Span& c : copies) {
-    Status s = Copy(c.dst, c.src, c.bytes);
+    if (c.bytes > 0 && c.dst != c.src) todo.push_back(&c);
+  }
+  if (todo.size() > 1 && pack_ == Pack::kKernel) return CopyWithKernel(todo);
+  if (todo.size() > 1 && pack_ == Pack::kBatch) {
+    bool done = false;
+    Status s = CopyWithBatch(todo, &done);
+    if (!s.ok() || done) return s;
+  }
+  for (const Span* c : todo) {
+    Status s = Copy(c->dst, c->src, c->bytes);
     if (!s.ok()) return s;
   }
   return Status::OK();
 }
 
+Status Device::CopyWithKernel(const std::vector<const Span*>& copies) {
+  const int64_t bytes = static_cast<int64_t>(copies.size()) * 3 * sizeof(uint64_t);
+  const int64_t need = (bytes + 255) / 256 * 256;
+  if (table_used_ + need > table_host_.bytes || table_used_ + need > table_device_.bytes) {
+    // Growing frees the old tables, which queued work may still read: drain it first.
+    if (table_used_ > 0) {
+      Status s = Finish();
+      if (!s.ok()) return s;
+    }
+    uint8_t* unused = nullptr;
+    Status s = Grow(&table_host_, need, true, &unused);
+    if (s.ok()) s = Grow(&table_device_, need, false, &unused);
+    if (!s.ok()) return s;
+  }
+  auto* host = reinterpret_cast<uint64_t*>(table_host_.data + table_used_);
+  uint8_t* device = table_device_.data + table_used_;
+  table_used_ += need;
+  for (size_t k = 0; k < copies.size(); ++k) {
+    host[3 * k] = reinterpret_cast<uintptr_t>(copies[k]->dst);
+    host[3 * k + 1] = reinterpret_cast<uintptr_t>(copies[k]->src);
+    host[3 * k + 2] = static_cast<uint64_t>(copies[k]->bytes);
+  }
+  Status s = Copy(device, host, bytes);
+  if (!s.ok()) return s;
+  uint64_t table = reinterpret_cast<uintptr_t>(device);
+  auto count = static_cast<uint32_t>(copies.size());
+  void* params[] = {&table, &count};
+  const unsigned blocks = static_cast<unsigned>(std::min<size_t>(copies.size(), kCopyBatchMaxBlocks));
+  const int code = driver_->LaunchKernel(copy_fn_, blocks, 1, 1, kCopyBatchThreads, 1, 1, 0, stream_, params, nullptr);
+  if (code != 0) {
+    return Status(HVDLITE_ERR_INTERNAL, "CUDA: launching the copy kernel on GPU " + std::to_string(ordinal_) +
+                                            " failed (CUresult " + std::to_string(code) + ")");
+  }
+  return Status::OK();
+}
+
+Status Device::CopyWithBatch(const std::vector<const Span*>& copies, bool* done) {
+  std::vector<const void*> dsts, srcs;
+  std::vector<size_t> sizes;
+  for (const Span* c : copies) {
+    dsts.push_back(c->dst);
+    srcs.push_back(c->src);
+    sizes.push_back(static_cast<size_t>(c->bytes));
+  }
+  MemLocation here{kMemLocationTypeDevice, ordinal_};
+  MemcpyAttributes attrs{kMemcpySrcAccessOrderStream, here, here, 0};
+  size_t first = 0;
+  int code;
+  if (cuda_->MemcpyBatchAsync13) {
+    code = cuda_->MemcpyBatchAsync13(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attrs, &first, 1, stream_);
+  } else {
+    size_t failed = 0;
+    code = cuda_->MemcpyBatchAsync12(const_cast<void**>(dsts.data()), const_cast<void**>(srcs.data()), sizes.data(),
+                                     dsts.size(), &attrs, &first, 1, &failed, stream_);
+  }
+  *done = code == 0;
+  // Refused (a driver older than the runtime, say): the caller copies one by one, from
+  // now on (copying again what a failed batch may have copied is harmless).
+  if (code != 0) pack_ = Pack::kCopies;
+  return Status::OK();
+}
+
 Status Device::Finish() {
   Status s = Check(cuda_->EventRecord(done_, stream_), "cudaEventRecord");
-  return s.ok() ? Check(cuda_->EventSynchronize(done_), "cudaEventSynchronize") : s;
+  if (s.ok()) s = Check(cuda_->EventSynchronize(done_), "cudaEventSynchronize");
+  if (s.ok()) table_used_ = 0;
+  return s;
 }
 
 Status Device::Grow(Buffer* buffer, int64_t bytes, bool pinned, uint8_t** out) {
@@ -116,6 +195,12 @@ void Device::Release() {
   if (!cuda_) return;
   if (pinned_.data) cuda_->FreeHost(pinned_.data);
   if (scratch_.data) cuda_->Free(scratch_.data);
+  if (table_host_.data) cuda_->FreeHost(table_host_.data);
+  if (table_device_.data) cuda_->Free(table_device_.data);
+  if (module_) driver_->ModuleUnload(module_);
+  module_ = copy_fn_ = nullptr;
+  table_host_ = table_device_ = Buffer();
+  table_used_ = 0;
   if (done_) cuda_->EventDestroy(done_);
   if (stream_) cuda_->StreamDestroy(stream_);
   pinned_ = scratch_ = Buffer();

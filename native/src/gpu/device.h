@@ -41,16 +41,20 @@ class Device {
   Status WaitFor(const void* event);
   // Copies on the core's stream, in any direction.
   Status Copy(void* dst, const void* src, int64_t bytes);
-  // Copies between device buffers of this GPU on the core's stream, in one
-  // cudaMemcpyBatchAsync where the runtime has it (a fusion buffer's pack or unpack:
-  // hundreds of small copies cost one launch), else one by one. The copies must not
-  // overlap each other. HVDLITE_GPU_BATCH_COPY=0 issues them one by one.
+  // Copies between device buffers of this GPU on the core's stream (a fusion buffer's
+  // pack or unpack: hundreds of small copies), by the first of these that works: the
+  // core's copy kernel (copy_kernel.h; one launch after the table of copies is copied
+  // up), one cudaMemcpyBatchAsync (CUDA 12.8 and later), one cudaMemcpyAsync each.
+  // HVDLITE_GPU_PACK=kernel|batch|copies starts lower in that list. The copies must not
+  // overlap each other.
   struct Span {
     void* dst;
     const void* src;
     int64_t bytes;
   };
   Status CopyOnDevice(const std::vector<Span>& copies);
+  // How CopyOnDevice copies now: "the core's copy kernel", ... (for logs).
+  const char* PackMethod() const;
   // Waits until the core's stream has done all it was given.
   Status Finish();
 
@@ -71,11 +75,24 @@ class Device {
     int64_t bytes = 0;
   };
   Status Grow(Buffer* buffer, int64_t bytes, bool pinned, uint8_t** out);
+  enum class Pack { kKernel, kBatch, kCopies };
+  // Loads the copy kernel into the current context; false (with the reason logged) if
+  // the driver or the kernel cannot be had.
+  bool LoadKernel();
+  Status CopyWithKernel(const std::vector<const Span*>& copies);
+  Status CopyWithBatch(const std::vector<const Span*>& copies, bool* done);
 
   const CudaApi* cuda_ = nullptr;
   int ordinal_ = -1;
   Stream stream_ = nullptr;
-  bool batch_copies_ = false;  // cudaMemcpyBatchAsync is there, allowed, and has worked
+  Pack pack_ = Pack::kCopies;  // lowered for good when a way fails
+  const DriverApi* driver_ = nullptr;
+  void* module_ = nullptr;   // CUmodule of the copy kernel
+  void* copy_fn_ = nullptr;  // CUfunction
+  // The copy kernel's tables: written into pinned memory, copied up on the stream, read
+  // by the kernel; each batch takes the next part, all free again after Finish.
+  Buffer table_host_, table_device_;
+  int64_t table_used_ = 0;
   Event done_ = nullptr;
   std::string identity_;
   Buffer pinned_;   // host memory the staged path copies through
