@@ -16,9 +16,11 @@ constexpr const char* kCopyBatchEntry = "hvdlite_copy_batch";
 constexpr int kCopyBatchThreads = 256;
 constexpr int kCopyBatchMaxBlocks = 4096;
 
+// The headers tried in turn: a CUDA 13 driver compiles for Turing (sm_75) and later
+// only, an older one may lack ISA 6.4 but takes sm_50.
+constexpr const char* kCopyBatchHeaders[] = {".version 6.4\n.target sm_75\n", ".version 6.0\n.target sm_50\n"};
+
 constexpr const char* kCopyBatchPtx = R"PTX(
-.version 6.0
-.target sm_50
 .address_size 64
 
 .visible .entry hvdlite_copy_batch(

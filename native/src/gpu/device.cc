@@ -66,7 +66,13 @@ Status Device::Copy(void* dst, const void* src, int64_t bytes) {
 bool Device::LoadKernel() {
   std::string error;
   driver_ = Driver(&error);
-  int code = driver_ ? driver_->ModuleLoadData(&module_, kCopyBatchPtx) : 0;
+  int code = 0;
+  for (const char* header : kCopyBatchHeaders) {
+    if (!driver_) break;
+    code = driver_->ModuleLoadData(&module_, (std::string(header) + kCopyBatchPtx).c_str());
+    if (code == 0) break;
+    module_ = nullptr;
+  }
   if (driver_ && code == 0) code = driver_->ModuleGetFunction(&copy_fn_, module_, kCopyBatchEntry);
   if (driver_ && code != 0) error = "the driver refused the copy kernel (CUresult " + std::to_string(code) + ")";
   if (error.empty()) return true;
