@@ -226,6 +226,9 @@ def report() -> str:
         ("CUDA runtime", "HVDLITE_CUDART_LIB",
          ("libcudart.so.13", "libcudart.so.12", "libcudart.so"), "nvidia/cuda_runtime/lib",
          "cudaRuntimeGetVersion"),
+        # Only for the kernel that packs fused tensors on NCCL (docs/gpu.md).
+        ("CUDA driver", "HVDLITE_CUDA_LIB", ("libcuda.so.1", "libcuda.so"), "nvidia/cuda_driver/lib",
+         "cuDriverGetVersion"),
     )
     for label, env_var, names, subdir, symbol in gpu:
         opened, detail = try_open(library_candidates(env_var, names, subdir), symbol)

@@ -11,6 +11,7 @@ copies, its pre-multiplied sum a scaling), which is all a CPU can check of it.
 """
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -349,6 +350,23 @@ def test_a_gpu_op_that_cannot_run_is_refused_on_every_rank_with_the_reason(fakes
         env = {"HVDLITE_CUDART_LIB": "/nonexistent/libcudart.so",
                "EXPECT": "ranks 0, 1 could not use a GPU|/nonexistent/libcudart.so"}
     _outcomes(run_job(2, REFUSED, env=env, timeout=120), 2)
+
+
+@pytest.mark.parametrize("found", [True, False])
+def test_cuda_built_and_nccl_built_say_whether_the_core_opens_them(fakes, found):
+    # Horovod's queries; hvdlite links neither library, so they ask the core whether it
+    # opens them here (no init, no GPU needed).
+    env = dict(os.environ, HVDLITE_CUDART_LIB=fakes["cudart"] if found else "/nonexistent.so",
+               HVDLITE_NCCL_LIB=fakes["nccl"])
+    code = ("import hvdlite.torch as hvd; "
+            "print(hvd.cuda_built(), hvd.nccl_built(), hvd.gpu_available('torch'), "
+            "hvd.gpu_available('tensorflow'))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    # The stand-in runtime is CUDA 13.0 and the stand-in NCCL 2.27.3.
+    want = "True 22703 True False" if found else "False 0 False False"
+    assert out.stdout.split() == want.split(), out.stdout
 
 
 def test_a_bad_gpu_operations_value_fails_init_naming_it():

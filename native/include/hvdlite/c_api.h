@@ -259,6 +259,11 @@ hvdlite_status_t hvdlite_release(hvdlite_handle_t handle);
 
 hvdlite_status_t hvdlite_stats(hvdlite_stats_t* out);
 
+/* Whether the core can open the CUDA runtime and NCCL (it opens them at run time, never
+ * links them): their versions (CUDA: major*1000 + minor*10; NCCL: major*10000 +
+ * minor*100 + patch), 0 where the library cannot be opened. Needs no init and no GPU. */
+hvdlite_status_t hvdlite_gpu_support(int32_t* cuda_runtime_version, int32_t* nccl_version);
+
 /* Autotune (HVDLITE_AUTOTUNE=1): the knob values in force on this rank, the same on
  * every rank from cycle to cycle, and how far the search is. */
 typedef struct {

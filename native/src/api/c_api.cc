@@ -7,6 +7,7 @@
 
 #include "core/core.h"
 #include "backend/backend_mpi.h"
+#include "gpu/cuda_api.h"
 
 #define HVDLITE_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -175,6 +176,18 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_stats(hvdlite_stats_t* out) {
     out->nccl_collectives = c.nccl_collectives;
     out->staged_collectives = c.staged_collectives;
     out->nccl_us = c.nccl_us;
+    return hvdlite::Status::OK();
+  });
+}
+
+HVDLITE_EXPORT hvdlite_status_t hvdlite_gpu_support(int32_t* cuda_runtime_version, int32_t* nccl_version) {
+  return Guard([&] {
+    if (!cuda_runtime_version || !nccl_version) return NullOut();
+    std::string error;
+    const hvdlite::gpu::CudaApi* cuda = hvdlite::gpu::Cuda(&error);
+    const hvdlite::gpu::NcclApi* nccl = hvdlite::gpu::Nccl(&error);
+    *cuda_runtime_version = cuda ? cuda->version : 0;
+    *nccl_version = nccl ? nccl->version : 0;
     return hvdlite::Status::OK();
   });
 }
