@@ -2,7 +2,12 @@
 collective at 4 KiB, 64 KiB and 1 MiB, the two systems alternating call by call.
 
     .venv/bin/python -m hvdlite.runner -np 2 .venv/bin/python benchmarks/latency.py
-    .venv/bin/python -m hvdlite.runner -np 4 -H h1:2,h2:2 ... benchmarks/latency.py  # hosts
+    sudo .venv/bin/python benchmarks/latency.py --cluster 2x2 [--rate 1gbit]   # across hosts
+
+``--cluster HxR`` builds a namespace cluster of H hosts (hvdlite/runner/netns_cluster.py:
+one network namespace per host, links shaped with tc, MPI forced onto TCP) and runs the
+same measurement on R ranks per host through ``hvdliterun -H h1:R,...``; the target there
+is <= 1.5x mpi4py at 4 and 64 KiB. Needs root.
 
 One repetition is one blocking call of each system (which goes first alternates), each
 timed on every rank; a repetition's time is the slowest rank's (gathered at the end, so
@@ -14,22 +19,29 @@ order; each ratio is printed with its median and range over the rounds.
 """
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import numpy as np
-from mpi4py import MPI  # initializes MPI; hvdlite.init() reuses it
 
-import hvdlite as hvd
 from rounds import print_commit, rotated, spread
 
 KIB, MIB = 1024, 1024 * 1024
 SIZES = (4 * KIB, 64 * KIB, 1 * MIB)
 TARGET_ONE_HOST = 2.0  # hvdlite <= 2x mpi4py at 4 and 64 KiB (issue: small collectives)
+TARGET_ACROSS_HOSTS = 1.5  # the same across hosts
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def collectives(comm, rank, size, nbytes):
     """name -> (hvdlite call, mpi4py call) for float32 buffers of about ``nbytes``."""
+    from mpi4py import MPI
+
+    import hvdlite as hvd
+
     n = max(size, nbytes // 4 // size * size)
     x = np.arange(n, dtype=np.float32) + rank
     out = np.empty_like(x)
@@ -68,6 +80,41 @@ def measure(comm, calls, reps, warmup):
     return times
 
 
+def drive_cluster(args, argv):
+    """Builds the namespace cluster and runs this file on its ranks (``--cluster``)."""
+    sys.path.insert(0, REPO_ROOT)
+    from hvdlite.runner.netns_cluster import NetnsCluster, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        sys.exit(f"latency.py: {reason}")
+    hosts, per_host = (int(v) for v in args.cluster.lower().split("x"))
+    spec = ",".join(f"h{i + 1}:{per_host}" for i in range(hosts))
+    # The same arguments, less the cluster's own.
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--cluster", "--rate"):
+            skip = True
+        elif not a.startswith(("--cluster=", "--rate=")):
+            rest.append(a)
+    with NetnsCluster(hosts, rate=args.rate) as cluster:
+        env = cluster.mpi_env()
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
+        env["OMP_NUM_THREADS"] = "1"
+        command = [sys.executable, "-m", "hvdlite.runner", "-H", spec, sys.executable,
+                   os.path.abspath(__file__), *rest]
+        print(f"cluster {cluster.prefix}: {hosts} hosts x {per_host} ranks, links "
+              f"{args.rate or 'unshaped'}, MPI over TCP", flush=True)
+        proc = cluster.popen("h1", command, env=env)
+        try:
+            return proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            sys.exit(f"latency.py: timed out after {args.timeout:g} s")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=300, help="timed calls per system")
@@ -75,7 +122,17 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", default=None, help="comma-separated collectives")
     parser.add_argument("--json", default=None, help="also write the figures here")
+    parser.add_argument("--cluster", default=None,
+                        help="HxR: run on a namespace cluster of H hosts with R ranks each")
+    parser.add_argument("--rate", default="1gbit", help="--cluster's host links (tc syntax)")
+    parser.add_argument("--timeout", type=float, default=1200, help="--cluster's limit (s)")
     args = parser.parse_args()
+    if args.cluster:
+        return drive_cluster(args, sys.argv[1:])
+    from mpi4py import MPI  # initializes MPI; hvdlite.init() reuses it
+
+    import hvdlite as hvd
+
     comm = MPI.COMM_WORLD
     hvd.init(comm=comm)
     rank, size = hvd.rank(), hvd.size()
@@ -107,9 +164,10 @@ def main():
         theirs = statistics.median(v[1] for v in values)
         label = f"{nbytes // KIB} KiB" if nbytes < MIB else f"{nbytes // MIB} MiB"
         target = ""
-        if hosts == 1 and nbytes <= 64 * KIB:
-            met = statistics.median(ratios[(name, nbytes)]) <= TARGET_ONE_HOST
-            target = f"  target <= {TARGET_ONE_HOST:g}x: {'met' if met else 'NOT met'}"
+        if nbytes <= 64 * KIB:
+            goal = TARGET_ONE_HOST if hosts == 1 else TARGET_ACROSS_HOSTS
+            met = statistics.median(ratios[(name, nbytes)]) <= goal
+            target = f"  target <= {goal:g}x: {'met' if met else 'NOT met'}"
         print(f"{name:<14}{label:>8}{ours:>12.1f}{theirs:>11.1f}  "
               f"{spread(ratios[(name, nbytes)], '{:.2f}')}{target}")
     if args.json:
@@ -120,4 +178,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
