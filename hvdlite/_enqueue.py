@@ -253,6 +253,51 @@ def enqueue_fields(op, name, dtype_code, shape, input_ptr, output_ptr, reduce_op
                   input_ptr, output_ptr, keepalive, finisher, name, result)
 
 
+# Groups submitted again and again (``grouped_allreduce`` in a loop) keep their filled
+# structs like single tensors do (``template``): key -> _KeptGroup. Bounded likewise.
+_groups = {}
+
+
+class _KeptGroup:
+    """A group's filled structs, reused by every call with the same key; a lock makes
+    setting the buffers and enqueueing one step (two threads submitting the same group
+    at once would otherwise swap each other's buffers)."""
+
+    __slots__ = ("structs", "elements", "keep", "lock")
+
+    def __init__(self, specs):
+        self.structs = ffi.new("hvdlite_tensor_t[]", len(specs))
+        self.elements = [self.structs[i] for i in range(len(specs))]
+        self.keep = [fill(e, q.op, q.name, q.dtype, q.shape, None, None, q.reduce_op,
+                          q.prescale, q.postscale, q.root_rank, q.splits, q.process_set_id,
+                          q.device) for e, q in zip(self.elements, specs)]
+        self.lock = threading.Lock()
+
+
+def enqueue_kept_group(key, make_specs, inputs, outputs, ready_event=None, *, name=None,
+                       keepalive=(), finisher=None, result=None):
+    """``enqueue_group`` of a group whose tensors' properties (names, dtypes, shapes, op,
+    scaling, process set, device) ``key`` stands for: the structs are filled once, from
+    ``make_specs()`` (TensorSpecs without buffers), and a call sets only the buffers
+    (``inputs``, ``outputs``: addresses, one each per tensor, in order) and the GPU event.
+    """
+    kept = _groups.get(key)
+    if kept is None:
+        kept = _KeptGroup(make_specs())
+        remember(_groups, key, kept)
+    count = len(kept.elements)
+    handles = ffi.new("hvdlite_handle_t[]", count)
+    event = pointer(ready_event)
+    with kept.lock:
+        for element, input, output in zip(kept.elements, inputs, outputs):
+            element.input = pointer_at(input)
+            element.output = pointer_at(output)
+            element.ready_event = event
+        status = lib.hvdlite_enqueue_group(kept.structs, count, handles)
+    check(status)
+    return Handle(list(handles), finisher, (keepalive, kept), name, result)
+
+
 def enqueue_group(specs, *, name=None, keepalive=(), finisher=None, result=None):
     """Enqueues tensors that are negotiated and executed together; all or nothing.
 

@@ -94,20 +94,50 @@ def enqueue_grouped_allreduce(tensors, outputs, names, op, prescale_factor,
         return adasum.grouped_allreduce_async(
             [host_array(t, n) for t, n in zip(tensors, names)], label, prescale_factor,
             postscale_factor, [host_array(o, n) for o, n in zip(outputs, names)], outputs)
-    specs, keep = [], []
-    for tensor, output, name in zip(tensors, outputs, names):
+    if not tensors:
+        return _enqueue.enqueue_group([], name=label, result=[])
+    # Checked one by one; the structs the core reads are kept from call to call under
+    # what describes the group (as a training step's repeat), so that a call only hands
+    # over its buffers.
+    codes, checked = [], set()
+    for tensor, name in zip(tensors, names):
         code = tensor_code(tensor, name)
-        _checks.check_reduction(op, prescale_factor, postscale_factor, code, name)
-        if output is None:
-            output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        specs.append(_enqueue.TensorSpec(_enqueue.ALLREDUCE, name, code, tuple(tensor.shape),
-                                         tensor.data_ptr(), output.data_ptr(), op,
-                                         prescale_factor, postscale_factor,
-                                         process_set_id=psid))
-        keep += [tensor, output]
-    results = keep[1::2]
-    event = mark_gpu(specs, tensors, label)
-    return _enqueue.enqueue_group(specs, name=label, keepalive=(keep, event), result=results)
+        if code not in checked:
+            _checks.check_reduction(op, prescale_factor, postscale_factor, code, name)
+            checked.add(code)
+        codes.append(code)
+    if any(o is None for o in outputs):
+        outputs = [torch.empty_like(t, memory_format=torch.contiguous_format)
+                   if o is None else o for t, o in zip(tensors, outputs)]
+    device, event = group_gpu_fields(tensors, label)
+    shapes = tuple(t.shape for t in tensors)
+    key = (label, op, prescale_factor, postscale_factor, psid, device, tuple(codes), shapes)
+
+    def specs():
+        return [_enqueue.TensorSpec(_enqueue.ALLREDUCE, name, code, tuple(shape), None, None, op,
+                                    prescale_factor, postscale_factor, process_set_id=psid,
+                                    device=device)
+                for name, code, shape in zip(names, codes, shapes)]
+
+    return _enqueue.enqueue_kept_group(
+        key, specs, [t.data_ptr() for t in tensors], [o.data_ptr() for o in outputs],
+        ready(event), name=label, keepalive=(tensors, outputs, event), result=list(outputs))
+
+
+def group_gpu_fields(tensors, label):
+    """A group's GPU ordinal (-1 on the CPU) and one event recorded now, after every
+    output was allocated (None on the CPU).
+
+    Raises:
+        InvalidArgumentError: the group's tensors are not all on one device.
+    """
+    first = tensors[0].device
+    if any(t.device != first for t in tensors):
+        devices = {t.device for t in tensors}
+        raise InvalidArgumentError(
+            f"group '{label}' mixes devices ({', '.join(sorted(map(str, devices)))}): "
+            "the tensors of one group must be on one device")
+    return gpu_fields(tensors[0])
 
 
 def mark_gpu(specs, tensors, label):
@@ -117,14 +147,9 @@ def mark_gpu(specs, tensors, label):
     Raises:
         InvalidArgumentError: the group's tensors are not all on one device.
     """
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        raise InvalidArgumentError(
-            f"group '{label}' mixes devices ({', '.join(sorted(map(str, devices)))}): "
-            "the tensors of one group must be on one device")
     if not specs:
         return None
-    device, event = gpu_fields(tensors[0])
+    device, event = group_gpu_fields(tensors, label)
     if event is not None:
         for spec in specs:
             spec.device, spec.ready_event = device, event.cuda_event

@@ -150,6 +150,23 @@ def test_grouped_allreduce_is_all_or_nothing(thvd):
     assert all(torch.equal(o, good) for o in out)
 
 
+def test_a_repeated_group_reads_and_writes_each_calls_own_tensors(thvd):
+    # A group submitted again under one name reuses what the core reads (the kept
+    # structs): each call must still hand over its own buffers, and a change of shape or
+    # dtype under the same name must be seen.
+    for step in range(4):
+        xs = [torch.full((3,), float(step + k)) for k in range(3)]
+        outs = thvd.grouped_allreduce(xs, name="grp.repeat", op=thvd.Sum, postscale_factor=2.0)
+        assert [o.tolist() for o in outs] == [[2.0 * (step + k)] * 3 for k in range(3)]
+        ys = [x.clone() for x in xs]
+        assert thvd.grouped_allreduce_(ys, name="grp.repeat_", op=thvd.Sum) == ys
+        assert all(torch.equal(y, x) for y, x in zip(ys, xs))
+    other = [torch.arange(5, dtype=torch.float64), torch.ones(2, 2, dtype=torch.int32)]
+    got = thvd.grouped_allreduce(other, name="grp.repeat", op=thvd.Sum)
+    assert [g.dtype for g in got] == [torch.float64, torch.int32]
+    assert all(torch.equal(g, o) for g, o in zip(got, other))
+
+
 # -- semantics in one process ----------------------------------------------------------
 
 
