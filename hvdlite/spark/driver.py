@@ -201,7 +201,8 @@ def _launcher_env(env: Optional[Dict[str, str]], service: DriverService, driver_
     result[rank_module.DRIVER_ENV] = f"{driver_host}:{service.port}"
     result[rank_module.KEY_ENV] = key.hex()
     result[task_shell.KEY_ENV] = key.hex()
-    result[rank_module.RANK_TASKS_ENV] = ",".join(str(t.index) for t in placement.rank_tasks)
+    result[rank_module.RANK_TASKS_ENV] = ",".join(f"{t.index}:{t.pid}"
+                                                  for t in placement.rank_tasks)
     return result
 
 
@@ -255,6 +256,8 @@ def run(fn, args=(), kwargs=None, num_proc: Optional[int] = None,
             tasks = service.wait_for_tasks(num_proc, deadline, stage.failed)
             if tasks is None:
                 stage.cancel()
+                if service.lost is not None:
+                    raise _lost_task_error(service.lost, None, stage)
                 if stage.error is not None:
                     raise SparkJobError(f"hvdlite.spark.run: the barrier stage failed before "
                                         f"its tasks started: {stage.error}")
@@ -266,7 +269,7 @@ def run(fn, args=(), kwargs=None, num_proc: Optional[int] = None,
             if verbose:
                 logger.info("hvdlite.spark.run: %d ranks on %s (rank -> task %s)", num_proc,
                             placement.host_list(), [t.index for t in placement.rank_tasks])
-            launch = _Launch(placement, num_proc, deadline, extra_mpi_args, verbose, nics,
+            launch = _Launch(service, placement, num_proc, deadline, extra_mpi_args, verbose, nics,
                              _launcher_env(env, service, driver_host, key, placement))
             returncode, launcher_lines = launch.run(stdout or sys.stdout, stderr or sys.stderr,
                                                     stage)
@@ -280,13 +283,16 @@ def run(fn, args=(), kwargs=None, num_proc: Optional[int] = None,
             stage.cancel()
         with service.cond:
             results = dict(service.results)
-    return _outcome(results, placement, num_proc, returncode, launcher_lines, stage)
+            lost = service.lost
+    return _outcome(results, placement, num_proc, returncode, launcher_lines, stage, lost)
 
 
 class _Launch:
     """hvdliterun, run on the driver for one placement."""
 
-    def __init__(self, placement, num_proc, deadline, extra_mpi_args, verbose, nics, env):
+    def __init__(self, service, placement, num_proc, deadline, extra_mpi_args, verbose, nics,
+                 env):
+        self.service = service
         self.placement = placement
         self.num_proc = num_proc
         self.deadline = deadline
@@ -324,7 +330,7 @@ class _Launch:
                         proc.wait(1.0)
                         break
                     except subprocess.TimeoutExpired:
-                        if stage.failed():
+                        if stage.failed() or self.service.lost is not None:
                             _end(proc)
             finally:
                 _end(proc)
@@ -349,8 +355,21 @@ def _end(proc: subprocess.Popen):
         proc.wait()
 
 
+def _lost_task_error(task: TaskInfo, placement: Optional[Placement],
+                     stage: _BarrierStage) -> SparkJobError:
+    ranks = [r for r, t in enumerate(placement.rank_tasks) if t.index == task.index] \
+        if placement else []
+    holding = f", which held the slot of rank {ranks[0]}," if ranks else ""
+    spark = f": {stage.error}" if stage.error is not None else ""
+    return SparkJobError(f"hvdlite.spark.run: Spark task {task.index} on host {task.hostname}"
+                         f"{holding} ended before the job did (its executor or Python worker "
+                         f"failed){spark}", rank=ranks[0] if ranks else None,
+                         task_index=task.index, host=task.hostname)
+
+
 def _outcome(results, placement: Placement, num_proc: int, returncode: int,
-             launcher_lines: List[str], stage: _BarrierStage) -> List[Any]:
+             launcher_lines: List[str], stage: _BarrierStage,
+             lost: Optional[TaskInfo]) -> List[Any]:
     """The results in rank order, or SparkJobError for the first failure."""
     for rank in sorted(results):
         ok, value = results[rank]
@@ -360,6 +379,8 @@ def _outcome(results, placement: Placement, num_proc: int, returncode: int,
                                 f"host {task.hostname}) failed:\n{value}",
                                 rank=rank, task_index=task.index, host=task.hostname)
     missing = [r for r in range(num_proc) if r not in results]
+    if lost is not None and missing:
+        raise _lost_task_error(lost, placement, stage)
     if stage.error is not None and missing:
         raise SparkJobError(f"hvdlite.spark.run: the barrier stage failed while ranks "
                             f"{missing} ran: {stage.error}")

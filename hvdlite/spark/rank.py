@@ -14,8 +14,9 @@ from pyspark import cloudpickle
 
 DRIVER_ENV = "HVDLITE_SPARK_DRIVER"          # host:port of the DriverService
 KEY_ENV = "HVDLITE_SPARK_KEY"                # the job's key, hex
-RANK_TASKS_ENV = "HVDLITE_SPARK_RANK_TASKS"  # task index of each rank, "0,2,1"
+RANK_TASKS_ENV = "HVDLITE_SPARK_RANK_TASKS"  # each rank's task "index:pid", comma separated
 TASK_INDEX_ENV = "HVDLITE_SPARK_TASK_INDEX"  # set for fn: the task that holds this rank
+TASK_PID_ENV = "HVDLITE_SPARK_TASK_PID"      # set for fn: that task's Python worker
 
 
 def _call(message, receive_bytes=False):
@@ -28,7 +29,8 @@ def _call(message, receive_bytes=False):
 def main() -> int:
     """Runs this rank's call; returns the exit code."""
     rank = int(os.environ["HVDLITE_RANK"])
-    os.environ[TASK_INDEX_ENV] = os.environ[RANK_TASKS_ENV].split(",")[rank]
+    index, pid = os.environ[RANK_TASKS_ENV].split(",")[rank].split(":")
+    os.environ[TASK_INDEX_ENV], os.environ[TASK_PID_ENV] = index, pid
     fn, args, kwargs = cloudpickle.loads(_call(("fn",), receive_bytes=True))
     try:
         value = cloudpickle.dumps(fn(*args, **kwargs))

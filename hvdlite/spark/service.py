@@ -59,6 +59,7 @@ class TaskInfo:
     hostname: str
     address: str        # the task's address as the driver saw its connection
     service_port: int   # its TaskService
+    pid: int            # the task's Python worker
     conn: Connection
 
 
@@ -77,6 +78,8 @@ class DriverService:
         self.port = self.listener.address[1]
         self.tasks: Dict[int, TaskInfo] = {}        # Guarded by cond.
         self.results: Dict[int, Tuple[bool, object]] = {}   # rank -> (ok, value); cond.
+        self.lost: Optional[TaskInfo] = None   # the first task that ended early; cond.
+        self.ending = False                    # end_tasks() was called; cond.
         self.cond = threading.Condition()
         self.closed = threading.Event()
         self.thread = threading.Thread(
@@ -92,11 +95,13 @@ class DriverService:
             return
         kind = message[0]
         if kind == "register":
-            _, index, hostname, service_port = message
+            _, index, hostname, service_port, pid = message
+            task = TaskInfo(index, hostname, peer[0], service_port, pid, conn)
             with self.cond:
-                self.tasks[index] = TaskInfo(index, hostname, peer[0], service_port, conn)
+                self.tasks[index] = task
                 self.cond.notify_all()
-            return   # the connection stays open: end_tasks() answers it
+            self._watch(task)   # the connection stays open: end_tasks() answers it
+            return
         try:
             if kind == "fn":
                 conn.send_bytes(self.payload)
@@ -111,10 +116,25 @@ class DriverService:
         finally:
             conn.close()
 
+    def _watch(self, task: TaskInfo):
+        """Waits for the task's side to close: after end_tasks(), or because the task
+        ended early (its executor or Python worker failed), which is recorded."""
+        try:
+            task.conn.recv()
+        except (EOFError, OSError):
+            pass
+        task.conn.close()
+        with self.cond:
+            if not self.ending and self.lost is None:
+                self.lost = task
+                logger.debug("hvdlite.spark: task %d on %s ended early", task.index,
+                             task.hostname)
+            self.cond.notify_all()
+
     def wait_for_tasks(self, count: int, deadline: float,
                        give_up: Callable[[], bool]) -> Optional[List[TaskInfo]]:
-        """Waits until ``count`` tasks registered, the monotonic ``deadline`` passed or
-        ``give_up()`` says so (checked each second).
+        """Waits until ``count`` tasks registered, the monotonic ``deadline`` passed, a
+        task ended early or ``give_up()`` says so (checked each second).
 
         Returns:
             The tasks by index, or None when they did not all come.
@@ -122,7 +142,7 @@ class DriverService:
         with self.cond:
             while len(self.tasks) < count:
                 left = deadline - time.monotonic()
-                if left <= 0 or give_up():
+                if left <= 0 or self.lost is not None or give_up():
                     return None
                 self.cond.wait(min(left, 1.0))
             return [self.tasks[i] for i in sorted(self.tasks)]
@@ -135,13 +155,13 @@ class DriverService:
     def end_tasks(self):
         """Tells every registered task that the job is over (each then returns)."""
         with self.cond:
+            self.ending = True
             tasks = list(self.tasks.values())
         for task in tasks:
             try:
                 task.conn.send(("end",))
             except (EOFError, OSError):
-                pass
-            task.conn.close()
+                pass   # its watch thread closes the connection when the task hangs up
 
     def close(self):
         self.end_tasks()

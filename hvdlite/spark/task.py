@@ -5,6 +5,7 @@ hvdliterun starts the ranks of a host through the TaskService of that host's fir
 (see driver.py), so each rank runs on the host of its task; the task returns when the
 driver ends the job, or when the driver's connection drops.
 """
+import os
 import socket
 from multiprocessing.connection import Client
 from typing import Iterator, Tuple
@@ -30,7 +31,7 @@ def barrier_task(driver_address: Tuple[str, int], key: bytes):
         service = TaskService(key)
         try:
             with Client(driver_address, authkey=key) as conn:
-                conn.send(("register", index, hostname, service.port))
+                conn.send(("register", index, hostname, service.port, os.getpid()))
                 try:
                     conn.recv()   # ("end",): the job is over
                 except (EOFError, OSError):

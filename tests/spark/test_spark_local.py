@@ -161,3 +161,52 @@ def test_failing_rank_names_it_and_leaves_nothing(native, sc):
     # The stage ended too: the cluster takes the next job at once.
     assert [r[0] for r in hvdlite.spark.run(rank_and_place, num_proc=2, start_timeout=30)] \
         == [0, 1]
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S)
+def test_digits_example_learns(native, sc):
+    pytest.importorskip("sklearn")
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "examples", "spark_digits.py")
+    spec = importlib.util.spec_from_file_location("spark_digits_example", path)
+    example = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = example
+    spec.loader.exec_module(example)
+    cloudpickle.register_pickle_by_value(example)
+    # On the shared context (the example's main() starts and stops its own session).
+    accuracy = example.run_training(num_proc=2, epochs=5)
+    assert accuracy > 0.8, f"test accuracy {accuracy:.2%} after 5 epochs"
+
+
+def kill_task_of_rank_one():
+    import os
+    import signal
+    import time
+
+    import hvdlite as hvd
+    hvd.init()
+    if hvd.rank() == 1:
+        os.kill(int(os.environ["HVDLITE_SPARK_TASK_PID"]), signal.SIGKILL)
+    time.sleep(300)   # ended with the job, long before this
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S)
+def test_failing_task_names_it_and_leaves_nothing(native, sc):
+    import os
+
+    mark = uuid.uuid4().hex
+    env = dict(os.environ, HVDLITE_SPARK_TEST_MARK=mark)
+    begin = time.monotonic()
+    with pytest.raises(hvdlite.spark.SparkJobError) as info:
+        hvdlite.spark.run(kill_task_of_rank_one, num_proc=2, start_timeout=60, env=env)
+    took = time.monotonic() - begin
+    error = info.value
+    assert (error.task_index, error.rank) == (1, 1), str(error)
+    assert "Spark task 1 on host" in str(error) and "ended before the job did" in str(error)
+    assert took < 60, f"took {took:.1f} s (rank 0 sleeps 300 s)"
+    assert_none_left(f"HVDLITE_SPARK_TEST_MARK={mark}")
+    assert [r[0] for r in hvdlite.spark.run(rank_and_place, num_proc=2, start_timeout=60)] \
+        == [0, 1]
