@@ -43,10 +43,10 @@ def _accept_loop(listener: Listener, closed: threading.Event,
                          name="hvdlite-spark-conn").start()
 
 
-def _wake(address: Tuple[str, int], key: bytes):
-    """Unblocks a listener's accept() (closing its socket alone does not)."""
+def _wake(port: int, key: bytes):
+    """Unblocks a listener's accept() on ``port`` (closing its socket alone does not)."""
     try:
-        Client(("127.0.0.1", address[1]), authkey=key).close()
+        Client(("127.0.0.1", port), authkey=key).close()
     except (OSError, EOFError, AuthenticationError):
         pass
 
@@ -164,9 +164,12 @@ class DriverService:
                 pass   # its watch thread closes the connection when the task hangs up
 
     def close(self):
+        """Ends the tasks and stops serving (idempotent)."""
         self.end_tasks()
+        if self.closed.is_set():
+            return
         self.closed.set()
-        _wake(self.listener.address, self.key)
+        _wake(self.port, self.key)
         self.listener.close()
         self.thread.join(5.0)
 
@@ -264,13 +267,15 @@ class TaskService:
                     return
 
     def close(self):
-        """Ends every command still running and stops serving."""
+        """Ends every command still running and stops serving (idempotent)."""
         with self.lock:
+            if self.closed.is_set():
+                return
             self.closed.set()
             procs = list(self.procs)
         for proc in procs:
             if proc.poll() is None:
                 _kill_group(proc)
-        _wake(self.listener.address, self.key)
+        _wake(self.port, self.key)
         self.listener.close()
         self.thread.join(5.0)

@@ -14,6 +14,7 @@ Run by path with ``python -I``: standard library only.
 import json
 import os
 import sys
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client
 
 KEY_ENV = "HVDLITE_SPARK_KEY"
@@ -37,7 +38,7 @@ def main(argv=None):
             address, port = json.load(f)[host]
         conn = Client((address, int(port)), authkey=bytes.fromhex(os.environ[KEY_ENV]))
         conn.send(("run", command))
-    except (OSError, KeyError, ValueError, EOFError) as exc:
+    except (OSError, KeyError, ValueError, EOFError, AuthenticationError) as exc:
         sys.stderr.write(f"hvdlite.spark: no Spark task on host {host} to start "
                          f"processes in: {exc!r}\n")
         return 255
