@@ -18,6 +18,7 @@ The steps, in the driver:
 5. end the tasks (the stage completes) and return the results in rank order, or raise
    SparkJobError naming the failed rank, its task and host, with its traceback.
 """
+import json
 import logging
 import os
 import secrets
@@ -27,7 +28,6 @@ import sys
 import tempfile
 import threading
 import time
-import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, TextIO
 
