@@ -43,6 +43,7 @@ def rank_and_place():
 
     import hvdlite as hvd
     hvd.init()
+    print(f"rank {hvd.rank()} of {hvd.size()}", flush=True)
     return (hvd.rank(), hvd.size(), int(os.environ["HVDLITE_SPARK_TASK_INDEX"]),
             socket.gethostname())
 
@@ -88,7 +89,14 @@ def fail_on_rank_one(message):
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_results_in_rank_order_with_default_num_proc(native, sc):
-    results = hvdlite.spark.run(rank_and_place, start_timeout=60)
+    import io
+
+    out = io.StringIO()
+    results = hvdlite.spark.run(rank_and_place, start_timeout=60, stdout=out, verbose=2)
+    # The ranks' output reaches the stream given, tagged with rank and (verbose=2) host.
+    lines = out.getvalue().splitlines()
+    for rank in range(SLOTS):
+        assert f"[{rank}@{results[rank][3]}]<stdout>:rank {rank} of {SLOTS}" in lines, lines
     assert sc.defaultParallelism == SLOTS
     assert [r[:2] for r in results] == [(rank, SLOTS) for rank in range(SLOTS)]
     # One host: rank r holds the slot of task r.

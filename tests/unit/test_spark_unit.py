@@ -14,7 +14,7 @@ import needs
 needs.import_or_skip("pyspark", "spark")   # hvdlite.spark's package imports it
 
 from hvdlite.spark import service as spark_service  # noqa: E402
-from hvdlite.spark.driver import Placement  # noqa: E402
+from hvdlite.spark.driver import Placement, _launcher_argv  # noqa: E402
 from hvdlite.spark.service import TaskInfo, TaskService  # noqa: E402
 
 TASK_SHELL = os.path.join(os.path.dirname(os.path.abspath(spark_service.__file__)),
@@ -119,3 +119,22 @@ def test_ranks_fill_hosts_in_the_order_of_their_first_task():
     assert placement.starters == {"10.0.0.66": ("10.0.0.66", 5000),
                                   "10.0.0.65": ("10.0.0.65", 5001),
                                   "10.0.0.67": ("10.0.0.67", 5004)}
+
+
+def test_the_launcher_gets_hvdliteruns_flags_for_runs_arguments():
+    placement = Placement.of([TaskInfo(0, "hA", "10.0.0.1", 5000, 100, None),
+                              TaskInfo(1, "hB", "10.0.0.2", 5001, 101, None)])
+    argv = _launcher_argv(placement, 2, "/tmp/tasks.json", 30.0, "-genv X 1", 2,
+                          ["eth1", "eth2"])
+    head = argv[:argv.index("--")] if "--" in argv else argv
+    assert argv[1:5] == ["-m", "hvdlite.runner", "-np", "2"]
+    assert head[head.index("-H") + 1] == "10.0.0.1:1,10.0.0.2:1"
+    assert head[head.index("--start-timeout") + 1] == "30"
+    assert head[head.index("--network-interface") + 1] == "eth1,eth2"
+    assert head[head.index("--mpi-args") + 1] == "-genv X 1"
+    assert "--verbose" in head
+    shell = head[head.index("--remote-shell") + 1]
+    assert shell.endswith("--tasks /tmp/tasks.json {host}") and "task_shell.py" in shell
+    assert argv[-2:] == ["-m", "hvdlite.spark"]
+    quiet = _launcher_argv(placement, 2, "/tmp/tasks.json", 30.0, None, 1, None)
+    assert not {"--verbose", "--network-interface", "--mpi-args"} & set(quiet)
