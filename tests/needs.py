@@ -30,6 +30,8 @@ AREAS = {
                 "RLIMIT_RTPRIO > 0) and at least 2 cores: tests/multirank/test_thread_sched.py",
     "torch": "torch importable",
     "lightning": "lightning (PyTorch Lightning 2.x, the package) importable, with torch",
+    "spark": "pyspark importable and Java 17+ (java on PATH or JAVA_HOME): tests/spark, "
+             "tests/cluster/test_cluster_spark.py",
     "tensorflow": "tensorflow importable",
     "keras": "keras importable (with tensorflow or torch as its backend)",
     "sklearn": "scikit-learn importable (the examples' data set)",

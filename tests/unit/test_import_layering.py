@@ -53,6 +53,8 @@ LAYERS = [
     ("lightning", ["hvdlite.lightning.*"]),
     ("the package", ["hvdlite"]),
     ("launcher and command line", ["hvdlite.runner.*", "hvdlite.cli", "hvdlite.__main__"]),
+    # Spark runs its ranks through the launcher (hvdliterun on the driver).
+    ("spark", ["hvdlite.spark.*"]),
 ]
 
 
