@@ -8,7 +8,9 @@ one worker actor per node runs a :class:`NodeShellServer`, a thread that accepts
 commands on the node's address from holders of the job's secret, runs each with
 ``/bin/sh -c`` in a session of its own, streams its output back and finally its exit
 status; when the caller goes away (mpiexec ended or was killed) the command's whole
-process group is ended. This file's ``main`` is the caller: it finds the node's server
+process group is ended. When the actor itself is about to end (the job is ending), it
+detaches: the caller exits with 0 and the command (MPI's proxy) ends by itself once its
+ranks have finalized. This file's ``main`` is the caller: it finds the node's server
 in ``HVDLITE_RAY_NODE_SHELLS`` (``host=port,...``), with the secret in
 ``HVDLITE_RAY_NODE_SHELL_TOKEN``, and exits with the command's status, or with 255
 (as ssh) when the node cannot be reached, so that hvdliterun names the host.
@@ -28,7 +30,7 @@ import threading
 ENV_SHELLS = "HVDLITE_RAY_NODE_SHELLS"
 ENV_TOKEN = "HVDLITE_RAY_NODE_SHELL_TOKEN"
 _HEADER = struct.Struct("!cI")
-OUT, ERR, EXIT = b"O", b"E", b"X"
+OUT, ERR, EXIT, DETACH = b"O", b"E", b"X", b"D"
 UNREACHABLE = 255
 CONNECT_TIMEOUT_S = 10.0
 
@@ -91,6 +93,8 @@ def run_remote(host: str, command: str, env=None) -> int:
             kind, payload = _recv(sock)
             if kind == EXIT:
                 return int(payload.decode())
+            if kind == DETACH:
+                return 0
             os.write(1 if kind == OUT else 2, payload)
     except (OSError, ConnectionError, ValueError) as exc:
         sys.stderr.write(f"hvdlite ray node shell: lost the worker actor on host {host} "
@@ -119,7 +123,7 @@ class NodeShellServer:
         self._sock = socket.create_server((host, 0))
         self.port = self._sock.getsockname()[1]
         self._lock = threading.Lock()
-        self._children = set()  # Guarded by _lock.
+        self._children = {}  # child -> its caller's connection. Guarded by _lock.
         self._closed = False
         threading.Thread(target=self._accept, name="hvdlite-node-shell", daemon=True).start()
 
@@ -152,7 +156,7 @@ class NodeShellServer:
         with self._lock:
             if self._closed:
                 _killpg(child.pid)
-            self._children.add(child)
+            self._children[child] = conn
         sel = selectors.DefaultSelector()
         sel.register(child.stdout, selectors.EVENT_READ, OUT)
         sel.register(child.stderr, selectors.EVENT_READ, ERR)
@@ -161,8 +165,10 @@ class NodeShellServer:
         try:
             while open_streams:
                 for key, _ in sel.select():
-                    if key.data is None:  # the caller went away (or spoke: it must not)
-                        _killpg(child.pid)
+                    if key.data is None:
+                        # The caller went away: the job ended (or mpiexec was killed), so
+                        # the command goes too, unless the actor detached from it.
+                        self._end_unless_detached(child)
                         return
                     data = os.read(key.fd, 65536)
                     if not data:
@@ -174,20 +180,40 @@ class NodeShellServer:
             _send(conn, EXIT, str(returncode if returncode >= 0
                                   else 128 - returncode).encode())
         except OSError:
-            _killpg(child.pid)
+            self._end_unless_detached(child)
         finally:
             sel.close()
-            child.stdout.close()
-            child.stderr.close()
-            child.wait()
             with self._lock:
-                self._children.discard(child)
+                self._children.pop(child, None)
+
+    def _end_unless_detached(self, child):
+        with self._lock:
+            attached = child in self._children
+        if attached:
+            _killpg(child.pid)
+
+    def detach(self):
+        """Lets every caller go (exit 0) and every command run on to its own end."""
+        with self._lock:
+            self._closed = True
+            connections = list(self._children.values())
+            self._children.clear()
+        for conn in connections:
+            try:
+                _send(conn, DETACH)
+            except OSError:
+                pass
 
     def close(self):
         """Stops accepting and ends every command still running (SIGKILL to its group)."""
         with self._lock:
             self._closed = True
             children = list(self._children)
+            self._children.clear()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         try:
             self._sock.close()
         except OSError:

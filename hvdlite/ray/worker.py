@@ -84,11 +84,13 @@ def leave() -> None:
     """Ends this worker's rank well: its process (under mpiexec) ends with success once
     this process has exited, after MPI_Finalize.
 
-    The node shell stays: the node's MPI proxy it started serves every rank of the node
-    until their processes end, and then ends by itself.
+    The node shell detaches from its commands: the node's MPI proxy serves every rank of
+    the node until their processes end, and then ends by itself.
     """
     if _state.listener is not None:
         _state.listener.release()
+    if _state.node_shell is not None:
+        _state.node_shell.detach()
 
 
 def new_token() -> str:
