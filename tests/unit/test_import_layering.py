@@ -53,6 +53,8 @@ LAYERS = [
     ("lightning", ["hvdlite.lightning.*"]),
     ("the package", ["hvdlite"]),
     ("launcher and command line", ["hvdlite.runner.*", "hvdlite.cli", "hvdlite.__main__"]),
+    # Ray: the world across Ray actors is formed by the launcher's own machinery.
+    ("ray", ["hvdlite.ray.*"]),
 ]
 
 
