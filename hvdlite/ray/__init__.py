@@ -17,5 +17,6 @@ except ImportError as exc:  # pragma: no cover - exercised without ray only
                       "(or hvdlite[ray])") from exc
 
 from hvdlite.ray.executor import BaseWorker, RayExecutor, RaySettings
+from hvdlite.ray.train import HvdliteConfig
 
-__all__ = ["BaseWorker", "RayExecutor", "RaySettings"]
+__all__ = ["BaseWorker", "HvdliteConfig", "RayExecutor", "RaySettings"]

@@ -120,3 +120,27 @@ def fail_on_rank(rank_to_fail):
     if hvd.rank() == rank_to_fail:
         raise ValueError(f"rank {hvd.rank()} fails on purpose")
     return hvd.rank()
+
+
+def train_loop_per_worker(config):
+    """Ray Train's loop: trains as train_distributed, reports every step's loss and,
+    at the end, a checkpoint with the weights (rank 0's)."""
+    import os
+    import tempfile
+
+    import ray.train
+
+    import hvdlite.torch as hvd
+
+    def report(step, loss):
+        ray.train.report({"step": step, "loss": loss, "rank": hvd.rank(), "size": hvd.size()})
+
+    weights = train_distributed(report=None if config.get("quiet") else report)
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = None
+        if hvd.rank() == 0:
+            np.savez(os.path.join(tmp, "weights.npz"), **weights)
+            checkpoint = ray.train.Checkpoint.from_directory(tmp)
+        ray.train.report({"step": STEPS, "rank": hvd.rank(), "size": hvd.size(),
+                          "world_rank": ray.train.get_context().get_world_rank()},
+                         checkpoint=checkpoint)

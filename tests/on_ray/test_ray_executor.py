@@ -147,3 +147,27 @@ def test_node_without_hvdlite_core_is_named(ray_local):
         # Each worker's environment points the core's loader at a missing file.
         executor.start(extra_env_vars={"HVDLITE_LIBRARY": "/nonexistent/libhvdlite.so"})
     assert executor.workers == []
+
+
+def test_ray_train_backend_trains_and_reports(ray_local, tmp_path):
+    needs.import_or_skip("torch")
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    from hvdlite.ray import HvdliteConfig
+
+    size = 2
+    trainer = DataParallelTrainer(
+        ray_bodies.train_loop_per_worker, train_loop_config={},
+        backend_config=HvdliteConfig(timeout_s=60),
+        scaling_config=ScalingConfig(num_workers=size, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(storage_path=str(tmp_path), name="hvdlite-train"))
+    result = trainer.fit()
+    assert result.error is None, result.error
+    assert result.metrics["step"] == ray_bodies.STEPS and result.metrics["size"] == size
+    assert result.metrics["rank"] == result.metrics["world_rank"] == 0
+    with result.checkpoint.as_directory() as directory:
+        got = dict(np.load(f"{directory}/weights.npz"))
+    want = ray_bodies.train_reference(size)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
