@@ -260,10 +260,20 @@ class RayExecutor:
             places = self._world.form()
         except WorldError as exc:
             raise RuntimeError(f"hvdlite ray: {exc}") from exc
-        self.workers = [actors[p.index] for p in sorted(places, key=lambda p: p.rank)]
+        places = sorted(places, key=lambda p: p.rank)
+        self.workers = [actors[p.index] for p in places]
         if executable_cls is not None:
-            self._get([w.start_executable.remote(executable_cls, executable_args,
-                                                 executable_kwargs) for w in self.workers])
+            refs = [w.start_executable.remote(executable_cls, executable_args,
+                                              executable_kwargs) for w in self.workers]
+            ray.wait(refs, num_returns=len(refs), timeout=None)
+            for place, ref in zip(places, refs):
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    raise RuntimeError(
+                        f"hvdlite ray: the worker of rank {place.rank} on {place.hostname} "
+                        f"({place.ip}) died while making its {executable_cls.__name__}: "
+                        f"{exc}") from exc
 
     # -- running ------------------------------------------------------------------------
 

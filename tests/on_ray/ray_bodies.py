@@ -144,3 +144,16 @@ def train_loop_per_worker(config):
         ray.train.report({"step": STEPS, "rank": hvd.rank(), "size": hvd.size(),
                           "world_rank": ray.train.get_context().get_world_rank()},
                          checkpoint=checkpoint)
+
+
+class DiesOnRank1:
+    """An executable whose making kills the worker process of rank 1."""
+
+    def __init__(self):
+        import os
+
+        import hvdlite as hvd
+
+        hvd.init()
+        if hvd.rank() == 1:
+            os._exit(3)

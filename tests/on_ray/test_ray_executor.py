@@ -171,3 +171,22 @@ def test_ray_train_backend_trains_and_reports(ray_local, tmp_path):
     want = ray_bodies.train_reference(size)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_worker_dying_at_start_is_named_and_nothing_is_left(ray_local):
+    from ray.util import placement_group_table
+
+    from hvdlite.ray import RayExecutor
+    from ray_support import assert_all_gone, rank_processes
+
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=30), num_workers=2)
+    before = set(rank_processes())
+    with pytest.raises(RuntimeError,
+                       match=r"the worker of rank 1 on \S+ \(\S+\) died while making its "
+                             r"DiesOnRank1"):
+        executor.start(executable_cls=ray_bodies.DiesOnRank1)
+    assert executor.workers == []
+    assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values()
+               if pg["strategy"] == "PACK" and len(pg["bundles"]) == 2), \
+        "the executor's placement group was left behind"
+    assert_all_gone(set(rank_processes()) - before, 15, "rank processes of the failed start")
