@@ -15,8 +15,9 @@ RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"
 
 
 def worker_pythonpath():
-    """PYTHONPATH for Ray's workers: this checkout and the tests' helpers first."""
-    parts = [REPO_ROOT, HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(":") if p]
+    """PYTHONPATH for Ray's workers: this checkout, the tests' helpers and the examples
+    first."""
+    parts = [REPO_ROOT, HERE, os.path.join(REPO_ROOT, "examples")] + [p for p in os.environ.get("PYTHONPATH", "").split(":") if p]
     return ":".join(dict.fromkeys(parts))
 
 

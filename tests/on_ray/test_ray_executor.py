@@ -190,3 +190,21 @@ def test_worker_dying_at_start_is_named_and_nothing_is_left(ray_local):
                if pg["strategy"] == "PACK" and len(pg["bundles"]) == 2), \
         "the executor's placement group was left behind"
     assert_all_gone(set(rank_processes()) - before, 15, "rank processes of the failed start")
+
+
+def test_example_ray_digits_learns(ray_local, capsys):
+    needs.import_or_skip("torch")
+    needs.import_or_skip("sklearn")
+    import sys
+
+    from ray_support import REPO_ROOT
+
+    sys.path.insert(0, f"{REPO_ROOT}/examples")
+    try:
+        import ray_digits
+    finally:
+        sys.path.pop(0)
+    loss, accuracy = ray_digits.main(["--num-workers", "2", "--epochs", "3"])
+    out = capsys.readouterr().out
+    assert "training on 2 rank(s)" in out and "epoch 3:" in out, out
+    assert accuracy > 0.85 and loss < 0.5, (loss, accuracy, out)
