@@ -27,6 +27,9 @@ from hvdlite.ray.world import World, WorldError
 
 logger = logging.getLogger("hvdlite")
 
+# Seconds the workers get to report their own error once the job has ended under a call.
+JOB_END_GRACE_S = 10.0
+
 
 @dataclass
 class RaySettings:
@@ -282,21 +285,26 @@ class RayExecutor:
             raise RuntimeError("RayExecutor is not started: call start() first")
 
     def _get(self, refs):
-        """ray.get that also raises when the job ended under a call (a lost rank)."""
+        """ray.get of ``refs`` (in order) that also ends when the job ended under the call.
+
+        A worker's own error is raised as soon as it comes. When the job ends (a lost
+        rank: the launcher ends the rest a few seconds later), the workers get
+        JOB_END_GRACE_S to raise theirs (RankFailedError names the lost ranks); then
+        RuntimeError gives the launcher's account.
+        """
+        refs = list(refs)
         while True:
-            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=1.0)
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
             if len(ready) == len(refs):
                 return ray.get(refs)
             for ref in ready:
-                ray.get(ref)  # a failed worker raises here, with its traceback
+                ray.get(ref)  # raises a failed worker's error, with its traceback
             failure = self._world.failure() if self._world else None
             if failure:
-                ray.wait(list(refs), num_returns=len(refs), timeout=10.0)
-                for ref in refs:
-                    try:
-                        ray.get(ref, timeout=0)
-                    except ray.exceptions.GetTimeoutError:
-                        continue
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=JOB_END_GRACE_S)
+                results = [ray.get(ref) for ref in ready]
+                if len(results) == len(refs):
+                    return results
                 raise RuntimeError(f"hvdlite ray: the job ended: {failure}")
 
     def run_remote(self, fn: Callable, args: Optional[List] = None,

@@ -94,7 +94,8 @@ def main() -> int:
         return 1
     variables, names, fds = identity(env)
     message = json.dumps({"variables": variables, "fds": names,
-                          "host": socket.gethostname()}).encode()
+                          "host": socket.gethostname(),
+                          "nice": os.getpriority(os.PRIO_PROCESS, 0)}).encode()
     sock.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
     for fd in fds:
         # The actor holds them now; the proxy must see the actor's end, not ours.
@@ -125,7 +126,7 @@ class HandoffListener:
         self._conn = None
 
     def accept(self, timeout: float):
-        """Waits for the rank process; returns (variables, host of the process).
+        """Waits for the rank process; returns (variables, host, niceness of the process).
 
         The variables already name this process's copies of the descriptors.
 
@@ -155,7 +156,7 @@ class HandoffListener:
         # A bare descriptor, which nothing in Python closes: the kernel closes it when
         # this process ends, after MPI_Finalize ran at exit (see main()).
         self._conn = conn.detach()
-        return variables, info.get("host", "")
+        return variables, info.get("host", ""), info.get("nice")
 
     def release(self):
         """Tells the rank process that this rank ends well: it exits with success once

@@ -157,3 +157,19 @@ class DiesOnRank1:
         hvd.init()
         if hvd.rank() == 1:
             os._exit(3)
+
+
+def lose_rank_1():
+    """Rank 1's process ends; the others' next collective must fail, not hang."""
+    import os
+
+    import hvdlite as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:
+        os._exit(1)
+    try:
+        hvd.allreduce(np.ones(4), name="after_the_loss")
+    except Exception as exc:  # the error is the answer
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"

@@ -208,3 +208,23 @@ def test_example_ray_digits_learns(ray_local, capsys):
     out = capsys.readouterr().out
     assert "training on 2 rank(s)" in out and "epoch 3:" in out, out
     assert accuracy > 0.85 and loss < 0.5, (loss, accuracy, out)
+
+
+def test_worker_lost_while_running_fails_the_survivors(ray_local):
+    from hvdlite.ray import RayExecutor
+    from ray_support import assert_all_gone, rank_processes
+
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=30), num_workers=2)
+    before = set(rank_processes())
+    executor.start()
+    try:
+        refs = executor.run_remote(ray_bodies.lose_rank_1)
+        with pytest.raises(ray_local.exceptions.RayActorError):
+            ray_local.get(refs[1], timeout=60)
+        # The launcher tells the survivor, whose wait raises instead of hanging.
+        outcome = ray_local.get(refs[0], timeout=60)
+        assert outcome.startswith("RankFailedError") and "rank 1" in outcome, outcome
+    finally:
+        executor.shutdown()
+    assert executor.workers == []
+    assert_all_gone(set(rank_processes()) - before, 15, "rank processes of the lost job")
