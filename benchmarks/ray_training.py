@@ -15,7 +15,7 @@ Each reports the time from submit (the benchmark starting the command) to the en
 the first allreduce (a scalar, right after ``hvd.init()``), and the training throughput
 of benchmarks/train_throughput.py's MLP (784-2048-2048-10, batch 64 per rank, SGD,
 synthetic data, one compute thread), summed over ranks. Medians over rounds, with the
-range. Needs root.
+range. Needs root. Figures: docs/ray.md ("Measured").
 """
 import argparse
 import json
@@ -38,16 +38,19 @@ def parse_args(argv=None):
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--layers", default="784-2048-2048-10")
     p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--phases", action="store_true",
+                   help="also print rank 0's time per step by phase, and its threads' CPU")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--driver", default=None, metavar="HEAD", help=argparse.SUPPRESS)
     p.add_argument("--submitted", type=float, default=0.0, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
-def rank_body(layers, steps, warmup, submitted):
+def rank_body(layers, steps, warmup, submitted, phases=False):
     """One rank: the first allreduce's time since submit, then the training rate.
 
-    Returns (seconds to the first allreduce, samples/s), the same on every path."""
+    Returns (seconds to the first allreduce, samples/s, phases or None), the same on
+    every path."""
     import torch
 
     import hvdlite.torch as hvd
@@ -60,22 +63,24 @@ def rank_body(layers, steps, warmup, submitted):
     hvd.allreduce(torch.tensor(1.0), name="first")
     first = time.time() - submitted
     args = argparse.Namespace(layers=layers, batch=64, steps=steps, warmup=warmup,
-                              phases=False)
+                              phases=phases)
     model, x, y = train_throughput.build(args)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    rate, _ = train_throughput.timed_loop(args, model, opt, x, y)
-    return first, rate
+    rate, measured = train_throughput.timed_loop(args, model, opt, x, y)
+    return first, rate, measured
 
 
 def worker_main(args):
     import hvdlite as hvd
 
-    first, rate = rank_body(args.layers, args.steps, args.warmup, args.submitted)
+    first, rate, phases = rank_body(args.layers, args.steps, args.warmup, args.submitted,
+                                    args.phases)
     firsts, rates = hvd.allgather_object(first), hvd.allgather_object(rate)
     if hvd.rank() == 0:
-        print(RESULT + json.dumps({"first": max(firsts), "rates": rates}), flush=True)
+        print(RESULT + json.dumps({"first": max(firsts), "rates": rates, "phases": phases}),
+              flush=True)
 
 
 def driver_main(args):
@@ -89,11 +94,12 @@ def driver_main(args):
     executor.start()
     try:
         out = executor.run(rank_body, args=[args.layers, args.steps, args.warmup,
-                                            args.submitted])
+                                            args.submitted, args.phases])
     finally:
         executor.shutdown()
-    print(RESULT + json.dumps({"first": max(f for f, _ in out),
-                               "rates": [r for _, r in out]}), flush=True)
+    print(RESULT + json.dumps({"first": max(f for f, _, _ in out),
+                               "rates": [r for _, r, _ in out], "phases": out[0][2]}),
+          flush=True)
 
 
 def _result(done, what):
@@ -120,7 +126,7 @@ def main():
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     me = os.path.abspath(__file__)
     common = ["--layers", args.layers, "--steps", str(args.steps), "--warmup",
-              str(args.warmup)]
+              str(args.warmup)] + (["--phases"] if args.phases else [])
     runs = {"hvdliterun": [], "RayExecutor": []}
     with NetnsCluster(2, rate=args.rate) as cluster:
         env = cluster.mpi_env(dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0",
@@ -156,6 +162,8 @@ def main():
                     print(f"round {round_ + 1}/{args.rounds} {kind:11s} first allreduce "
                           f"{result['first']:.2f} s after submit; samples/s per rank: "
                           + ", ".join(f"{r:.1f}" for r in result["rates"]), flush=True)
+                    if args.phases:
+                        print(f"  rank 0 per step: {json.dumps(result['phases'])}", flush=True)
         finally:
             for host in cluster.hosts:
                 cluster.run(host.name, [ray_bin, "stop", "--force"], env=env,

@@ -205,12 +205,15 @@ class RayExecutor:
         timeout = self.settings.placement_group_timeout_s
         ready, _ = ray.wait([self._placement_group.ready()], timeout=timeout)
         if not ready:
+            free, total = ray.available_resources(), ray.cluster_resources()
+            nodes = sum(1 for node in ray.nodes() if node["Alive"])
+            have = ", ".join(f"{free.get(k, 0):g} of {total[k]:g} {k}" for k in ("CPU", "GPU")
+                             if k in total)
             raise TimeoutError(
-                f"Ray could not place the {self._size} worker(s) within "
-                f"{timeout:g} s (placement_group_timeout_s): {len(bundles)} bundle(s) of "
-                f"{bundles[0]} with strategy {strategy}; the cluster has "
-                f"{ray.available_resources()} available. Lower cpus_per_worker/"
-                f"num_workers, or add nodes.")
+                f"Ray could not place the {self._size} worker(s) within {timeout:g} s "
+                f"(placement_group_timeout_s): {len(bundles)} bundle(s) of {bundles[0]} with "
+                f"strategy {strategy}, on a cluster of {nodes} node(s) with "
+                f"{have} free. Lower cpus_per_worker/num_workers, or add nodes.")
         if self.num_hosts is not None:
             return [i // self.num_workers_per_host for i in range(self._size)]
         return list(range(self._size))

@@ -82,8 +82,8 @@ def run_remote(host: str, command: str, env=None) -> int:
     try:
         sock = socket.create_connection((host, shells[host]), timeout=CONNECT_TIMEOUT_S)
         sock.settimeout(None)
-        _send(sock, b"C", json.dumps({"token": env.get(ENV_TOKEN, ""),
-                                      "command": command}).encode())
+        _send(sock, b"C", json.dumps({"token": env.get(ENV_TOKEN, ""), "command": command,
+                                      "nice": os.getpriority(os.PRIO_PROCESS, 0)}).encode())
     except OSError as exc:
         sys.stderr.write(f"hvdlite ray node shell: cannot reach the worker actor on host "
                          f"{host} (port {shells[host]}): {exc}\n")
@@ -143,16 +143,19 @@ class NodeShellServer:
             if kind != b"C" or request.get("token") != self.token:
                 return
             conn.settimeout(None)
-            self._run(conn, request["command"])
+            self._run(conn, request["command"], request.get("nice"))
         except (OSError, ConnectionError, ValueError, KeyError):
             pass
         finally:
             conn.close()
 
-    def _run(self, conn, command):
+    def _run(self, conn, command, nice=None):
+        # The command runs at its caller's niceness, as under sshd, not at the Ray
+        # worker's (15): the ranks it starts are the job's main work (see worker.py).
         child = subprocess.Popen(["/bin/sh", "-c", command], stdin=subprocess.DEVNULL,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 start_new_session=True)
+                                 start_new_session=True,
+                                 preexec_fn=None if nice is None else _niceness_setter(nice))
         with self._lock:
             if self._closed:
                 _killpg(child.pid)
@@ -220,6 +223,16 @@ class NodeShellServer:
             pass
         for child in children:
             _killpg(child.pid)
+
+
+def _niceness_setter(nice):
+    def set_niceness():
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
+        except OSError:  # not permitted: the command keeps this process's niceness
+            pass
+
+    return set_niceness
 
 
 def _killpg(pid):

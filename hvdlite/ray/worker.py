@@ -86,7 +86,9 @@ def join(timeout: float, extra_env: Optional[Dict[str, str]] = None) -> str:
 
 
 def take_priority(nice: int) -> bool:
-    """Runs this process's threads at niceness ``nice`` (the rank's under hvdliterun).
+    """Runs this process's threads at niceness ``nice``: its stand-in's, which is the
+    launcher's (node_shell.py starts MPI's proxy at its caller's niceness), as a rank's
+    under hvdliterun.
 
     Ray starts workers at a low priority (``RAY_worker_niceness``, 15), meant for tasks
     beside the raylet; a rank is the job's main work, and at that priority every idle

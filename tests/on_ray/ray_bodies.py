@@ -135,6 +135,13 @@ def train_loop_per_worker(config):
     def report(step, loss):
         ray.train.report({"step": step, "loss": loss, "rank": hvd.rank(), "size": hvd.size()})
 
+    marker = config.get("die_once")
+    if marker and not os.path.exists(marker):
+        hvd.init()
+        if hvd.rank() == 1:  # the first attempt's rank 1 dies; Ray Train restarts the group
+            open(marker, "w").close()
+            os._exit(1)
+        hvd.allreduce(np.ones(2), name="waits_for_the_lost_rank")  # raises RankFailedError
     weights = train_distributed(report=None if config.get("quiet") else report)
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None

@@ -150,20 +150,25 @@ def test_node_without_hvdlite_core_is_named(ray_local):
 
 
 def test_ray_train_backend_trains_and_reports(ray_local, tmp_path):
+    """Rank 1 of the first worker group dies: Ray Train restarts the group (max_failures
+    1), whose new world trains from the start and reports."""
     needs.import_or_skip("torch")
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
     from hvdlite.ray import HvdliteConfig
 
     size = 2
     trainer = DataParallelTrainer(
-        ray_bodies.train_loop_per_worker, train_loop_config={},
+        ray_bodies.train_loop_per_worker,
+        train_loop_config={"die_once": str(tmp_path / "died")},
         backend_config=HvdliteConfig(timeout_s=60),
         scaling_config=ScalingConfig(num_workers=size, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(storage_path=str(tmp_path), name="hvdlite-train"))
+        run_config=RunConfig(storage_path=str(tmp_path), name="hvdlite-train",
+                             failure_config=FailureConfig(max_failures=1)))
     result = trainer.fit()
     assert result.error is None, result.error
+    assert (tmp_path / "died").exists(), "the first group's rank 1 did not die"
     assert result.metrics["step"] == ray_bodies.STEPS and result.metrics["size"] == size
     assert result.metrics["rank"] == result.metrics["world_rank"] == 0
     with result.checkpoint.as_directory() as directory:
