@@ -33,8 +33,6 @@ def main():
     try:
         out = {"identity": executor.run(ray_bodies.identity),
                "collectives": executor.run(ray_bodies.collectives)}
-        if scenario == "hosts":
-            out["weights"] = executor.run(ray_bodies.train_distributed)
     finally:
         executor.shutdown()
     print("RESULT " + json.dumps(to_json(out)), flush=True)

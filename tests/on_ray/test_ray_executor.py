@@ -212,7 +212,8 @@ def test_example_ray_digits_learns(ray_local, capsys):
     loss, accuracy = ray_digits.main(["--num-workers", "2", "--epochs", "3"])
     out = capsys.readouterr().out
     assert "training on 2 rank(s)" in out and "epoch 3:" in out, out
-    assert accuracy > 0.85 and loss < 0.5, (loss, accuracy, out)
+    # Chance is a loss of 2.3 (ln 10) and an accuracy of 0.1.
+    assert accuracy > 0.8 and loss < 1.0, (loss, accuracy, out)
 
 
 def test_worker_lost_while_running_fails_the_survivors(ray_local):
