@@ -256,6 +256,8 @@ class RayExecutor:
                 placement_group=self._placement_group,
                 placement_group_bundle_index=bundle)).remote() for bundle in bundle_of]
         self.workers = actors
+        # The user's variables go in first (so that the checks of the nodes see them) and
+        # again after each rank's identity arrives, so that they win over the launcher's.
         if extra_env_vars:
             ray.get([a.update_env_vars.remote(extra_env_vars) for a in actors])
         self._world = World(lambda i, fn, *args: actors[i].call.remote(fn, *args),

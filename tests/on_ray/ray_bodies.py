@@ -180,3 +180,22 @@ def lose_rank_1():
     except Exception as exc:  # the error is the answer
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def executor_in_current_placement_group():
+    """Inside a task of a placement group (as a Ray Tune trial runs): RayExecutor puts
+    its workers into that group. Returns the ranks and whether the group was used."""
+    from ray.util.placement_group import get_current_placement_group
+
+    from hvdlite.ray import RayExecutor
+
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60,
+                                                       placement_group_timeout_s=20),
+                           num_workers=2)
+    executor.start()
+    try:
+        ids = executor.run(identity)
+        used = executor._placement_group.id == get_current_placement_group().id
+    finally:
+        executor.shutdown()
+    return [i["rank"] for i in ids], [i["size"] for i in ids], used

@@ -234,3 +234,23 @@ def test_worker_lost_while_running_fails_the_survivors(ray_local):
         executor.shutdown()
     assert executor.workers == []
     assert_all_gone(set(rank_processes()) - before, 15, "rank processes of the lost job")
+
+
+def test_runs_inside_the_current_placement_group(ray_local):
+    from ray.util import placement_group_table
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="PACK")
+    ray_local.get(group.ready(), timeout=60)
+    try:
+        task = ray_local.remote(num_cpus=0)(ray_bodies.executor_in_current_placement_group)
+        ranks, sizes, used = ray_local.get(task.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_capture_child_tasks=True)).remote(),
+            timeout=120)
+        assert ranks == [0, 1] and sizes == [2, 2] and used
+        # The group is the caller's: the executor's shutdown leaves it.
+        assert placement_group_table(group)["state"] == "CREATED"
+    finally:
+        remove_placement_group(group)
