@@ -26,14 +26,14 @@ from typing import Dict, Optional, Sequence
 
 from hvdlite.runner.netns_cluster import NetnsCluster
 
-DAEMONS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "squeue", "sinfo")
+PROGRAMS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "scancel")
 CPUS_PER_NODE = 2
 CGROUP_CONF = "CgroupPlugin=cgroup/v1\n"
 
 
 def unavailable_reason() -> Optional[str]:
     """Why Slurm cannot run here (a program missing), or None."""
-    missing = [name for name in DAEMONS if shutil.which(name) is None]
+    missing = [name for name in PROGRAMS if shutil.which(name) is None]
     if missing:
         return ("Slurm needs " + ", ".join(missing) + " (apt-get install slurm-wlm munge; "
                 "scripts/setup_venv.sh does it as root)")
