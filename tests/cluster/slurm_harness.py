@@ -6,8 +6,9 @@
 
 One ``munged`` serves every host: its socket is a file, and the namespaces share the
 filesystem (a Unix socket named by a path is reached from any network namespace). It
-runs in the machine's own namespaces with its own key, socket and files under
-``workdir``, so it never meets a system munge. ``slurmctld`` runs in the first host,
+runs in the first host with its own key, socket and files under ``workdir``, so it
+never meets a system munge, and the cluster's teardown (or ``cleanup_stale`` after a
+SIGKILL) ends it with the rest. ``slurmctld`` runs in the first host,
 a ``slurmd`` in each host (its NodeName is the host's name, its NodeAddr the host's
 address on the bridge); all of them in the foreground, as children of this process, and
 all of them (and every job step) are killed by ``close()`` or by the cluster's own
@@ -138,7 +139,7 @@ class SlurmCluster:
         key = self._write_munge_key()
         munge_dir = os.path.dirname(key)
         try:
-            self._spawn(None, "munged", [
+            self._spawn(self.cluster.hosts[0].name, "munged", [
                 "munged", "--foreground", "--force", f"--socket={self.munge_socket}",
                 f"--key-file={key}", f"--pid-file={munge_dir}/munged.pid",
                 f"--log-file={munge_dir}/munged.log", f"--seed-file={munge_dir}/munged.seed"])
@@ -154,16 +155,11 @@ class SlurmCluster:
             raise
         return self
 
-    def _spawn(self, host: Optional[str], name: str, argv: Sequence[str]) -> None:
-        log = open(os.path.join(self.workdir, f"{name}.out"), "wb")
-        env = self.env()
-        kwargs = dict(stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                      env=env, start_new_session=True)
-        if host is None:
-            proc = subprocess.Popen(list(argv), **kwargs)
-        else:
-            proc = self.cluster.popen(host, list(argv), **kwargs)
-        log.close()
+    def _spawn(self, host: str, name: str, argv: Sequence[str]) -> None:
+        with open(os.path.join(self.workdir, f"{name}.out"), "wb") as log:
+            proc = self.cluster.popen(host, list(argv), stdout=log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, env=self.env(),
+                                      start_new_session=True)
         self._processes.append((name, proc))
 
     def _wait(self, ready, timeout: float, what: str) -> None:

@@ -5,6 +5,8 @@ h2, one munged (tests/cluster/slurm_harness.py), shared by the module's tests.
   MPI (the mpich wheel) takes its world from Slurm's PMI-2 server, and Slurm's own
   variables (SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID, SLURM_NTASKS) agree with the
   ranks hvdlite reports.
+- ``srun --mpi=none``: each task would be an MPI world of one; ``hvd.init()`` refuses,
+  naming srun's count and ``--mpi=pmi2``.
 - an ``sbatch`` script whose one command is ``hvdliterun python script.py``: hvdliterun
   takes the hosts and slots of the allocation and starts h2's ranks with ``srun``.
 
@@ -33,7 +35,7 @@ NODES, TASKS_PER_NODE = 2, 2
 TASKS = NODES * TASKS_PER_NODE
 LENGTH = 1000
 # What runs in the hosts between jobs (slurmscriptd is slurmctld's helper).
-SLURM_DAEMONS = ("slurmctld", "slurmscriptd", "slurmd")
+SLURM_DAEMONS = ("munged", "slurmctld", "slurmscriptd", "slurmd")
 
 SCRIPT = r'''
 import json, os, socket
@@ -169,6 +171,19 @@ def test_srun_with_pmi2_starts_the_ranks_without_hvdliterun(slurm, job_dir):
         assert r["slurm"]["SLURM_NODEID"] == str(r["cross_rank"]), r
         assert r["slurm"]["SLURM_NTASKS"] == str(TASKS), r
     assert len({r["slurm"]["SLURM_JOB_ID"] for r in ranks}) == 1
+    assert _job_processes(slurm) == {}
+
+
+def test_srun_without_pmi_fails_naming_the_fix_rather_than_running_singletons(slurm, job_dir):
+    # --mpi=none: MPI hears nothing from srun, and each task would be a world of one.
+    result = _run(slurm, ["srun", f"--nodes={NODES}", f"--ntasks={TASKS}", "--mpi=none",
+                          "--kill-on-bad-exit=1", sys.executable,
+                          str(job_dir / "allreduce.py")], "srun --mpi=none")
+    output = f"{result.stdout}\n{result.stderr}"
+    assert result.returncode != 0, output
+    assert "HVDLITE_RESULT" not in output, output
+    assert f"started {TASKS} processes (SLURM_STEP_NUM_TASKS={TASKS})" in output, output
+    assert "srun --mpi=pmi2" in output, output
     assert _job_processes(slurm) == {}
 
 
