@@ -21,6 +21,7 @@ by CPU, generous timeouts. Clients (srun, sbatch, squeue) find it through ``SLUR
 """
 import os
 import shutil
+import signal
 import subprocess
 import time
 from typing import Dict, Optional, Sequence
@@ -138,13 +139,13 @@ class SlurmCluster:
             f.write(CGROUP_CONF)
         key = self._write_munge_key()
         munge_dir = os.path.dirname(key)
+        controller = self.cluster.hosts[0].name
         try:
-            self._spawn(self.cluster.hosts[0].name, "munged", [
+            self._spawn(controller, "munged", [
                 "munged", "--foreground", "--force", f"--socket={self.munge_socket}",
                 f"--key-file={key}", f"--pid-file={munge_dir}/munged.pid",
                 f"--log-file={munge_dir}/munged.log", f"--seed-file={munge_dir}/munged.seed"])
             self._wait(lambda: os.path.exists(self.munge_socket), 20, "munged's socket")
-            controller = self.cluster.hosts[0].name
             self._spawn(controller, "slurmctld", ["slurmctld", "-D", "-i", "-f", self.conf])
             for host in self.cluster.hosts:
                 self._spawn(host.name, f"slurmd-{host.name}",
@@ -176,7 +177,8 @@ class SlurmCluster:
     def _nodes_idle(self) -> bool:
         result = self.run(self.cluster.hosts[0].name, ["sinfo", "-h", "-N", "-o", "%N %T"],
                           timeout=30)
-        states = dict(line.split() for line in result.stdout.splitlines() if line.strip())
+        states = dict(line.split()[:2] for line in result.stdout.splitlines()
+                      if len(line.split()) >= 2)
         return (result.returncode == 0 and len(states) == len(self.cluster.hosts)
                 and all(state == "idle" for state in states.values()))
 
@@ -207,7 +209,7 @@ class SlurmCluster:
         for _, proc in reversed(self._processes):
             if proc.poll() is None:
                 try:
-                    os.killpg(proc.pid, 9)
+                    os.killpg(proc.pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
         for _, proc in self._processes:
