@@ -38,7 +38,7 @@ def unavailable_reason() -> Optional[str]:
     missing = [name for name in PROGRAMS if shutil.which(name) is None]
     if missing:
         return ("Slurm needs " + ", ".join(missing) + " (apt-get install slurm-wlm munge; "
-                "scripts/setup_venv.sh does it as root)")
+                "as root, scripts/setup_venv.sh slurm does it)")
     return None
 
 
