@@ -35,7 +35,7 @@ from hvdlite._enqueue import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST
                               TensorSpec, enqueue, enqueue_fields, enqueue_group,
                               from_buffer, pointer_at)
 from hvdlite._names import auto_name  # noqa: F401
-from hvdlite._native import ffi
+from hvdlite._native import ffi, lib
 from hvdlite._refusals import note_names, refuse, refusing  # noqa: F401
 # Bound here, as before the split: allreduce_async calls them for every array of every
 # step, and a module attribute would cost a lookup more per call.
@@ -509,6 +509,11 @@ def join():
     steps. Any other collective submitted while a rank has joined fails with
     AbortedError on the ranks that submitted it, as Horovod's do.
 
+    If the wait is cut short (Ctrl-C, a test's timeout: any exception out of it), the
+    rank leaves the join before the exception goes on: the join fails and the rank takes
+    part in every collective as before (Horovod would leave it joined, so that every
+    later op but allreduce fails).
+
     Returns:
         The rank that joined last: the same value on every rank.
 
@@ -516,7 +521,13 @@ def join():
         NotInitializedError: before init() or after shutdown().
         HorovodInternalError: the join failed.
     """
-    return synchronize(_no_tensor_op(JOIN, "join", finisher=lambda h: h.output(0)[2]))
+    handle = _no_tensor_op(JOIN, "join", finisher=lambda h: h.output(0)[2])
+    try:
+        return synchronize(handle)
+    except BaseException:
+        # A join that already ended (or failed) is not left: the core ignores this.
+        lib.hvdlite_leave_join()
+        raise
 
 
 def poll(handle):

@@ -6,7 +6,7 @@
 #   bash scripts/setup_venv.sh [EXTRA...]
 #
 # EXTRAs are more of pyproject.toml's extras to install (scripts/test.sh passes
-# "lightning spark slurm"; "slurm" is no extra but Debian's slurm-wlm and munge, below).
+# "lightning spark ray slurm"; "slurm" is no extra but Debian's slurm-wlm and munge, below).
 # Every install runs under scripts/constraints.txt, so no extra's dependency (lightning
 # needs torch) can replace the pinned torch.
 set -euo pipefail

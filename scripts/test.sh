@@ -5,11 +5,11 @@ cd "$(dirname "$0")/.."
 # Every area of the suite must run here, none may pass by skipping (tests/needs.py):
 # CI runs as root on at least 2 cores, with the cluster tools, torch, tensorflow-cpu
 # (with keras), scikit-learn, mpi4py and matplotlib installed by setup_venv.sh, and a
-# kernel that permits SCHED_FIFO to root; lightning (hvdlite.lightning's tests) and
-# pyspark with a Java runtime (hvdlite.spark's) and Debian's slurm-wlm and munge (a real
-# Slurm on the namespace cluster) are installed here only, not by the quick start's
-# setup_venv.sh. A developer's run may
+# kernel that permits SCHED_FIFO to root; lightning (hvdlite.lightning's tests),
+# pyspark with a Java runtime (hvdlite.spark's), ray[train] (hvdlite.ray's, tests/on_ray)
+# and Debian's slurm-wlm and munge (a real Slurm on the namespace cluster) are installed
+# here only, not by the quick start's setup_venv.sh. A developer's run may
 # override it, e.g. HVDLITE_REQUIRE= scripts/test.sh to let what this machine lacks skip.
 export HVDLITE_REQUIRE=${HVDLITE_REQUIRE-all}
-bash scripts/setup_venv.sh lightning spark slurm
+bash scripts/setup_venv.sh lightning spark ray slurm
 HVDLITE_REQUIRE_NATIVE=1 OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

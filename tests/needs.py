@@ -39,6 +39,7 @@ AREAS = {
     "sklearn": "scikit-learn importable (the examples' data set)",
     "mpi4py": "mpi4py importable",
     "matplotlib": "matplotlib importable (hvdlite timeline's plots)",
+    "ray": "ray[train] (Ray 2.x) importable: tests/on_ray (hvdlite.ray)",
 }
 
 

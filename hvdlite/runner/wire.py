@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import struct
+import threading
 from typing import Dict, List, Mapping, Sequence, Tuple
 
 FRAME_HEADER = struct.Struct("!cI")
@@ -127,8 +128,19 @@ class SignalPipe:
             pass
 
     def install(self, signums: Sequence[int]) -> Dict[int, object]:
-        """Routes ``signums`` here; returns the handlers they had."""
+        """Routes ``signums`` here; returns the handlers they had.
+
+        Outside the main thread (a launcher run by a library, e.g. hvdlite.ray) nothing
+        is routed: signals stay with the main thread's handlers, and :meth:`send` is how
+        the loop is told to end.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return {}
         return {signum: signal.signal(signum, self._on_signal) for signum in signums}
+
+    def send(self, signum: int):
+        """Delivers ``signum`` to the loop as if the process had received it."""
+        self._on_signal(signum, None)
 
     def received(self) -> bytes:
         """The numbers of the signals received since the last call (when readable)."""

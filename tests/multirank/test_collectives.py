@@ -576,6 +576,55 @@ def test_join_uneven_training_loop(np_):
     assert all(result.result(r)["params"] == result.result(0)["params"] for r in range(np_))
 
 
+LEFT_JOIN = r'''
+import signal
+
+class GaveUp(Exception):
+    pass
+
+def give_up(signum, frame):
+    raise GaveUp()
+
+# Rank 0 joins while the others train on; its caller gives up waiting after 1 s (as a
+# test's timeout or Ctrl-C would): the join is left, and rank 0 is a full rank again.
+if rank == 0:
+    signal.signal(signal.SIGALRM, give_up)
+    signal.alarm(1)
+    try:
+        hvd.join()
+        failures.append("join() returned although rank 0 gave up waiting")
+    except GaveUp:
+        pass
+    signal.alarm(0)
+else:
+    # While rank 0 is joined it takes part with zeros.
+    got = hvd.allreduce(np.full(3, float(rank)), op=hvd.Sum, name="left.while")
+    check("allreduce while rank 0 is joined", got, np.full(3, float(sum(range(1, size)))))
+    time.sleep(2.0)  # until rank 0 has given up
+hvd.barrier()
+# Every collective works again, rank 0 contributing its own data.
+got = hvd.allreduce(np.full(3, rank + 1.0), op=hvd.Sum, name="left.after")
+check("allreduce after the join was left", got, np.full(3, size * (size + 1) / 2.0))
+check("broadcast after the join was left",
+      hvd.broadcast(np.full(2, float(rank)), 1, name="left.bc"), np.full(2, 1.0))
+rows = hvd.reducescatter(np.ones((size, 2), np.float32), op=hvd.Sum, name="left.rs")
+check("reducescatter after the join was left", rows, np.full((1, 2), float(size), np.float32))
+check("allgather after the join was left",
+      hvd.allgather(np.full((1, 1), float(rank)), name="left.ag"),
+      np.arange(size, dtype=np.float64).reshape(size, 1))
+# A later join of every rank ends as usual.
+last = hvd.join()
+report(last=last)
+'''
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_join_its_caller_gave_up_on_is_left(np_):
+    result = run_ranks(np_, LEFT_JOIN)
+    lasts = {result.result(r)["last"] for r in range(np_)}
+    assert len(lasts) == 1 and lasts.pop() in range(np_)
+
+
 # ---------------------------------------------------------------- mixed random order
 
 MIXED = r'''

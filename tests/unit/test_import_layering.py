@@ -55,6 +55,8 @@ LAYERS = [
     ("launcher and command line", ["hvdlite.runner.*", "hvdlite.cli", "hvdlite.__main__"]),
     # Spark runs its ranks through the launcher (hvdliterun on the driver).
     ("spark", ["hvdlite.spark.*"]),
+    # Ray: the world across Ray actors is formed by the launcher's own machinery.
+    ("ray", ["hvdlite.ray.*"]),
 ]
 
 

@@ -205,6 +205,12 @@ hvdlite_status_t hvdlite_enqueue_group(const hvdlite_tensor_t* tensors, int32_t 
  * reason, instead of waiting for a stall. Nothing is enqueued on this rank: the name
  * stays free, and there is nothing to wait on. Returns at once; the coordinator hears
  * of it within a cycle. */
+/* The caller of join() gave up waiting (an exception: Ctrl-C, a test's timeout): the
+ * pending join fails with HVDLITE_ERR_ABORTED and the rank takes part in collectives as
+ * before, on every rank, from the next round. Nothing happens if no join is pending (it
+ * ended meanwhile). */
+hvdlite_status_t hvdlite_leave_join(void);
+
 hvdlite_status_t hvdlite_refuse(hvdlite_op_t op, const char* name, int32_t process_set_id,
                                 const char* reason);
 

@@ -110,6 +110,10 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_enqueue_group(const hvdlite_tensor_t* te
   return Guard([&] { return hvdlite::Core::Get().Enqueue(tensors, n, true, handles); });
 }
 
+HVDLITE_EXPORT hvdlite_status_t hvdlite_leave_join(void) {
+  return Guard([&] { return hvdlite::Core::Get().LeaveJoin(); });
+}
+
 HVDLITE_EXPORT hvdlite_status_t hvdlite_refuse(hvdlite_op_t op, const char* name,
                                                int32_t process_set_id, const char* reason) {
   return Guard([&] {

@@ -31,6 +31,9 @@ class Core {
   Status Enqueue(const hvdlite_tensor_t* tensors, int32_t n, bool group, hvdlite_handle_t* out);
   // Sends a refusal of the op named name to the coordinator (see hvdlite_refuse).
   Status Refuse(int32_t op, const char* name, int32_t process_set, const std::string& reason);
+  // join()'s caller gave up: see hvdlite_leave_join. Goes with the refusals (a request
+  // made outside the queue) to the global set.
+  Status LeaveJoin();
   HandleTable& handles() { return handles_; }
   const Counters& counters() const { return counters_; }
   const Autotuner& autotune() const { return autotune_; }

@@ -53,7 +53,12 @@ void Core::TakeRefusals() {
   for (Request& q : taken) {
     // A set removed since the refusal has no op of that name left to fail.
     ProcessSetState* set = sets_.Find(q.process_set);
-    if (set && set->included()) set->Refuse(std::move(q));
+    if (!set || !set->included()) continue;
+    if (q.op == HVDLITE_OP_JOIN) {
+      set->LeaveJoin();
+    } else {
+      set->Refuse(std::move(q));
+    }
   }
 }
 

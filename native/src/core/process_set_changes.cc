@@ -79,6 +79,23 @@ Status Core::ChangeTable(int32_t op, const std::vector<int64_t>& argument, int64
   return s;
 }
 
+Status Core::LeaveJoin() {
+  Status s = CheckRunning();
+  if (!s.ok()) return s;
+  Request q;
+  q.rank = topo_.rank;
+  q.name = kLeaveJoinName;
+  q.op = HVDLITE_OP_JOIN;
+  q.dtype = HVDLITE_UINT8;
+  q.process_set = 0;
+  {
+    std::lock_guard<std::mutex> lock(refusals_mutex_);
+    refusals_.push_back(std::move(q));
+  }
+  queue_.Wake();
+  return Status::OK();
+}
+
 Status Core::Refuse(int32_t op, const char* name, int32_t process_set, const std::string& reason) {
   Status s = CheckRunning();
   if (!s.ok()) return s;

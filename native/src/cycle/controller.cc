@@ -18,6 +18,13 @@ void Controller::AddRequest(const Request& q, Clock::time_point now) {
   if (q.rank < 0 || q.rank >= size_) return;
   if (!q.refusal.empty()) return AddRefusal(q);
   if (!refused_.empty() && AnswerRefused(q)) return;
+  if (q.op == HVDLITE_OP_JOIN && q.name == kLeaveJoinName) {
+    if (joined_[q.rank]) {  // the rank left its join: a full rank again
+      joined_[q.rank] = 0;
+      --joined_count_;
+    }
+    return;
+  }
   if (q.op == HVDLITE_OP_JOIN) {
     if (!joined_[q.rank]) {
       joined_[q.rank] = 1;

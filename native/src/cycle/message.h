@@ -15,6 +15,9 @@ namespace hvdlite {
 // The name every rank's join request goes by: one join per rank at a time, whatever the
 // caller named it.
 constexpr const char* kJoinName = "__join__";
+// A JOIN request by this name tells the coordinator that the rank left its join (its
+// caller gave up waiting): a full rank again (ProcessSetState::LeaveJoin).
+constexpr const char* kLeaveJoinName = "__leave_join__";
 
 // Scale factors are the same when their bits are: 0.0 and -0.0 compare equal, yet scale
 // to zeros of different signs.

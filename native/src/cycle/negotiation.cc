@@ -4,6 +4,8 @@
 // execution.cc runs what is ready. Background thread only.
 #include "cycle/process_set.h"
 
+#include <algorithm>
+
 namespace hvdlite {
 namespace {
 
@@ -28,8 +30,36 @@ bool ProcessSetState::EndLoop(const Status& s) {
   return false;
 }
 
+void ProcessSetState::LeftJoin() {
+  leave_join_ = false;
+  TensorEntry* join = queue_.Find(kJoinName);
+  if (!join) return;  // it ended meanwhile (every rank had joined), or there was none
+  const hvdlite_handle_t h = join->handle;
+  queue_.Remove(kJoinName);
+  local_joined_ = false;
+  counters_.errors++;
+  handles_.Complete(h, Status(HVDLITE_ERR_ABORTED,
+                              "join() was left before every rank had joined (its caller gave up "
+                              "waiting); this rank takes part in collectives as before"));
+  auto sent = std::find_if(uncached_.begin(), uncached_.end(),
+                           [](const Request& q) { return q.op == HVDLITE_OP_JOIN; });
+  if (sent != uncached_.end()) {
+    uncached_.erase(sent);  // not sent yet: the coordinator never counted this rank joined
+    return;
+  }
+  Request q;
+  q.rank = rank_;
+  q.name = kLeaveJoinName;
+  q.op = HVDLITE_OP_JOIN;
+  q.dtype = HVDLITE_UINT8;
+  q.process_set = id();
+  // First in this round: this cycle's requests (another thread's, say) come after it.
+  uncached_.insert(uncached_.begin(), std::move(q));
+}
+
 bool ProcessSetState::RunCycle(Clock::time_point now, const RoundFlags& mine, RoundFlags* heard) {
   SortFresh(now);
+  if (leave_join_) LeftJoin();
   bool any_uncached = false;
   std::vector<Response> ready;
   if (!Coordinate(now, mine, &any_uncached, heard, &ready)) return false;

@@ -115,6 +115,9 @@ class ProcessSetState {
   // coordinator this round, and the name's cache slot is marked invalid so that every
   // member negotiates it afresh.
   void Refuse(Request q);
+  // join()'s caller gave up (Core::LeaveJoin): after this cycle's requests are sorted,
+  // the pending join fails here and the coordinator hears that this rank left it.
+  void LeaveJoin() { leave_join_ = true; }
   // One round of this set: sort the new requests (cache hit or not), coordinate,
   // negotiate what is not cached, execute, complete. heard collects the flags of the
   // members (ORed into what it holds). Returns false when the loop must end.
@@ -130,6 +133,9 @@ class ProcessSetState {
  private:
   // Steps of RunCycle.
   void SortFresh(Clock::time_point now);
+  // What LeaveJoin asked: fails the pending join and tells the coordinator (or drops the
+  // join's request if it was never sent).
+  void LeftJoin();
   // The bit-vector round: fills ready with the cached responses every member is ready
   // for; false (loop ends) on a transport failure.
   bool Coordinate(Clock::time_point now, const RoundFlags& mine, bool* any_uncached,
@@ -202,6 +208,7 @@ class ProcessSetState {
   std::set<int64_t> invalid_slots_;
   bool join_active_ = false;
   bool local_joined_ = false;
+  bool leave_join_ = false;
   bool failed_ = false;  // a transport failure: the loop ends after this round
   int64_t queue_start_us_ = 0;  // timeline: when this cycle's operations began to queue
 

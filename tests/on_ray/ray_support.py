@@ -1,0 +1,79 @@
+"""What the Ray tests share: the workers' PYTHONPATH, and the checks that nothing
+of a Ray cluster is left behind.
+
+Workers import the tests' helpers (ray_bodies.py) and this checkout's hvdlite through
+PYTHONPATH, which Ray's worker processes inherit from the process that started them.
+"""
+import os
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
+# Ray's own start is the slow part on 2 cores: small clusters, no dashboard, no stats.
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1",
+           "OMP_NUM_THREADS": "1"}
+
+
+def worker_pythonpath():
+    """PYTHONPATH for Ray's workers: this checkout, the tests' helpers and the examples
+    first."""
+    parts = [REPO_ROOT, HERE, os.path.join(REPO_ROOT, "examples")] + [p for p in os.environ.get("PYTHONPATH", "").split(":") if p]
+    return ":".join(dict.fromkeys(parts))
+
+
+def descendants(pid):
+    """Every live process below ``pid`` (read from /proc)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def command_line(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
+
+
+def assert_all_gone(pids, within_s=20.0, what="Ray processes"):
+    """Waits up to ``within_s`` for ``pids`` to end; fails naming those left."""
+    deadline = time.monotonic() + within_s
+    left = [p for p in pids if alive(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.25)
+        left = [p for p in left if alive(p)]
+    assert not left, f"{what} left behind: " + "; ".join(
+        f"{p}: {command_line(p)[:120]}" for p in left)
+
+
+def rank_processes():
+    """Live processes of this checkout's handoff.py (a rank's process under mpiexec)."""
+    marker = os.path.join(REPO_ROOT, "hvdlite", "ray", "handoff.py")
+    return [int(e) for e in os.listdir("/proc")
+            if e.isdigit() and marker in command_line(int(e)) and alive(int(e))]
+
+
