@@ -10,8 +10,8 @@ h2, one munged (tests/cluster/slurm_harness.py), shared by the module's tests.
 - an ``sbatch`` script whose one command is ``hvdliterun python script.py``: hvdliterun
   takes the hosts and slots of the allocation and starts h2's ranks with ``srun``.
 
-Both run an allreduce across the two hosts, checked against numpy, and leave no process
-behind but the daemons.
+The two that run (pmi2, sbatch) do an allreduce across the two hosts, checked against
+numpy; every job leaves no process behind but the daemons.
 """
 import json
 import os
