@@ -13,9 +13,10 @@ Horovod's names of these (``HOROVOD_CYCLE_TIME``...) are copied to ours first, w
 ours are unset (``env_aliases``).
 """
 import logging
+import os
 import threading
 
-from hvdlite import core, objects
+from hvdlite import core, errors, objects
 from hvdlite import process_sets as sets
 from hvdlite.core import (add_init_hook, autotune_state, cross_rank, cross_size,  # noqa: F401
                           is_initialized, local_rank, local_size, mpi_library_version,
@@ -52,7 +53,54 @@ def init(comm=None, process_sets=None):
             _log.warning("hvdlite.init() called while already initialized; ignoring it")
             return
         core.start(comm)
+        problem = launcher_mismatch(os.environ, core.size()) if comm is None else None
+        if problem:
+            core.shutdown()
+            raise errors.HvdliteError(problem)
         _register_process_sets(process_sets)
+
+
+# Process counts that launchers put in each process's environment before MPI is up:
+# (variable, only inside a job step when this one is set, what to fix).
+_LAUNCHER_SIZES = (
+    ("SLURM_STEP_NUM_TASKS", "SLURM_STEP_ID",
+     "srun started them without a process manager this MPI speaks: run srun --mpi=pmi2 "
+     "(or set MpiDefault=pmi2 in slurm.conf), or hvdliterun inside the allocation"),
+    ("OMPI_COMM_WORLD_SIZE", None,
+     "Open MPI's mpirun started them, and hvdlite's MPI is not Open MPI: use that MPI's "
+     "mpiexec, or hvdliterun"),
+    ("PMI_SIZE", None,
+     "their launcher's PMI did not reach this MPI: use the mpiexec of the MPI hvdlite "
+     "was built against, or hvdliterun"),
+)
+
+
+def launcher_mismatch(environ, mpi_size):
+    """Why a process whose launcher started several cannot be an MPI world of one.
+
+    A launcher whose process manager MPI does not understand (``srun`` without
+    ``--mpi=pmi2``, another MPI's ``mpirun``) starts N processes that each become an MPI
+    singleton: N worlds of size 1, every one rank 0. The launcher's own count, in the
+    environment before MPI is up, tells them apart from a real one-process job.
+
+    Args:
+        environ: the process's environment.
+        mpi_size: the size of the world MPI made.
+
+    Returns:
+        The message naming the launcher's variable and the fix, or None when the world
+        agrees (or the process was started by hvdliterun, which sets HVDLITE_RANK).
+    """
+    if mpi_size != 1 or "HVDLITE_RANK" in environ:
+        return None
+    for variable, inside, fix in _LAUNCHER_SIZES:
+        value = environ.get(variable, "").strip()
+        if inside and inside not in environ:
+            continue
+        if value.isdigit() and int(value) > 1:
+            return (f"MPI made this process a world of its own (size 1), but its launcher "
+                    f"started {value} processes ({variable}={value}): {fix}")
+    return None
 
 
 def _comm_ranks(comm):

@@ -6,8 +6,9 @@
 #   bash scripts/setup_venv.sh [EXTRA...]
 #
 # EXTRAs are more of pyproject.toml's extras to install (scripts/test.sh passes
-# "lightning spark"). Every install runs under scripts/constraints.txt, so no extra's
-# dependency (lightning needs torch) can replace the pinned torch.
+# "lightning spark ray slurm"; "slurm" is no extra but Debian's slurm-wlm and munge, below).
+# Every install runs under scripts/constraints.txt, so no extra's dependency (lightning
+# needs torch) can replace the pinned torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The namespace-cluster tests (tests/cluster) need ip/tc (iproute2), unshare (util-linux)
@@ -41,9 +42,27 @@ if [[ " $* " == *" spark "* ]] && ! command -v java >/dev/null 2>&1 && [ -z "${J
     exit 1
   fi
 fi
+# "slurm" (not a pip extra) asks for a real Slurm, Debian's slurm-wlm and munge, for
+# tests/cluster/test_cluster_slurm.py (which starts its own munged and Slurm daemons on
+# the namespace cluster; the packages' system services are not used). Installed the same
+# way, root with apt only; without them those tests skip (or fail under
+# HVDLITE_REQUIRE=slurm/all, as in CI).
+slurm_tools() { command -v slurmctld && command -v slurmd && command -v srun && command -v munged; }
+if [[ " $* " == *" slurm "* ]] && ! slurm_tools >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        --no-install-recommends slurm-wlm munge >/dev/null; } \
+      || echo "setup_venv.sh: could not install slurm-wlm/munge; Slurm tests may skip" >&2
+  fi
+  if [[ ",${HVDLITE_REQUIRE:-}," =~ ,(slurm|all), ]] && ! slurm_tools >/dev/null 2>&1; then
+    echo "setup_venv.sh: HVDLITE_REQUIRE includes slurm, but slurm-wlm/munge are not" \
+         "installed (root with apt-get installs them)" >&2
+    exit 1
+  fi
+fi
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
 extras=test,tensorflow
-for extra in "$@"; do extras="$extras,$extra"; done
+for extra in "$@"; do [ "$extra" = slurm ] || extras="$extras,$extra"; done
 .venv/bin/python -m pip install -q -c scripts/constraints.txt "torch==2.13.0"
 .venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[$extras]"

@@ -6,9 +6,10 @@ cd "$(dirname "$0")/.."
 # CI runs as root on at least 2 cores, with the cluster tools, torch, tensorflow-cpu
 # (with keras), scikit-learn, mpi4py and matplotlib installed by setup_venv.sh, and a
 # kernel that permits SCHED_FIFO to root; lightning (hvdlite.lightning's tests),
-# pyspark with a Java runtime (hvdlite.spark's) and ray[train] (hvdlite.ray's, tests/on_ray)
-# are installed here only, not by the quick start's setup_venv.sh. A developer's run may
+# pyspark with a Java runtime (hvdlite.spark's), ray[train] (hvdlite.ray's, tests/on_ray)
+# and Debian's slurm-wlm and munge (a real Slurm on the namespace cluster) are installed
+# here only, not by the quick start's setup_venv.sh. A developer's run may
 # override it, e.g. HVDLITE_REQUIRE= scripts/test.sh to let what this machine lacks skip.
 export HVDLITE_REQUIRE=${HVDLITE_REQUIRE-all}
-bash scripts/setup_venv.sh lightning spark ray
+bash scripts/setup_venv.sh lightning spark ray slurm
 HVDLITE_REQUIRE_NATIVE=1 OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

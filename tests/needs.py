@@ -32,6 +32,8 @@ AREAS = {
     "lightning": "lightning (PyTorch Lightning 2.x, the package) importable, with torch",
     "spark": "pyspark importable and Java 17+ (java on PATH or JAVA_HOME): tests/spark, "
              "tests/cluster/test_cluster_spark.py",
+    "slurm": "root and Debian's slurm-wlm and munge (slurmctld, slurmd, munged, srun, sbatch): "
+             "tests/cluster/test_cluster_slurm.py",
     "tensorflow": "tensorflow importable",
     "keras": "keras importable (with tensorflow or torch as its backend)",
     "sklearn": "scikit-learn importable (the examples' data set)",

@@ -1,4 +1,5 @@
-"""hvdlite.spark.run on a real Spark standalone cluster across namespace hosts.
+"""hvdlite.spark.run on a real Spark standalone cluster across namespace hosts: an
+allreduce, a torch model trained through run(), a failing rank.
 
 h1 runs the Spark master and the driver (spark/spark_driver.py), h2 and h3 a Spark
 worker each (2 cores, so an executor of 2 task slots on each host). MPI goes over the
@@ -133,6 +134,33 @@ def test_allreduce_across_hosts_on_the_tasks_hosts(driver_run):
         assert r["sum_norm"] == pytest.approx(driver_run["want_norm"], rel=1e-12)
     # verbose=2 tags the output with each rank's host: the tasks' hosts.
     assert "@h1]" not in driver_run["output"]
+
+
+@pytest.mark.timeout(420)
+def test_torch_model_trained_on_the_workers_equals_one_process_on_the_whole_batch(driver_run):
+    torch = needs.import_or_skip("torch")
+    sys.path.insert(0, os.path.dirname(DRIVER))
+    try:
+        from spark_driver import TRAIN_LR, TRAIN_STEPS, training_data
+    finally:
+        sys.path.pop(0)
+    x, y = training_data()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(x.shape[1], 1)
+    initial = torch.cat([p.detach().flatten() for p in model.parameters()]).numpy().copy()
+    opt = torch.optim.SGD(model.parameters(), lr=TRAIN_LR)
+    for _ in range(TRAIN_STEPS):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(torch.tensor(x)), torch.tensor(y)).backward()
+        opt.step()
+    want = torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
+    assert not np.allclose(initial, want), "the reference did not train"
+    ranks = driver_run["torch"]
+    assert [r["rank"] for r in ranks] == list(range(SLOTS))
+    assert sorted(r["host"] for r in ranks) == sorted(h for h in WORKERS
+                                                      for _ in range(WORKER_CORES))
+    for r in ranks:
+        np.testing.assert_allclose(r["weights"], want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(420)

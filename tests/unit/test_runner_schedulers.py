@@ -1,10 +1,13 @@
 """hvdliterun under a scheduler: Slurm's compressed host lists and task counts, the
 hostfile formats an MPI operator's launcher pod mounts, which source wins, and the
-errors that name the variable. (tests/cluster/test_cluster_schedulers.py starts real
-jobs this way.)"""
+errors that name the variable; and init()'s refusal of a world of one where the launcher
+started several (srun without --mpi=pmi2). (tests/cluster/test_cluster_launcher.py
+starts jobs this way with stand-ins, tests/cluster/test_cluster_slurm.py under a real
+Slurm.)"""
 import pytest
 
 from hvdlite.runner import hosts, launch, schedulers
+from hvdlite.runtime import launcher_mismatch
 
 
 @pytest.mark.parametrize("expression,names", [
@@ -99,3 +102,30 @@ def test_hvdliterun_takes_slurms_hosts_and_srun_unless_told_otherwise(monkeypatc
 def test_outside_any_scheduler_nothing_changes(monkeypatch):
     cfg = _config(monkeypatch, {}, "-np", "3")
     assert cfg.hosts is None and cfg.remote_shell is None and cfg.num_ranks == 3
+
+
+@pytest.mark.parametrize("environ,variable", [
+    ({"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS": "4"},
+     "SLURM_STEP_NUM_TASKS=4"),
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_SIZE=2"),
+    ({"PMI_SIZE": "3"}, "PMI_SIZE=3"),
+])
+def test_a_world_of_one_where_the_launcher_started_several_is_named(environ, variable):
+    message = launcher_mismatch(environ, 1)
+    assert message and variable in message, message
+    if "SLURM_STEP_ID" in environ:
+        assert "srun --mpi=pmi2" in message
+    assert launcher_mismatch(environ, int(variable.split("=")[1])) is None
+
+
+@pytest.mark.parametrize("environ", [
+    {},
+    # a batch script (no job step) of an allocation of 4 tasks running one process
+    {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"},
+    # srun's one-task steps (hvdliterun's remote ranks)
+    {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "4"},
+    # hvdliterun's ranks: the launcher's word is final
+    {"HVDLITE_RANK": "0", "PMI_SIZE": "4"},
+])
+def test_a_real_one_process_job_is_not_refused(environ):
+    assert launcher_mismatch(environ, 1) is None

@@ -258,3 +258,17 @@ def test_waits_from_threads(native, run_py):
         assert sorted(int(r[0]) for r in results) == [0, 1, 2, 3]
         hvd.shutdown()
     """)
+
+
+def test_init_refuses_a_world_of_one_that_srun_started_as_four(native, run_py):
+    # What srun without --mpi=pmi2 gives each of 4 tasks: Slurm's count, no PMI.
+    run_py("""
+        import hvdlite
+        try:
+            hvdlite.init()
+        except hvdlite.errors.HvdliteError as e:
+            assert "SLURM_STEP_NUM_TASKS=4" in str(e) and "--mpi=pmi2" in str(e), str(e)
+        else:
+            raise AssertionError("init() accepted a world of one")
+        assert not hvdlite.is_initialized()
+    """, env={"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4"})

@@ -4,7 +4,8 @@
 
 Connects to the standalone master, waits for SLOTS task slots, then runs through
 hvdlite.spark.run: an allreduce across the workers' hosts (every rank reports its
-host, its task and its sums), and a function that raises on one rank. Prints one line
+host, its task and its sums), a torch model trained on shards of one batch (where torch
+is installed), and a function that raises on one rank. Prints one line
 ``RESULT <json>``; the test checks it against numpy.
 """
 import json
@@ -23,6 +24,22 @@ from hvdlite.spark.driver import task_slots
 ELEMENTS = 1 << 16
 
 
+def training_data(rows=24, features=5, seed=3):
+    """The torch run's batch: (x, y), float32, y a noisy linear function of x."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, features)).astype(np.float32)
+    y = (x @ rng.standard_normal((features, 1)) + 0.5).astype(np.float32)
+    return x, y
+
+
+TRAIN_STEPS, TRAIN_LR = 6, 0.1
+try:
+    import torch  # noqa: F401 -- only whether the ranks can train
+    TRAIN = (*training_data(), TRAIN_STEPS, TRAIN_LR)
+except ImportError:
+    TRAIN = None
+
+
 def allreduce_across_hosts():
     import os
     import socket
@@ -36,6 +53,35 @@ def allreduce_across_hosts():
     return {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
             "host": socket.gethostname(), "task": int(os.environ["HVDLITE_SPARK_TASK_INDEX"]),
             "sum_head": total[:8].tolist(), "sum_norm": float(np.linalg.norm(total))}
+
+
+def train_linear(x, y, steps, lr):
+    """A torch model trained by every rank on its shard: after each step, the weights of
+    one process on the whole batch (equal shards, mean-squared error)."""
+    import socket
+
+    import torch
+
+    import hvdlite.torch as hvd
+    torch.set_num_threads(1)
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(x.shape[1], 1)
+    if hvd.rank() != 0:   # start apart: the broadcast must make them equal
+        for p in model.parameters():
+            p.data.add_(1.0)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
+                                   named_parameters=model.named_parameters())
+    shard = len(x) // hvd.size()
+    xs = torch.tensor(x[hvd.rank() * shard:(hvd.rank() + 1) * shard])
+    ys = torch.tensor(y[hvd.rank() * shard:(hvd.rank() + 1) * shard])
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(xs), ys).backward()
+        opt.step()
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return {"rank": hvd.rank(), "host": socket.gethostname(), "weights": weights.tolist()}
 
 
 def fail_on_last_rank():
@@ -72,6 +118,12 @@ def main():
                        for r in range(slots)], axis=0)
         out["want_head"] = want[:8].tolist()
         out["want_norm"] = float(np.linalg.norm(want))
+        if TRAIN is not None:
+            x, y, steps, lr = TRAIN
+            begin = time.monotonic()
+            out["torch"] = hvdlite.spark.run(train_linear, args=(x, y, steps, lr),
+                                             num_proc=slots, start_timeout=120)
+            out["torch_s"] = time.monotonic() - begin
         begin = time.monotonic()
         try:
             hvdlite.spark.run(fail_on_last_rank, num_proc=slots, start_timeout=120)
