@@ -253,6 +253,13 @@ def enqueue_fields(op, name, dtype_code, shape, input_ptr, output_ptr, reduce_op
                   input_ptr, output_ptr, keepalive, finisher, name, result)
 
 
+def fill_spec(struct, q):
+    """``fill`` with a TensorSpec's fields; returns what the struct points to."""
+    return fill(struct, q.op, q.name, q.dtype, q.shape, q.input, q.output, q.reduce_op,
+                q.prescale, q.postscale, q.root_rank, q.splits, q.process_set_id, q.device,
+                q.ready_event)
+
+
 # Groups submitted again and again (``grouped_allreduce`` in a loop) keep their filled
 # structs like single tensors do (``template``): key -> _KeptGroup. Bounded likewise.
 _groups = {}
@@ -268,9 +275,7 @@ class _KeptGroup:
     def __init__(self, specs):
         self.structs = ffi.new("hvdlite_tensor_t[]", len(specs))
         self.elements = [self.structs[i] for i in range(len(specs))]
-        self.keep = [fill(e, q.op, q.name, q.dtype, q.shape, None, None, q.reduce_op,
-                          q.prescale, q.postscale, q.root_rank, q.splits, q.process_set_id,
-                          q.device) for e, q in zip(self.elements, specs)]
+        self.keep = [fill_spec(e, q) for e, q in zip(self.elements, specs)]
         self.lock = threading.Lock()
 
 
@@ -287,12 +292,14 @@ def enqueue_kept_group(key, make_specs, inputs, outputs, ready_event=None, *, na
         remember(_groups, key, kept)
     count = len(kept.elements)
     handles = ffi.new("hvdlite_handle_t[]", count)
-    event = pointer(ready_event)
     with kept.lock:
         for element, input, output in zip(kept.elements, inputs, outputs):
             element.input = pointer_at(input)
             element.output = pointer_at(output)
-            element.ready_event = event
+        if ready_event is not None:  # a GPU group (a key is a CPU or a GPU one for good)
+            event = pointer(ready_event)
+            for element in kept.elements:
+                element.ready_event = event
         status = lib.hvdlite_enqueue_group(kept.structs, count, handles)
     check(status)
     return Handle(list(handles), finisher, (keepalive, kept), name, result)
@@ -319,12 +326,8 @@ def enqueue_group(specs, *, name=None, keepalive=(), finisher=None, result=None)
     if not specs:
         # Nothing to negotiate; still a Handle so callers need no special case.
         return Handle([], finisher, keepalive, name, result)
-    keep = []
     structs = ffi.new("hvdlite_tensor_t[]", len(specs))
-    for i, q in enumerate(specs):
-        keep.append(fill(structs[i], q.op, q.name, q.dtype, q.shape, q.input, q.output,
-                         q.reduce_op, q.prescale, q.postscale, q.root_rank, q.splits,
-                         q.process_set_id, q.device, q.ready_event))
+    keep = [fill_spec(structs[i], q) for i, q in enumerate(specs)]
     handles = ffi.new("hvdlite_handle_t[]", len(specs))
     check(lib.hvdlite_enqueue_group(structs, len(specs), handles))
     return Handle(list(handles), finisher, (keepalive, keep), name, result)

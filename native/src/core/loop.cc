@@ -55,7 +55,7 @@ void Core::TakeRefusals() {
     ProcessSetState* set = sets_.Find(q.process_set);
     if (!set || !set->included()) continue;
     if (q.op == HVDLITE_OP_JOIN) {
-      set->LeaveJoin();
+      set->LeaveJoin(std::move(q));
     } else {
       set->Refuse(std::move(q));
     }

@@ -31,7 +31,8 @@ bool ProcessSetState::EndLoop(const Status& s) {
 }
 
 void ProcessSetState::LeftJoin() {
-  leave_join_ = false;
+  Request q = std::move(*leave_join_);
+  leave_join_.reset();
   TensorEntry* join = queue_.Find(kJoinName);
   if (!join) return;  // it ended meanwhile (every rank had joined), or there was none
   const hvdlite_handle_t h = join->handle;
@@ -47,12 +48,7 @@ void ProcessSetState::LeftJoin() {
     uncached_.erase(sent);  // not sent yet: the coordinator never counted this rank joined
     return;
   }
-  Request q;
   q.rank = rank_;
-  q.name = kLeaveJoinName;
-  q.op = HVDLITE_OP_JOIN;
-  q.dtype = HVDLITE_UINT8;
-  q.process_set = id();
   // First in this round: this cycle's requests (another thread's, say) come after it.
   uncached_.insert(uncached_.begin(), std::move(q));
 }

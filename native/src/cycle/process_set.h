@@ -16,6 +16,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <set>
 #include <string>
@@ -115,9 +116,10 @@ class ProcessSetState {
   // coordinator this round, and the name's cache slot is marked invalid so that every
   // member negotiates it afresh.
   void Refuse(Request q);
-  // join()'s caller gave up (Core::LeaveJoin): after this cycle's requests are sorted,
-  // the pending join fails here and the coordinator hears that this rank left it.
-  void LeaveJoin() { leave_join_ = true; }
+  // join()'s caller gave up (Core::LeaveJoin made q, the request that tells the
+  // coordinator): after this cycle's requests are sorted, the pending join fails here
+  // and q goes to the coordinator.
+  void LeaveJoin(Request q) { leave_join_ = std::move(q); }
   // One round of this set: sort the new requests (cache hit or not), coordinate,
   // negotiate what is not cached, execute, complete. heard collects the flags of the
   // members (ORed into what it holds). Returns false when the loop must end.
@@ -208,7 +210,7 @@ class ProcessSetState {
   std::set<int64_t> invalid_slots_;
   bool join_active_ = false;
   bool local_joined_ = false;
-  bool leave_join_ = false;
+  std::optional<Request> leave_join_;
   bool failed_ = false;  // a transport failure: the loop ends after this round
   int64_t queue_start_us_ = 0;  // timeline: when this cycle's operations began to queue
 

@@ -97,11 +97,7 @@ Status Device::CopyOnDevice(const std::vector<Span>& copies) {
     if (c.bytes > 0 && c.dst != c.src) todo.push_back(&c);
   }
   if (todo.size() > 1 && pack_ == Pack::kKernel) return CopyWithKernel(todo);
-  if (todo.size() > 1 && pack_ == Pack::kBatch) {
-    bool done = false;
-    Status s = CopyWithBatch(todo, &done);
-    if (!s.ok() || done) return s;
-  }
+  if (todo.size() > 1 && pack_ == Pack::kBatch && CopyWithBatch(todo)) return Status::OK();
   for (const Span* c : todo) {
     Status s = Copy(c->dst, c->src, c->bytes);
     if (!s.ok()) return s;
@@ -145,7 +141,7 @@ Status Device::CopyWithKernel(const std::vector<const Span*>& copies) {
   return Status::OK();
 }
 
-Status Device::CopyWithBatch(const std::vector<const Span*>& copies, bool* done) {
+bool Device::CopyWithBatch(const std::vector<const Span*>& copies) {
   std::vector<const void*> dsts, srcs;
   std::vector<size_t> sizes;
   for (const Span* c : copies) {
@@ -164,11 +160,10 @@ Status Device::CopyWithBatch(const std::vector<const Span*>& copies, bool* done)
     code = cuda_->MemcpyBatchAsync12(const_cast<void**>(dsts.data()), const_cast<void**>(srcs.data()), sizes.data(),
                                      dsts.size(), &attrs, &first, 1, &failed, stream_);
   }
-  *done = code == 0;
   // Refused (a driver older than the runtime, say): the caller copies one by one, from
   // now on (copying again what a failed batch may have copied is harmless).
   if (code != 0) pack_ = Pack::kCopies;
-  return Status::OK();
+  return code == 0;
 }
 
 Status Device::Finish() {

@@ -80,7 +80,8 @@ class Device {
   // the driver or the kernel cannot be had.
   bool LoadKernel();
   Status CopyWithKernel(const std::vector<const Span*>& copies);
-  Status CopyWithBatch(const std::vector<const Span*>& copies, bool* done);
+  // One cudaMemcpyBatchAsync; false (and one by one from now on) where it is refused.
+  bool CopyWithBatch(const std::vector<const Span*>& copies);
 
   const CudaApi* cuda_ = nullptr;
   int ordinal_ = -1;
