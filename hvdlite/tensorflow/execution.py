@@ -1,10 +1,12 @@
 """How one TensorFlow collective runs: named and checked at the call, then run now
-(eagerly) or added to the graph as a node after the graph's previous collective node.
+(eagerly) or added to the graph as a node ordered after the graph's earlier collective
+nodes (``_GraphOrder``).
 
 ``hvdlite.tensorflow.mpi_ops`` (whose docstring gives the rules: names, order of graph
 nodes, errors) builds every op from these. The ``*_now`` functions are the eager
 implementations a node runs: EagerTensors in, EagerTensors out.
 """
+import functools
 import threading
 import weakref
 
@@ -16,8 +18,6 @@ from hvdlite.errors import HvdliteError, InvalidArgumentError
 from hvdlite.process_sets import global_process_set
 from hvdlite.tensorflow import errors, tensors
 
-# graph -> {base name: times used}: the same tensor reduced twice in one graph gets
-# "<name>", then "<name>.1"... Weak keys: a graph's entry goes with the graph.
 # graph -> {base name: times used}: the same tensor reduced twice in one graph gets
 # "<name>", then "<name>.1"... Weak keys: a graph's entry goes with the graph.
 _graph_names = weakref.WeakKeyDictionary()
@@ -63,11 +63,6 @@ def check_static(tensor, name, op=None, scales=None, min_ndim=0):
 check_rank = errors.tf_errors(_checks.check_rank)
 
 
-# graph -> (op, ran) of its last collective node (see the module doc): ``ran`` is set
-# once the node has run. Weak keys.
-_last_collective = weakref.WeakKeyDictionary()
-
-
 def run(fn, inputs, out_dtypes, out_shapes):
     """Runs ``fn(*eager_inputs) -> list of tensors`` now, or as a graph node.
 
@@ -83,18 +78,19 @@ def run(fn, inputs, out_dtypes, out_shapes):
 
 
 def _graph_node(fn, inputs, out_dtypes, out_shapes):
-    """Adds ``fn`` to the default graph, after its previous collective node.
+    """Adds ``fn`` to the default graph, in order after its earlier collective nodes.
 
     The py_function returns the error's code and message with its outputs (TF would
     turn a raised error into UnknownError); the outputs pass through identities that
     wait on ``errors.raise_in_graph``, which fails the step with the right class.
     """
     ran = threading.Event()
+    count = len(inputs)
 
     def node(*args):
         ran.set()
         try:
-            outputs = list(fn(*args))
+            outputs = list(fn(*args[:count]))
             code, message = errors.OK, ""
         except HvdliteError as e:
             coded = errors.graph_code(e)
@@ -105,10 +101,15 @@ def _graph_node(fn, inputs, out_dtypes, out_shapes):
         return outputs + [tf.constant(code, tf.int32), tf.constant(message)]
 
     graph = tf.compat.v1.get_default_graph()
-    with tf.control_dependencies(_follow(graph)):
-        results = tf.py_function(node, inputs, Tout=list(out_dtypes) + [tf.int32,
-                                                                        tf.string])
-    _last_collective[graph] = (results[0].op, ran)
+    with _graph_order_lock:
+        order = _graph_order.get(graph)
+        if order is None:
+            order = _graph_order[graph] = _GraphOrder()
+        after, links = order.before_new_node()
+        with tf.control_dependencies(after):
+            results = tf.py_function(node, list(inputs) + links,
+                                     Tout=list(out_dtypes) + [tf.int32, tf.string])
+        order.add(results[0].op, ran, token=results[-2], links=links)
     with tf.control_dependencies([errors.raise_in_graph(results[-2], results[-1])]):
         outputs = [tf.identity(result) for result in results[:-2]]
     for output, shape in zip(outputs, out_shapes):
@@ -116,17 +117,120 @@ def _graph_node(fn, inputs, out_dtypes, out_shapes):
     return outputs
 
 
-def _follow(graph):
-    """Returns the control inputs of a new collective node of ``graph``.
+class _GraphOrder:
+    """The order of one graph's collective nodes, the same on every rank.
 
-    The previous collective node, unless it has already run: then the program is at a
-    new step (build a node, run it, build the next...), every rank has run it, and a
-    dependency would only make each later run of a TF1 session run it again.
+    A node blocks one of TF's threads until every rank has run it, so the nodes a step
+    runs must start in one order everywhere (else each rank may wait, with its threads
+    taken, for a node another has not started). Nodes built one after another (a
+    "batch") are chained by control dependencies. A batch starts when the previous node
+    has already run (build a step, run it, build the next): a control dependency on it
+    would make every later run of a TF1 session run it again. Instead the first node of
+    a new batch takes the code output of every earlier node as an extra input, a
+    "link", and ``_run_with_links`` (around ``Session.run``) feeds the links whose
+    nodes a run does not need, so TF runs those nodes only when the user's fetches
+    need them, and then in order.
     """
-    previous = _last_collective.get(graph)
-    if previous is None or previous[1].is_set():
-        return []
-    return [previous[0]]
+
+    def __init__(self):
+        self.nodes = []         # (op, ran event, code tensor) in creation order
+        self.collectives = {}   # op -> the link tensors it takes
+        self.linked = False     # some node takes links: runs must look at the feeds
+        self.needs = {}         # (fetches, feeds) -> link tensors to feed, for that run
+
+    def before_new_node(self):
+        """Returns (control dependencies, links) for the node about to be added."""
+        if not self.nodes:
+            return [], []
+        last_op, last_ran, _ = self.nodes[-1]
+        if not last_ran.is_set():
+            return [last_op], []
+        return [], [token for _, _, token in self.nodes]
+
+    def add(self, op, ran, token, links):
+        self.nodes.append((op, ran, token))
+        self.collectives[op] = links
+        self.linked = self.linked or bool(links)
+        self.needs.clear()
+
+    def links_to_feed(self, graph, fetches, feed_dict):
+        """Returns the links to feed in a run of ``fetches``: those of needed nodes
+        whose own node the run does not otherwise need."""
+        roots = [_graph_op(graph, f) for f in tf.nest.flatten(fetches,
+                                                               expand_composites=True)]
+        fed = [_graph_element(graph, k) for k in tf.nest.flatten(
+            list((feed_dict or {}).keys()), expand_composites=True)]
+        key = (tuple(id(op) for op in roots if op is not None),
+               tuple(id(t) for t in fed if t is not None))
+        links = self.needs.get(key)
+        if links is None:
+            needed = _ancestors([op for op in roots if op is not None],
+                                {t for t in fed if t is not None}, self.collectives)
+            links = {token for op in needed for token in self.collectives.get(op, ())
+                     if token.op not in needed}
+            self.needs[key] = links
+        return links
+
+
+def _graph_element(graph, fetch):
+    if isinstance(fetch, str):
+        try:
+            return graph.as_graph_element(fetch)
+        except (KeyError, ValueError, TypeError):
+            return None
+    return fetch if isinstance(fetch, (tf.Tensor, tf.Operation)) else None
+
+
+def _graph_op(graph, fetch):
+    element = _graph_element(graph, fetch)
+    return element.op if isinstance(element, tf.Tensor) else element
+
+
+def _ancestors(roots, fed, collectives):
+    """The ops a run of ``roots`` executes: every op they reach through data inputs
+    (short of fed tensors and of collective nodes' links) and control inputs."""
+    seen, stack = set(roots), list(roots)
+    while stack:
+        op = stack.pop()
+        links = collectives.get(op, ())
+        reached = [t.op for t in op.inputs
+                   if t not in fed and not any(t is link for link in links)]
+        for parent in reached + list(op.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+# graph -> its _GraphOrder. Weak keys: an entry goes with its graph.
+_graph_order = weakref.WeakKeyDictionary()
+_graph_order_lock = threading.Lock()
+
+
+def _run_with_links(run_fn):
+    """Wraps ``Session.run``: feeds the links the run does not need (``_GraphOrder``)."""
+    @functools.wraps(run_fn)
+    def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
+        order = _graph_order.get(self.graph)
+        if order is not None and order.linked:
+            links = order.links_to_feed(self.graph, fetches, feed_dict)
+            if links:
+                feed_dict = dict(feed_dict or {})
+                feed_dict.update({link: 0 for link in links})
+        return run_fn(self, fetches, feed_dict, options, run_metadata)
+
+    run.hvdlite_links = True
+    return run
+
+
+def _install_session_hook():
+    """Puts ``_run_with_links`` around every TF1 session's ``run`` (once)."""
+    base = next(cls for cls in tf.compat.v1.Session.__mro__ if cls.__name__ == "BaseSession")
+    if not getattr(base.run, "hvdlite_links", False):
+        base.run = _run_with_links(base.run)
+
+
+_install_session_hook()
 
 
 def trailing(shape, first=None):

@@ -13,11 +13,12 @@ Nothing here is compiled against TensorFlow.
   or two ranks each wait, with every thread taken, for a node the other has not
   started (a fused step of many allreduces in a TF1 ``Session.run``, or the two
   allgathers of a tf.IndexedSlices, hung so). Each collective node therefore has a
-  control dependency on the previous one of its graph, unless that one has run
-  already (the previous step): program order, as tf.function's automatic control
-  dependencies give, without making a TF1 session rerun earlier steps. (A session run
-  that mixes nodes of an earlier step with new ones gets no such order; not
-  XLA-compilable: use ``jit_compile=False``.)
+  control dependency on the previous one of its graph (program order, as
+  tf.function's automatic control dependencies give), unless that one has run
+  already: then a control dependency would make every later TF1 session run rerun
+  it, so the new node takes the earlier nodes' code outputs as inputs instead, and
+  ``Session.run`` feeds those a run does not otherwise need (``execution._GraphOrder``).
+  Not XLA-compilable: use ``jit_compile=False``.
 * Names: an explicit ``name`` is used as is. Unnamed eager calls take the counter-based
   names of ``hvdlite.ops`` (``"allreduce.noname.<n>"``). Unnamed calls in a graph are
   named at trace time after the input tensor's graph name, Horovod-style

@@ -27,7 +27,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf_scripts", 
 BLOCKS = ["fused_allreduce", "allgather_grad", "broadcast_grad", "sparse",
           "mixed_gradients", "alltoall_even_split", "alltoall_grad",
           "grouped_gather_scatter", "reducescatter_grad", "mismatch", "broadcast_",
-          "process_tensors", "global_variables"]
+          "process_tensors", "global_variables", "incremental_graph"]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])

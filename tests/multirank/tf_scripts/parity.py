@@ -275,6 +275,55 @@ def global_variables(evaluate):
     check_close(evaluate(v.read_value()), base([3], N - 1), "hook")
 
 
+ALLGATHER_DTYPES = [tf.uint16, tf.bool, tf.int8, tf.uint8, tf.int32, tf.int64, tf.float16,
+                    tf.bfloat16, tf.float32, tf.float64]
+
+
+def incremental_graph(evaluate):
+    """Collectives built and run a few at a time, then all in one run: 30 allgathers
+    (10 dtypes, 1-3 dims, 17 rows a rank), a fed allreduce, TF1 sessions with 1 and 2
+    inter-op threads. The run of them all must not hang (each node blocks a TF thread),
+    and a run of a new node must not rerun an old one (it would ask for its feed)."""
+    if tf.executing_eagerly():
+        return incremental_steps(lambda fetches, feeds=None: tf.nest.map_structure(
+            np.asarray, fetches), lambda value: (tf.constant(value), {}))
+    for threads in (1, 2):
+        config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=threads,
+                                          intra_op_parallelism_threads=1)
+        with tf.Graph().as_default(), tf.compat.v1.Session(config=config) as session:
+            def fed(value):
+                placeholder = tf.compat.v1.placeholder(tf.float32, value.shape)
+                return placeholder, {placeholder: value}
+            incremental_steps(lambda fetches, feeds=None: session.run(fetches, feeds), fed)
+
+
+def incremental_steps(run, fed):
+    def contribution(i, rank):
+        shape = [17] + [2] * (i % 3)
+        value = base(shape, rank, i)
+        return value % 2 if ALLGATHER_DTYPES[i % 10] == tf.bool else value
+
+    gathers, wants = [], []
+    for i in range(30):
+        dtype = ALLGATHER_DTYPES[i % 10]
+        gathers.append(hvd.allgather(tf.constant(contribution(i, R).astype(dtype.as_numpy_dtype))))
+        wants.append(np.concatenate([contribution(i, r) for r in range(N)]))
+        if i == 0 or i >= 10:  # the first alone, 10 more unrun, then one by one
+            check_close(run(gathers[-1]), wants[-1], f"allgather {i} alone")
+    value = base([4], R, 7).astype(np.float32)
+    placeholder, feeds = fed(value)
+    summed = hvd.allreduce(placeholder, op=hvd.Sum, name="incremental.fed")
+    want_sum = sum(base([4], r, 7) for r in range(N))
+    check_close(run(summed, feeds), want_sum, "fed allreduce")
+    later = hvd.broadcast(tf.constant(base([3], R, 8)), N - 1, name="incremental.later")
+    check_close(run(later), base([3], N - 1, 8), "a new node alone (no feed for the old)")
+    got = run(gathers + [summed, later], feeds)
+    for i, (g, want) in enumerate(zip(got[:30], wants)):
+        check_close(g, want, f"allgather {i} with all")
+    check_close(got[30], want_sum, "fed allreduce with all")
+    check_close(got[31], base([3], N - 1, 8), "broadcast with all")
+
+
 for name, body in [("global_variables", global_variables), ("fused_allreduce", fused_allreduce), ("allgather_grad", allgather_grad),
                    ("broadcast_grad", broadcast_grad), ("sparse", sparse_and_mixed),
                    ("mixed_gradients", mixed_gradients),
@@ -283,7 +332,8 @@ for name, body in [("global_variables", global_variables), ("fused_allreduce", f
                    ("grouped_gather_scatter", grouped_allgather_reducescatter),
                    ("reducescatter_grad", reducescatter_grad),
                    ("mismatch", mismatches), ("broadcast_", broadcast_in_place),
-                   ("process_tensors", process_tensors)]:
+                   ("process_tensors", process_tensors),
+                   ("incremental_graph", incremental_graph)]:
     in_both_modes(name, body)
 
 C.report()
