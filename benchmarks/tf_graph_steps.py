@@ -3,8 +3,9 @@
     .venv/bin/python -m hvdlite.runner -np 2 .venv/bin/python benchmarks/tf_graph_steps.py
 
 The pattern of Horovod's own graph-mode tests (dtype x dims x root, one run per node):
-each node follows the previous collective node of its graph unless that one already
-ran, so a run never reruns earlier steps. ``--baseline`` puts ``tf.identity`` in place
+each node is ordered after the earlier collective nodes of its graph through relays that
+a run feeds when it does not need them (``hvdlite.tensorflow.execution._GraphOrder``), so
+a run never reruns earlier steps. ``--baseline`` puts ``tf.identity`` in place
 of the broadcast, to show what TF's own Session.run of a growing graph costs. Prints
 rank 0's total and per-run seconds; on a shared machine run it a few times.
 """

@@ -6,6 +6,7 @@ nodes (``_GraphOrder``).
 nodes, errors) builds every op from these. The ``*_now`` functions are the eager
 implementations a node runs: EagerTensors in, EagerTensors out.
 """
+import bisect
 import functools
 import threading
 import weakref
@@ -78,17 +79,15 @@ def run(fn, inputs, out_dtypes, out_shapes):
 
 
 def _graph_node(fn, inputs, out_dtypes, out_shapes):
-    """Adds ``fn`` to the default graph, in order after its earlier collective nodes.
+    """Adds ``fn`` to the default graph, ordered after its earlier collective nodes.
 
     The py_function returns the error's code and message with its outputs (TF would
     turn a raised error into UnknownError); the outputs pass through identities that
     wait on ``errors.raise_in_graph``, which fails the step with the right class.
     """
-    ran = threading.Event()
     count = len(inputs)
 
     def node(*args):
-        ran.set()
         try:
             outputs = list(fn(*args[:count]))
             code, message = errors.OK, ""
@@ -101,15 +100,22 @@ def _graph_node(fn, inputs, out_dtypes, out_shapes):
         return outputs + [tf.constant(code, tf.int32), tf.constant(message)]
 
     graph = tf.compat.v1.get_default_graph()
+    tout = list(out_dtypes) + [tf.int32, tf.string]
     with _graph_order_lock:
-        order = _graph_order.get(graph)
-        if order is None:
-            order = _graph_order[graph] = _GraphOrder()
-        after, links = order.before_new_node()
-        with tf.control_dependencies(after):
-            results = tf.py_function(node, list(inputs) + links,
-                                     Tout=list(out_dtypes) + [tf.int32, tf.string])
-        order.add(results[0].op, ran, token=results[-2], links=links)
+        if graph.building_function:
+            # A function runs all its nodes: program order by control dependencies
+            # (tf.function adds them too), nothing to feed.
+            with tf.control_dependencies(_function_last.get(graph, [])):
+                results = tf.py_function(node, inputs, Tout=tout)
+            _function_last[graph] = [results[0].op]
+        else:
+            order = _graph_order.get(graph)
+            if order is None:
+                order = _graph_order[graph] = _GraphOrder()
+            blocks = order.blocks_before_next()
+            results = tf.py_function(node, list(inputs) + order.relay_tensors(blocks),
+                                     Tout=tout)
+            order.add(results[0].op, count, results[-2], blocks)
     with tf.control_dependencies([errors.raise_in_graph(results[-2], results[-1])]):
         outputs = [tf.identity(result) for result in results[:-2]]
     for output, shape in zip(outputs, out_shapes):
@@ -118,58 +124,109 @@ def _graph_node(fn, inputs, out_dtypes, out_shapes):
 
 
 class _GraphOrder:
-    """The order of one graph's collective nodes, the same on every rank.
+    """The order of a TF1 graph's collective nodes: the same on every rank, and no run
+    executes a node its fetches do not need.
 
-    A node blocks one of TF's threads until every rank has run it, so the nodes a step
-    runs must start in one order everywhere (else each rank may wait, with its threads
-    taken, for a node another has not started). Nodes built one after another (a
-    "batch") are chained by control dependencies. A batch starts when the previous node
-    has already run (build a step, run it, build the next): a control dependency on it
-    would make every later run of a TF1 session run it again. Instead the first node of
-    a new batch takes the code output of every earlier node as an extra input, a
-    "link", and ``_run_with_links`` (around ``Session.run``) feeds the links whose
-    nodes a run does not need, so TF runs those nodes only when the user's fetches
-    need them, and then in order.
+    A node blocks one of TF's threads until every rank has run it, so the nodes one
+    run executes must start in one order everywhere (else each rank may wait, its
+    threads taken, for a node another has not started). A control dependency on the
+    previous node would give that order but make every run execute all earlier nodes
+    (a broadcast built after a training step would run the step, and ask for its
+    feeds). So each node takes, as extra inputs ("links"), relays that stand for all
+    earlier nodes: node ``i``'s code output is the relay of block ``(i, 1)``, and the
+    relay of an aligned block ``(start, 2k)`` adds those of its two halves; node ``n``
+    links to the blocks of the binary decomposition of ``[0, n)``. Around
+    ``Session.run``, ``_run_with_order`` feeds the relay of every linked block that
+    holds no node the run needs, so TF cuts it off, and the nodes it needs run in
+    creation order. Edges: O(log n) a node; feeds: O(log n) a needed node.
     """
 
     def __init__(self):
-        self.nodes = []         # (op, ran event, code tensor) in creation order
-        self.collectives = {}   # op -> the link tensors it takes
-        self.linked = False     # some node takes links: runs must look at the feeds
-        self.needs = {}         # (fetches, feeds) -> link tensors to feed, for that run
+        self.index = {}     # collective op -> (position, its own input count, blocks)
+        self.relays = {}    # (start, size) -> int32 scalar tensor
+        self.feeds = {}     # (fetch ids, feed ids) -> relay tensors to feed
 
-    def before_new_node(self):
-        """Returns (control dependencies, links) for the node about to be added."""
-        if not self.nodes:
-            return [], []
-        last_op, last_ran, _ = self.nodes[-1]
-        if not last_ran.is_set():
-            return [last_op], []
-        return [], [token for _, _, token in self.nodes]
+    def blocks_before_next(self):
+        """The aligned blocks covering every node built so far."""
+        built, start, blocks = len(self.index), 0, []
+        size = 1 << max(built.bit_length() - 1, 0)
+        while built and size:
+            if built & size:
+                blocks.append((start, size))
+                start += size
+            size >>= 1
+        return blocks
 
-    def add(self, op, ran, token, links):
-        self.nodes.append((op, ran, token))
-        self.collectives[op] = links
-        self.linked = self.linked or bool(links)
-        self.needs.clear()
+    def relay_tensors(self, blocks):
+        return [self.relays[block] for block in blocks]
 
-    def links_to_feed(self, graph, fetches, feed_dict):
-        """Returns the links to feed in a run of ``fetches``: those of needed nodes
-        whose own node the run does not otherwise need."""
+    def add(self, op, count, code, blocks):
+        position = len(self.index)
+        self.index[op] = (position, count, blocks)
+        with tf.control_dependencies(None), tf.name_scope("hvdlite_order"):
+            # stop_gradient: graph walks for gradients (tf.custom_gradient's search for
+            # the variables a function uses) must not follow links to earlier nodes.
+            self.relays[(position, 1)] = tf.stop_gradient(code)
+            size = 2
+            while (position + 1) % size == 0:
+                start, half = position + 1 - size, size // 2
+                self.relays[(start, size)] = tf.math.add(
+                    self.relays[(start, half)], self.relays[(start + half, half)])
+                size *= 2
+        self.feeds.clear()
+
+    def relays_to_feed(self, graph, fetches, feed_dict):
+        """Returns the relays to feed in a run of ``fetches`` given ``feed_dict``."""
         roots = [_graph_op(graph, f) for f in tf.nest.flatten(fetches,
                                                                expand_composites=True)]
+        roots = [op for op in roots if op is not None]
         fed = [_graph_element(graph, k) for k in tf.nest.flatten(
             list((feed_dict or {}).keys()), expand_composites=True)]
-        key = (tuple(id(op) for op in roots if op is not None),
-               tuple(id(t) for t in fed if t is not None))
-        links = self.needs.get(key)
-        if links is None:
-            needed = _ancestors([op for op in roots if op is not None],
-                                {t for t in fed if t is not None}, self.collectives)
-            links = {token for op in needed for token in self.collectives.get(op, ())
-                     if token.op not in needed}
-            self.needs[key] = links
-        return links
+        fed = [t for t in fed if isinstance(t, tf.Tensor)]
+        key = (tuple(map(id, roots)), tuple(map(id, fed)))
+        relays = self.feeds.get(key)
+        if relays is None:
+            relays = self.feeds[key] = self._cut(self._needed(roots, fed))
+        return relays
+
+    def _needed(self, roots, fed):
+        """Positions of the collective nodes a run of ``roots`` executes: those reached
+        through data inputs (short of fed tensors and of links) and control inputs."""
+        fed = {id(t) for t in fed}
+        seen, stack = set(roots), list(roots)
+        while stack:
+            op = stack.pop()
+            inputs = list(op.inputs)
+            if op in self.index:
+                inputs = inputs[:self.index[op][1]]
+            parents = [t.op for t in inputs if id(t) not in fed] + list(op.control_inputs)
+            for parent in parents:
+                if parent not in seen:
+                    seen.add(parent)
+                    stack.append(parent)
+        return sorted(self.index[op][0] for op in seen if op in self.index)
+
+    def _cut(self, needed):
+        """The relays of the linked blocks (and sub-blocks) holding no needed node."""
+        cut, seen = [], set()
+
+        def cover(block):
+            if block in seen:
+                return
+            seen.add(block)
+            start, size = block
+            first = bisect.bisect_left(needed, start)
+            if first == len(needed) or needed[first] >= start + size:
+                cut.append(self.relays[block])
+            elif size > 1:
+                cover((start, size // 2))
+                cover((start + size // 2, size // 2))
+
+        by_position = {position: blocks for position, _, blocks in self.index.values()}
+        for position in needed:
+            for block in by_position[position]:
+                cover(block)
+        return cut
 
 
 def _graph_element(graph, fetch):
@@ -186,51 +243,60 @@ def _graph_op(graph, fetch):
     return element.op if isinstance(element, tf.Tensor) else element
 
 
-def _ancestors(roots, fed, collectives):
-    """The ops a run of ``roots`` executes: every op they reach through data inputs
-    (short of fed tensors and of collective nodes' links) and control inputs."""
-    seen, stack = set(roots), list(roots)
-    while stack:
-        op = stack.pop()
-        links = collectives.get(op, ())
-        reached = [t.op for t in op.inputs
-                   if t not in fed and not any(t is link for link in links)]
-        for parent in reached + list(op.control_inputs):
-            if parent not in seen:
-                seen.add(parent)
-                stack.append(parent)
-    return seen
-
-
-# graph -> its _GraphOrder. Weak keys: an entry goes with its graph.
+# TF1 graph -> its _GraphOrder; function graph -> [its last collective op]. Weak keys:
+# an entry goes with its graph.
 _graph_order = weakref.WeakKeyDictionary()
+_function_last = weakref.WeakKeyDictionary()
 _graph_order_lock = threading.Lock()
 
 
-def _run_with_links(run_fn):
-    """Wraps ``Session.run``: feeds the links the run does not need (``_GraphOrder``)."""
+def _run_with_order(run_fn):
+    """Wraps ``Session.run``: feeds the relays the run does not need (``_GraphOrder``)."""
     @functools.wraps(run_fn)
     def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
         order = _graph_order.get(self.graph)
-        if order is not None and order.linked:
-            links = order.links_to_feed(self.graph, fetches, feed_dict)
-            if links:
+        if order is not None:
+            relays = order.relays_to_feed(self.graph, fetches, feed_dict)
+            if relays:
                 feed_dict = dict(feed_dict or {})
-                feed_dict.update({link: 0 for link in links})
+                feed_dict.update({relay: 0 for relay in relays})
         return run_fn(self, fetches, feed_dict, options, run_metadata)
 
-    run.hvdlite_links = True
+    run.hvdlite_order = True
     return run
 
 
-def _install_session_hook():
-    """Puts ``_run_with_links`` around every TF1 session's ``run`` (once)."""
+def _make_callable_with_order(make_fn):
+    """Wraps ``Session.make_callable`` as ``_run_with_order`` wraps ``run``."""
+    @functools.wraps(make_fn)
+    def make_callable(self, fetches, feed_list=None, accept_options=False):
+        order = _graph_order.get(self.graph)
+        relays = [] if order is None else order.relays_to_feed(
+            self.graph, fetches, {k: None for k in feed_list or []})
+        if not relays:
+            return make_fn(self, fetches, feed_list, accept_options)
+        call = make_fn(self, fetches, list(feed_list or []) + relays, accept_options)
+        zeros = [0] * len(relays)
+
+        def with_relays(*args, **kwargs):
+            return call(*args, *zeros, **kwargs)
+
+        return with_relays
+
+    make_callable.hvdlite_order = True
+    return make_callable
+
+
+def _install_session_hooks():
+    """Puts the wrappers around every TF1 session's ``run`` and ``make_callable``."""
     base = next(cls for cls in tf.compat.v1.Session.__mro__ if cls.__name__ == "BaseSession")
-    if not getattr(base.run, "hvdlite_links", False):
-        base.run = _run_with_links(base.run)
+    if not getattr(base.run, "hvdlite_order", False):
+        base.run = _run_with_order(base.run)
+    if not getattr(base.make_callable, "hvdlite_order", False):
+        base.make_callable = _make_callable_with_order(base.make_callable)
 
 
-_install_session_hook()
+_install_session_hooks()
 
 
 def trailing(shape, first=None):

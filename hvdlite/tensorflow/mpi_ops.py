@@ -12,12 +12,12 @@ Nothing here is compiled against TensorFlow.
   collective ends, so the nodes of one graph must run in the same order on every rank,
   or two ranks each wait, with every thread taken, for a node the other has not
   started (a fused step of many allreduces in a TF1 ``Session.run``, or the two
-  allgathers of a tf.IndexedSlices, hung so). Each collective node therefore has a
-  control dependency on the previous one of its graph (program order, as
-  tf.function's automatic control dependencies give), unless that one has run
-  already: then a control dependency would make every later TF1 session run rerun
-  it, so the new node takes the earlier nodes' code outputs as inputs instead, and
-  ``Session.run`` feeds those a run does not otherwise need (``execution._GraphOrder``).
+  allgathers of a tf.IndexedSlices, hung so). In a function graph each collective
+  node has a control dependency on the previous one (program order, as tf.function's
+  automatic control dependencies give). In a TF1 graph, where that would make every
+  run execute all earlier nodes, a node takes relays standing for the earlier nodes
+  as inputs, and ``Session.run`` feeds those a run does not need
+  (``execution._GraphOrder``).
   Not XLA-compilable: use ``jit_compile=False``.
 * Names: an explicit ``name`` is used as is. Unnamed eager calls take the counter-based
   names of ``hvdlite.ops`` (``"allreduce.noname.<n>"``). Unnamed calls in a graph are

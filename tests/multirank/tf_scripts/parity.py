@@ -295,6 +295,27 @@ def incremental_graph(evaluate):
                 placeholder = tf.compat.v1.placeholder(tf.float32, value.shape)
                 return placeholder, {placeholder: value}
             incremental_steps(lambda fetches, feeds=None: session.run(fetches, feeds), fed)
+    with tf.Graph().as_default():
+        hook_after_a_model()
+
+
+def hook_after_a_model():
+    """Horovod's TF1 pattern: a model fed by a placeholder, its DistributedOptimizer, then
+    BroadcastGlobalVariablesHook (its broadcast built after the gradients' allreduces)
+    in a MonitoredTrainingSession: the broadcast runs alone, not the training step."""
+    x = tf.compat.v1.placeholder(tf.float32, [None, 3])
+    w = tf.compat.v1.get_variable("w", initializer=tf.constant(base([3, 1], R)))
+    loss = tf.reduce_sum(tf.matmul(x, tf.cast(w, tf.float32)))
+    train = hvd.DistributedOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.5)).minimize(loss)
+    rows = np.arange(6, dtype=np.float32).reshape(2, 3) + R
+    with tf.compat.v1.train.MonitoredTrainingSession(
+            hooks=[hvd.BroadcastGlobalVariablesHook(N - 1)]) as session:
+        check_close(session.run(w), base([3, 1], N - 1), "broadcast by the hook")
+        session.run(train, {x: rows})
+        # d loss / d w = the column sums of x, averaged over ranks
+        grad = np.mean([(np.arange(6).reshape(2, 3) + r).sum(0) for r in range(N)], 0)
+        check_close(session.run(w), base([3, 1], N - 1) - 0.5 * grad[:, None], "one step")
 
 
 def incremental_steps(run, fed):
@@ -315,6 +336,9 @@ def incremental_steps(run, fed):
     summed = hvd.allreduce(placeholder, op=hvd.Sum, name="incremental.fed")
     want_sum = sum(base([4], r, 7) for r in range(N))
     check_close(run(summed, feeds), want_sum, "fed allreduce")
+    picked = run([gathers[3], gathers[17], gathers[29]])  # unrun nodes between them
+    for i, g in zip((3, 17, 29), picked):
+        check_close(g, wants[i], f"allgather {i} of three")
     later = hvd.broadcast(tf.constant(base([3], R, 8)), N - 1, name="incremental.later")
     check_close(run(later), base([3], N - 1, 8), "a new node alone (no feed for the old)")
     got = run(gathers + [summed, later], feeds)
