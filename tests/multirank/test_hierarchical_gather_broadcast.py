@@ -1,12 +1,13 @@
 """Hierarchical allgather and broadcast (through the hosts' leaders: gather within the
 host, one exchange per host across hosts, share within the host) in real jobs on this
 machine, whose ranks are put on "hosts" by ``HVDLITE_HOST_ID``: 2 hosts x 2 ranks
-(consecutive and alternating placement), 3 + 1 ranks, 2 x 1 (flat: one rank per host),
-and 2 x 2 with the hierarchy turned off.
+(consecutive and alternating placement), 3 + 1 ranks, 1 + 2 ranks, 2 x 1 (flat: one rank
+per host), and 2 x 2 with the hierarchy turned off.
 
 Allgathers of uneven first dims (a rank with no rows too), several dtypes, small and
 large enough for several pipeline chunks, alone and grouped; broadcasts from every root,
-small and several chunks long. Every result against numpy (each rank regenerates every
+small, several chunks long, and byte counts on and beside the pipeline's chunk
+boundaries. Every result against numpy (each rank regenerates every
 rank's contribution from its rank), and the hierarchical and the flat run against each
 other, exactly (these collectives only copy).
 """
@@ -28,6 +29,7 @@ hvd.init()
 rank, size = hvd.rank(), hvd.size()
 failures, digest = [], hashlib.sha256()
 ops = 0  # allgathers and broadcasts below (a group counts once)
+broadcasts = 0
 before = hvd.stats()
 
 def rows_of(r, case):
@@ -69,12 +71,27 @@ for root in range(size):
         x = value if rank == root else np.full(n, -1, dtype)
         got = hvd.broadcast(x, root_rank=root, name=name)
         ops += 1
+        broadcasts += 1
+        check(name, got, value)
+# Byte counts on and beside the pipeline's chunk boundaries (chunks of 256 KiB up to
+# 2 MiB, then 8 chunks), from the first and the last rank (a leader, and on most
+# layouts not one), so that no chunk's edge loses, repeats or shifts a byte.
+for nbytes in (1, (256 << 10) - 1, 256 << 10, (256 << 10) + 1, (1 << 20) + 3,
+               (2 << 20) - 1, 2 << 20, (2 << 20) + 1, (2 << 20) + 9):
+    for root in sorted({0, size - 1}):
+        name = f"broadcast.edge.{nbytes}.{root}"
+        value = ((np.arange(nbytes, dtype=np.int64) * 31 + root * 17 + nbytes) % 253).astype(np.uint8)
+        x = value if rank == root else np.zeros(nbytes, np.uint8)
+        got = hvd.broadcast(x, root_rank=root, name=name)
+        ops += 1
+        broadcasts += 1
         check(name, got, value)
 stats = hvd.stats()
 for key in ("hierarchical_collectives", "collectives"):
     stats[key] -= before[key]  # this script's collectives, all allgathers and broadcasts
 print("HVDLITE_RESULT", json.dumps({
-    "failures": failures, "digest": digest.hexdigest(), "ops": ops, "stats": stats,
+    "failures": failures, "digest": digest.hexdigest(), "ops": ops, "broadcasts": broadcasts,
+    "stats": stats,
     "topology": [hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()]}))
 hvd.shutdown()
 """
@@ -95,7 +112,7 @@ def hierarchical(job, rank):
     return job.result(rank)["stats"]["hierarchical_collectives"]
 
 
-@pytest.mark.parametrize("layout", ["AABB", "ABAB", "AAAB"])
+@pytest.mark.parametrize("layout", ["AABB", "ABAB", "AAAB", "ABB"])
 def test_hosts_of_several_ranks_go_hierarchical_and_match_numpy_and_flat(layout):
     # On by default wherever a host has several ranks (uneven and alternating too).
     hier = run(layout)
@@ -115,11 +132,12 @@ def test_one_rank_per_host_goes_flat_and_knobs_are_separate():
     for rank in range(2):
         assert hierarchical(job, rank) == 0, job.result(rank)["stats"]
     # Only broadcast forced off: the allgathers still go through the leaders, the
-    # 2 x 4 broadcasts flat.
+    # broadcasts flat.
     job = run("AABB", broadcast="0")
     for rank in range(4):
         res = job.result(rank)
-        assert hierarchical(job, rank) == res["stats"]["collectives"] - 2 * 4, res["stats"]
+        assert res["broadcasts"] == 2 * 4 + 9 * 2, res["broadcasts"]
+        assert hierarchical(job, rank) == res["stats"]["collectives"] - res["broadcasts"], res["stats"]
 
 
 def test_knob_must_agree_and_horovod_alias_turns_allgather_off():
