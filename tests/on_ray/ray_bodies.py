@@ -204,6 +204,7 @@ def executor_in_current_placement_group():
 
 # -- elastic (issue 30): a least-squares model trained step by step, one commit a step --
 
+ELASTIC_STEPS = 24
 ELASTIC_W0 = (0.5, -0.25, 1.0)
 ELASTIC_LR = 0.1
 
