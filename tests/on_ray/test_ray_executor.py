@@ -56,8 +56,16 @@ def test_argument_errors_as_horovod():
     with pytest.raises(ValueError, match="timeout_s must be a number > 0"):
         RayExecutor.create_settings(timeout_s=0)
     elastic = RayExecutor(settings, min_workers=1, max_workers=2)
-    with pytest.raises(NotImplementedError, match="elastic training on Ray"):
+    with pytest.raises(RuntimeError, match="not started"):
+        elastic.run(ray_bodies.identity)
+    elastic.start()  # an elastic executor starts its workers in each run
+    with pytest.raises(RuntimeError, match="already called"):
         elastic.start()
+    with pytest.raises(RuntimeError, match="elastic RayExecutor .* runs its workers only"):
+        elastic.run_remote(ray_bodies.identity)
+    with pytest.raises(RuntimeError, match="elastic RayExecutor .* runs its workers only"):
+        elastic.execute_single(lambda executable: None)
+    elastic.shutdown()
     with pytest.raises(RuntimeError, match="not started"):
         RayExecutor(settings, num_workers=1).run(ray_bodies.identity)
 
@@ -68,6 +76,23 @@ def test_ranks_in_order_on_one_node(executor):
     assert [i["local_rank"] for i in ids] == list(range(SIZE))
     assert all(i["size"] == SIZE and i["local_size"] == SIZE for i in ids), ids
     assert all(i["cross_rank"] == 0 and i["cross_size"] == 1 for i in ids), ids
+
+
+def test_callbacks_get_every_report_of_every_rank(executor):
+    got = []
+    ranks = executor.run(ray_bodies.ranks_report, args=["a"], callbacks=[got.append])
+    assert ranks == list(range(SIZE))
+    assert sorted((g["rank"], g["i"]) for g in got) == \
+        [(r, i) for r in range(SIZE) for i in range(2)], got
+    assert all(g["value"] == "a" for g in got), got
+    for rank in range(SIZE):  # each rank's reports in the order it sent them
+        assert [g["i"] for g in got if g["rank"] == rank] == [0, 1], got
+    # Without callbacks, reports go nowhere; a second run's callbacks get only its own.
+    executor.run(ray_bodies.ranks_report, args=["b"])
+    later = []
+    executor.run(ray_bodies.ranks_report, args=["c"], callbacks=[later.append, len])
+    assert sorted(g["value"] for g in later) == ["c"] * (2 * SIZE), later
+    assert len(got) == 2 * SIZE
 
 
 def test_collectives_against_numpy(executor):
@@ -254,3 +279,20 @@ def test_runs_inside_the_current_placement_group(ray_local):
         assert placement_group_table(group)["state"] == "CREATED"
     finally:
         remove_placement_group(group)
+
+
+def test_elastic_below_min_workers_ends_with_the_reason(executor):
+    """The module's executor holds 3 of the 6 CPUs: an elastic job needing 4 workers
+    waits elastic_timeout for them, then run() raises saying so, starting no world."""
+    from hvdlite.ray import RayExecutor
+
+    elastic = RayExecutor(RayExecutor.create_settings(timeout_s=30), min_workers=4,
+                          max_workers=6, cpus_per_worker=1, elastic_timeout=2)
+    elastic.start()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"only 3 usable slot\(s\) .*fewer than "
+                                           r"min_workers 4, for 2 s \(elastic_timeout\)"):
+        elastic.run(ray_bodies.identity)
+    assert time.monotonic() - started < 30
+    assert elastic.last_worlds == []
+    elastic.shutdown()
