@@ -87,6 +87,18 @@ def _probe():
     return True
 
 
+def _free_resources(alive_nodes) -> Dict[str, Dict[str, float]]:
+    """{node id: free resources}. Ray publishes them per node only in its own state
+    module; should that move, each node's total is taken instead (as horovod.ray's
+    discovery does), and Ray's scheduler then holds back what does not fit."""
+    try:
+        from ray._private import state
+
+        return state.available_resources_per_node()
+    except (ImportError, AttributeError):  # pragma: no cover - another Ray
+        return {n["NodeID"]: n.get("Resources", {}) for n in alive_nodes}
+
+
 class RayNodes:
     """What Ray says about its nodes, for the driver's discovery (thread-safe).
 
@@ -103,10 +115,8 @@ class RayNodes:
     def slots(self) -> List[hostlib.HostSlots]:
         """Each alive node (by address) and the workers it can take now: what its free
         resources hold, plus this job's workers already there."""
-        from ray._private import state
-
         alive = [n for n in ray.nodes() if n.get("Alive")]
-        free = state.available_resources_per_node()
+        free = _free_resources(alive)
         out, node_of = [], {}
         with self._lock:
             held = dict(self.held)
@@ -143,12 +153,11 @@ class RayNodes:
     def wait_released(self, nodes: Dict[str, int], timeout: float = RELEASE_TIMEOUT_S):
         """Waits until Ray shows the resources of ``nodes`` ({node id: workers}) free
         again (ended actors release theirs a moment later), for alive nodes."""
-        from ray._private import state
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-            free = state.available_resources_per_node()
+            nodes_now = [n for n in ray.nodes() if n.get("Alive")]
+            alive = {n["NodeID"] for n in nodes_now}
+            free = _free_resources(nodes_now)
             if all(node not in alive or free.get(node, {}).get("CPU", 0) + 1e-9
                    >= count * self.cpus for node, count in nodes.items()):
                 return

@@ -159,7 +159,7 @@ def test_elastic_grows_when_a_node_frees_and_goes_on_when_a_node_dies(ray_cluste
     reported = {(r["size"], r["rank"], r["step"]) for r in out["reports"]}
     assert {(size, rank) for size, rank, _ in reported} == \
         {(2, 0), (2, 1), (3, 0), (3, 1), (3, 2)}, sorted(reported)
-    last_run = [step for step, size in history if step > max(
-        s for s, z in history if z == 3)]
+    last_grown = max(step for step, size in history if size == 3)
+    last_run = [step for step, _ in history if step > last_grown]
     assert all((2, rank, step + 1) in reported for step in last_run for rank in (0, 1)), \
         sorted(reported)

@@ -296,3 +296,28 @@ def test_elastic_below_min_workers_ends_with_the_reason(executor):
     assert time.monotonic() - started < 30
     assert elastic.last_worlds == []
     elastic.shutdown()
+
+
+def test_elastic_execute_makes_the_executable_and_trains_in_rank_order(executor):
+    """One elastic world on the 3 CPUs the module's executor leaves free: the executable
+    is made on every rank, execute's results come in rank order, and the (framework-
+    free) elastic job's weights equal numpy's replay."""
+    from hvdlite.ray import RayExecutor
+
+    elastic = RayExecutor(RayExecutor.create_settings(timeout_s=60), min_workers=2,
+                          max_workers=2, cpus_per_worker=1, elastic_timeout=30)
+    elastic.start(executable_cls=ray_bodies.Counter, executable_args=[10],
+                  executable_kwargs={"step": 5})
+    try:
+        results = elastic.execute(ray_bodies.bump_and_train)
+    finally:
+        elastic.shutdown()
+    assert elastic.last_worlds == [2]
+    assert [bumped for bumped, _ in results] == [(0, 15), (1, 15)], results
+    trained = [r for _, r in results]
+    assert [r["rank"] for r in trained] == [0, 1] and all(r["size"] == 2 for r in trained)
+    history = [tuple(h) for h in trained[0]["history"]]
+    assert history == [(0, 2), (1, 2), (2, 2)]
+    for r in trained:
+        np.testing.assert_allclose(r["w"], ray_bodies.elastic_reference(history),
+                                   rtol=1e-12)
