@@ -294,8 +294,11 @@ class ElasticJob:
         for node_id, count in on_node.items():
             self.nodes.hold(node_id, count)
         world = None
+        logger.debug("hvdlite ray: elastic: world %d: %d actor(s) asked for",
+                     self.driver.generation, len(actors))
         try:
             problem = self._prepare(actors, plan)
+            logger.debug("hvdlite ray: elastic: world %d: actors up", self.driver.generation)
             if problem:
                 return JobResult(exit_code=1, message=problem)
             world = World(lambda i, f, *a: actors[i].call.remote(f, *a), size,
@@ -307,6 +310,7 @@ class ElasticJob:
                 logger.warning("hvdlite ray: elastic: world %d did not form: %s",
                                self.driver.generation, exc)
                 return world.result or JobResult(exit_code=1, message=str(exc))
+            logger.debug("hvdlite ray: elastic: world %d formed", self.driver.generation)
             by_rank = [actors[p.index] for p in sorted(places, key=lambda p: p.rank)]
             return self._run_fn(world, by_rank)
         finally:
@@ -314,10 +318,13 @@ class ElasticJob:
                 ray.kill(actor)
             if world is not None:
                 world.stop(timeout=10.0)
+            logger.debug("hvdlite ray: elastic: world %d ended", self.driver.generation)
             if world is None or world.result is None:
                 supervisor.server.close()  # the job never ran: its listening socket
             self.nodes.wait_released(dict(on_node))
             self.nodes.release_all()
+            logger.debug("hvdlite ray: elastic: world %d's resources free",
+                         self.driver.generation)
 
     def _prepare(self, actors, plan) -> Optional[str]:
         """Waits for the actors to start and sets them up; returns a problem, or None."""
@@ -354,6 +361,7 @@ class ElasticJob:
         refs = [self.submit(w) for w in workers]
         results: Dict[int, Any] = {}
         pending = list(refs)
+        logger.debug("hvdlite ray: elastic: world %d runs", self.driver.generation)
         while pending and not world.ended():
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
             for ref in done:

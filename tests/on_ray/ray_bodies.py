@@ -287,7 +287,8 @@ def elastic_train(steps, step_s=0.2, use_torch=True):
             state.step += 1
             state.commit()
             ray_logger.log({"step": state.step, "size": hvd.size(), "rank": hvd.rank(),
-                            "pid": os.getpid(), "host": socket_mod.gethostname()})
+                            "pid": os.getpid(), "host": socket_mod.gethostname(),
+                            "time": time.time()})
             time.sleep(step_s)
         return {"rank": hvd.rank(), "size": hvd.size(), "host": socket_mod.gethostname(),
                 "history": [list(h) for h in state.history], "w": weights().tolist(),

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import ray
@@ -47,10 +48,12 @@ def elastic(head, lose_netns, join_address):
         if info["size"] == 2 and info["step"] >= 3 and "freed" not in done:
             done["freed"] = info["step"]
             ray.kill(blocker)
+            done["freed_at"] = time.time()
         if info["size"] == 3:
             done.setdefault("grown", info["step"])
             if info["step"] >= done["grown"] + 2 and "lost" not in done:
                 done["lost"] = info["step"]
+                done["lost_at"] = time.time()
                 pids = subprocess.run(["ip", "netns", "pids", lose_netns], check=True,
                                       capture_output=True, text=True).stdout.split()
                 for pid in pids:
@@ -60,11 +63,13 @@ def elastic(head, lose_netns, join_address):
                         pass
 
     settings = RayExecutor.create_settings(timeout_s=60)
+    done["start"] = time.time()
     executor = RayExecutor(settings, min_workers=2, max_workers=3, cpus_per_worker=2,
                            elastic_timeout=60)
     executor.start()
     results = executor.run(ray_bodies.elastic_train, args=[ray_bodies.ELASTIC_STEPS],
-                           kwargs={"step_s": 0.3}, callbacks=[on_report])
+                           kwargs={"step_s": 0.2}, callbacks=[on_report])
+    done["end"] = time.time()
     executor.shutdown()
     return {"results": results, "worlds": executor.last_worlds, "events": done,
             "reports": reports}

@@ -140,6 +140,7 @@ def test_elastic_grows_when_a_node_frees_and_goes_on_when_a_node_dies(ray_cluste
     out = run_driver(ray_cluster, "elastic", cluster.host("h2").netns,
                      cluster.host("h3").address, timeout=240)
     results, events = out["results"], out["events"]
+    print_timeline(out)
     assert out["worlds"] == [2, 3, 2], (out["worlds"], events)
     assert {"freed", "grown", "lost"} <= set(events), events
     assert [r["rank"] for r in results] == [0, 1] and all(r["size"] == 2 for r in results)
@@ -163,3 +164,23 @@ def test_elastic_grows_when_a_node_frees_and_goes_on_when_a_node_dies(ray_cluste
     last_run = [step for step, _ in history if step > last_grown]
     assert all((2, rank, step + 1) in reported for step in last_run for rank in (0, 1)), \
         sorted(reported)
+
+
+def print_timeline(out):
+    """When each world's ranks committed (seconds from the start of run), for -s."""
+    events, start = out["events"], out["events"]["start"]
+    by_world = {}
+    for r in out["reports"]:
+        key = (r["size"], r["rank"] == 0)
+        if r["rank"] == 0:
+            by_world.setdefault(len(by_world) if not by_world or
+                                list(by_world.values())[-1][2] != r["size"] else
+                                len(by_world) - 1, [r["time"], r["time"], r["size"]])
+            entry = by_world[len(by_world) - 1]
+            entry[1] = r["time"]
+        del key
+    for i, (first, last, size) in by_world.items():
+        print(f"world {i} ({size} ranks): commits {first - start:.1f} s .. {last - start:.1f} s")
+    for name in ("freed_at", "lost_at", "end"):
+        if name in events:
+            print(f"{name}: {events[name] - start:.1f} s")
