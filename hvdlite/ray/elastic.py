@@ -100,7 +100,9 @@ def _free_resources(alive_nodes) -> Dict[str, Dict[str, float]]:
 
 
 class RayNodes:
-    """What Ray says about its nodes, for the driver's discovery (thread-safe).
+    """What Ray says about its nodes. The driver's discovery thread calls :meth:`slots`
+    every second, the job's thread the rest; ``held`` and ``node_of`` are guarded by
+    ``_lock``.
 
     Args:
         cpus_per_worker, gpus_per_worker: what one worker (slot) takes.
@@ -205,6 +207,9 @@ class _RayElasticDriver(elastic_driver.ElasticDriver):
 
 class ElasticJob:
     """One ``RayExecutor.run`` of an elastic executor: worlds until one finishes.
+
+    Runs in the caller's thread (the driver's loop and each world); the driver's own
+    threads discover and answer the ranks' questions, the callbacks run in the pump's.
 
     Args:
         options: the executor's elastic arguments.

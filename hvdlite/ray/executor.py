@@ -324,12 +324,13 @@ class RayExecutor:
         try:
             job = ElasticJob(options, BaseWorker, call, extra_env, executable, pump)
             self.last_worlds = job.worlds
-            return job.run()
+            results = job.run()
         finally:
             if pump is not None:
                 pump.close()
-                if pump.error is not None:
-                    raise pump.error
+        if pump is not None and pump.error is not None:
+            raise pump.error
+        return results
 
     def _with_callbacks(self, callbacks, submit):
         """``submit()``'s results, with the workers' reports going to ``callbacks``."""
@@ -339,14 +340,15 @@ class RayExecutor:
         try:
             ray.get([w.call.remote(ray_logger.configure, pump.queue) for w in self.workers])
             try:
-                return self._get(submit())
+                results = self._get(submit())
             finally:
                 ray.wait([w.call.remote(ray_logger.configure, None) for w in self.workers],
                          num_returns=len(self.workers), timeout=10.0)
         finally:
             pump.close()
-            if pump.error is not None:
-                raise pump.error
+        if pump.error is not None:
+            raise pump.error
+        return results
 
     def _get(self, refs):
         """ray.get of ``refs`` (in order) that also ends when the job ended under the call.

@@ -321,3 +321,20 @@ def test_elastic_execute_makes_the_executable_and_trains_in_rank_order(executor)
     for r in trained:
         np.testing.assert_allclose(r["w"], ray_bodies.elastic_reference(history),
                                    rtol=1e-12)
+
+
+def test_elastic_run_raises_the_functions_error_and_ends(executor):
+    """An exception of fn (not a lost peer) ends the elastic job at once: run() raises
+    it with the worker's traceback, no second world is tried."""
+    import ray
+    from hvdlite.ray import RayExecutor
+
+    elastic = RayExecutor(RayExecutor.create_settings(timeout_s=60), min_workers=2,
+                          max_workers=2, cpus_per_worker=1, elastic_timeout=30)
+    elastic.start()
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError, match="rank 1 fails on purpose"):
+            elastic.run(ray_bodies.fail_on_rank, args=[1])
+    finally:
+        elastic.shutdown()
+    assert elastic.last_worlds == [2]
