@@ -338,3 +338,28 @@ def test_elastic_run_raises_the_functions_error_and_ends(executor):
     finally:
         elastic.shutdown()
     assert elastic.last_worlds == [2]
+
+
+def test_elastic_slots_follow_free_resources_and_held_workers(monkeypatch):
+    """The discovery's arithmetic, on Ray's answers as given: free CPUs (and GPUs)
+    divided by what a worker takes, plus this job's workers there; dead nodes out."""
+    needs.import_or_skip("ray")
+    from hvdlite.ray import elastic
+
+    nodes = [{"NodeID": "a", "NodeManagerAddress": "10.0.0.1", "Alive": True},
+             {"NodeID": "b", "NodeManagerAddress": "10.0.0.2", "Alive": True},
+             {"NodeID": "c", "NodeManagerAddress": "10.0.0.3", "Alive": False},
+             {"NodeID": "d", "NodeManagerAddress": "10.0.0.4", "Alive": True}]
+    free = {"a": {"CPU": 5.0, "GPU": 1.0}, "b": {"CPU": 1.0}, "c": {"CPU": 8.0},
+            "d": {"CPU": 4.0, "GPU": 4.0}}
+    monkeypatch.setattr(elastic.ray, "nodes", lambda: nodes)
+    monkeypatch.setattr(elastic, "_free_resources", lambda alive: free)
+    cpu_only = elastic.RayNodes(cpus_per_worker=2, gpus_per_worker=0)
+    assert cpu_only.slots() == [("10.0.0.1", 2), ("10.0.0.4", 2)]
+    cpu_only.hold("b", 1)  # b's CPU is this job's worker: b still offers it
+    cpu_only.hold("a", 2)
+    assert cpu_only.slots() == [("10.0.0.1", 4), ("10.0.0.2", 1), ("10.0.0.4", 2)]
+    assert cpu_only.node_id("10.0.0.2") == "b" and cpu_only.node_id("10.0.0.3") is None
+    cpu_only.release_all()
+    with_gpus = elastic.RayNodes(cpus_per_worker=1, gpus_per_worker=2)
+    assert with_gpus.slots() == [("10.0.0.4", 2)]
