@@ -167,20 +167,16 @@ def test_elastic_grows_when_a_node_frees_and_goes_on_when_a_node_dies(ray_cluste
 
 
 def print_timeline(out):
-    """When each world's ranks committed (seconds from the start of run), for -s."""
+    """When each world's rank 0 committed (seconds from the start of run), for -s."""
     events, start = out["events"], out["events"]["start"]
-    by_world = {}
-    for r in out["reports"]:
-        key = (r["size"], r["rank"] == 0)
-        if r["rank"] == 0:
-            by_world.setdefault(len(by_world) if not by_world or
-                                list(by_world.values())[-1][2] != r["size"] else
-                                len(by_world) - 1, [r["time"], r["time"], r["size"]])
-            entry = by_world[len(by_world) - 1]
-            entry[1] = r["time"]
-        del key
-    for i, (first, last, size) in by_world.items():
-        print(f"world {i} ({size} ranks): commits {first - start:.1f} s .. {last - start:.1f} s")
+    worlds = []  # [size, first commit, last commit], a new one when the size changes
+    for report in (r for r in out["reports"] if r["rank"] == 0):
+        if not worlds or worlds[-1][0] != report["size"]:
+            worlds.append([report["size"], report["time"], report["time"]])
+        worlds[-1][2] = report["time"]
+    for i, (size, first, last) in enumerate(worlds):
+        print(f"world {i} ({size} ranks): commits {first - start:.1f} s .. "
+              f"{last - start:.1f} s")
     for name in ("freed_at", "lost_at", "end"):
         if name in events:
             print(f"{name}: {events[name] - start:.1f} s")
