@@ -22,6 +22,25 @@ RESET_EXIT_CODE = 75
 # How long a rank waits for the driver's answer before it assumes nothing changed.
 QUERY_TIMEOUT_S = 5.0
 
+# Functions run just before a rank exits with RESET_EXIT_CODE: a rank whose exit code
+# its launcher cannot see (a Ray actor standing in for the process mpiexec started, see
+# hvdlite/ray/handoff.py) tells it this way that it left for a reset.
+_reset_hooks = []
+
+
+def on_leave_for_reset(hook):
+    """Registers ``hook()``, run when this process leaves its world for a reset."""
+    _reset_hooks.append(hook)
+
+
+def run_reset_hooks():
+    """Runs the registered hooks (called once, just before the exit)."""
+    for hook in _reset_hooks:
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - the exit must happen whatever a hook does
+            pass
+
 
 def in_elastic_job(env=None):
     """Whether this process is a rank of a world started by the elastic driver."""

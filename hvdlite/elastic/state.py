@@ -214,6 +214,7 @@ def _leave_for_reset(reason):
     sys.stderr.write(f"hvdlite elastic: rank {rank} leaves world "
                      f"{protocol.generation()} for a reset: {reason}\n")
     sys.stderr.flush()
+    protocol.run_reset_hooks()
     # No shutdown: peers may be gone and the core's farewell could wait on them.
     os._exit(protocol.RESET_EXIT_CODE)
 

@@ -22,7 +22,7 @@ from ray.util.placement_group import (get_current_placement_group, placement_gro
                                       remove_placement_group)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from hvdlite.ray import worker
+from hvdlite.ray import ray_logger, worker
 from hvdlite.ray.world import World, WorldError
 
 logger = logging.getLogger("hvdlite")
@@ -102,9 +102,15 @@ class RayExecutor:
         gpus_per_worker: GPUs per worker; needs ``use_gpu``.
         use_current_placement_group: inside a placement group (a Ray Tune trial), place
             the workers in it instead of a new one.
-        min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout,
-            override_discovery: elastic training (checked as horovod.ray does; not yet
-            supported: :meth:`start` refuses it).
+        min_workers: elastic training: the job goes on while at least this many workers
+            can run (docs/ray.md, "Elastic training"); excludes ``num_workers``.
+        max_workers: at most this many workers (default: as many as the nodes take).
+        reset_limit: end the job instead of a reset past this many resets.
+        cooldown_range: ``(min_s, max_s)``: a failed worker's slot or a lost node comes
+            back after a random time in it (default: never).
+        elastic_timeout: seconds to wait for ``min_workers`` slots before giving up.
+        override_discovery: recheck Ray's nodes while the job runs (True), or keep the
+            nodes found at the start of :meth:`run`.
 
     Raises:
         ValueError: inconsistent arguments, with horovod.ray's checks.
@@ -170,7 +176,11 @@ class RayExecutor:
         self.gpus_per_worker = (gpus_per_worker or 1) if use_gpu else 0
         self.use_current_placement_group = use_current_placement_group
         self.min_workers, self.max_workers = min_workers, max_workers
+        self.reset_limit, self.cooldown_range = reset_limit, cooldown_range
+        self.elastic_timeout, self.override_discovery = elastic_timeout, override_discovery
         self.elastic = min_workers is not None
+        self._elastic_start = None  # start()'s arguments, for each elastic run
+        self.last_worlds: List[int] = []  # elastic: each world's size in the last run
         self.workers: List[Any] = []        # actor handles, in rank order once started
         self._placement_group = None
         self._own_placement_group = False
@@ -233,14 +243,19 @@ class RayExecutor:
         Raises:
             TimeoutError: the placement group was not ready in placement_group_timeout_s.
             RuntimeError: the world could not be formed (the message says what and where).
-            NotImplementedError: elastic arguments (min_workers) were given.
             In every case nothing is left behind: no actor, placement group or process.
+
+        With ``min_workers`` (elastic) nothing is started here: each :meth:`run` starts
+        its worlds, with these arguments, on the nodes Ray has then.
         """
-        if self.elastic:
-            raise NotImplementedError("elastic training on Ray (min_workers/max_workers) is "
-                                      "not supported yet: give num_workers or num_hosts")
-        if self.workers:
+        if self.workers or self._elastic_start is not None:
             raise RuntimeError("RayExecutor.start() was already called")
+        if self.elastic:
+            executable = (executable_cls, executable_args, executable_kwargs) \
+                if executable_cls is not None else None
+            self._elastic_start = (executable,
+                                   {str(k): str(v) for k, v in (extra_env_vars or {}).items()})
+            return
         try:
             self._start(executable_cls, executable_args, executable_kwargs, extra_env_vars)
         except BaseException:
@@ -285,9 +300,55 @@ class RayExecutor:
 
     # -- running ------------------------------------------------------------------------
 
-    def _check_started(self):
+    def _check_started(self, elastic_ok=False):
+        if self.elastic and self._elastic_start is not None:
+            if not elastic_ok:
+                raise RuntimeError("an elastic RayExecutor (min_workers) runs its workers "
+                                   "only during run() or execute(): each world has new "
+                                   "ones, so there are none to call outside them")
+            return
         if not self.workers or self._world is None:
             raise RuntimeError("RayExecutor is not started: call start() first")
+
+    def _run_elastic(self, call, callbacks):
+        from hvdlite.ray.elastic import ElasticJob, ElasticOptions
+
+        executable, extra_env = self._elastic_start
+        options = ElasticOptions(
+            min_workers=self.min_workers, max_workers=self.max_workers,
+            reset_limit=self.reset_limit, cooldown_range=self.cooldown_range,
+            elastic_timeout=self.elastic_timeout, override_discovery=self.override_discovery,
+            cpus_per_worker=self.cpus_per_worker, gpus_per_worker=self.gpus_per_worker,
+            start_timeout=self.settings.timeout_s, nics=self.settings.nics)
+        pump = ray_logger.CallbackPump(callbacks) if callbacks else None
+        try:
+            job = ElasticJob(options, BaseWorker, call, extra_env, executable, pump)
+            self.last_worlds = job.worlds
+            results = job.run()
+        finally:
+            if pump is not None:
+                pump.close()
+        if pump is not None and pump.error is not None:
+            raise pump.error
+        return results
+
+    def _with_callbacks(self, callbacks, submit):
+        """``submit()``'s results, with the workers' reports going to ``callbacks``."""
+        if not callbacks:
+            return self._get(submit())
+        pump = ray_logger.CallbackPump(callbacks)
+        try:
+            ray.get([w.call.remote(ray_logger.configure, pump.queue) for w in self.workers])
+            try:
+                results = self._get(submit())
+            finally:
+                ray.wait([w.call.remote(ray_logger.configure, None) for w in self.workers],
+                         num_returns=len(self.workers), timeout=10.0)
+        finally:
+            pump.close()
+        if pump.error is not None:
+            raise pump.error
+        return results
 
     def _get(self, refs):
         """ray.get of ``refs`` (in order) that also ends when the job ended under the call.
@@ -324,24 +385,37 @@ class RayExecutor:
         """Runs ``fn(*args, **kwargs)`` on every worker.
 
         Args:
-            fn: the function; it calls ``hvd.init()`` as under hvdliterun.
+            fn: the function; it calls ``hvd.init()`` as under hvdliterun. Elastic
+                (``min_workers``): a function that runs its training through one
+                decorated with ``hvd.elastic.run``; it runs again from its start in
+                every new world.
             args, kwargs: its arguments.
-            callbacks: accepted for horovod.ray's signature (its callbacks receive the
-                workers' reports, which hvdlite's workers do not send).
+            callbacks: callables on the driver, each called with every report a worker
+                sends with ``hvdlite.ray.ray_logger.log(...)`` while ``fn`` runs (as
+                horovod.ray's); a callback's exception is raised once ``fn`` is done.
 
         Returns:
-            The results, in rank order.
+            The results, in rank order (elastic: those of the world that finished).
 
         Raises:
             Whatever ``fn`` raised on a worker (``ray.exceptions.RayTaskError``), or
-            RuntimeError when the job ended under it (a lost rank).
+            RuntimeError when the job ended under it (a lost rank; elastic: fewer than
+            ``min_workers`` for ``elastic_timeout``, or past ``reset_limit``).
         """
-        return self._get(self.run_remote(fn, args, kwargs))
+        self._check_started(elastic_ok=True)
+        if self.elastic:
+            return self._run_elastic(lambda w: w.run.remote(fn, args, kwargs), callbacks)
+        return self._with_callbacks(callbacks, lambda: self.run_remote(fn, args, kwargs))
 
-    def execute(self, fn: Callable[[Any], Any]) -> List[Any]:
-        """Runs ``fn(executable)`` on every worker; returns the results in rank order."""
-        self._check_started()
-        return self._get([w.execute.remote(fn) for w in self.workers])
+    def execute(self, fn: Callable[[Any], Any],
+                callbacks: Optional[List[Callable]] = None) -> List[Any]:
+        """Runs ``fn(executable)`` on every worker; returns the results in rank order
+        (``callbacks`` as for :meth:`run`)."""
+        self._check_started(elastic_ok=True)
+        if self.elastic:
+            return self._run_elastic(lambda w: w.execute.remote(fn), callbacks)
+        return self._with_callbacks(callbacks,
+                                    lambda: [w.execute.remote(fn) for w in self.workers])
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
         """Runs ``fn(executable)`` on rank 0 only; returns its result."""
@@ -353,8 +427,10 @@ class RayExecutor:
     def shutdown(self):
         """Ends the ranks, the actors and the placement group (if the executor made it).
 
-        Safe to call more than once, and after a failed start.
+        Safe to call more than once, and after a failed start. (An elastic executor's
+        workers end with each run.)
         """
+        self._elastic_start = None
         actors, self.workers = self.workers, []
         if self._world is not None:
             if actors and not self._world.ended():

@@ -9,8 +9,9 @@ that runs the user's functions, a process hydra did not start. So the process hy
 starts (this file, under the rank wrapper) passes its identity on: it connects to the
 actor of its rank over a Unix socket of the actor's node, sends its MPI variables and
 the descriptors (SCM_RIGHTS), and then stands in for the actor towards mpiexec until
-the actor says goodbye (exit 0) or goes away (exit 1: the launcher then ends the job
-as for any lost rank). The actor calls MPI_Init later, with the variables and
+the actor says goodbye (exit 0), leaves for an elastic reset (exit 75, as a rank of
+hvdliterun's elastic driver) or goes away (exit 1: the launcher then ends the job as for
+any lost rank). The actor calls MPI_Init later, with the variables and
 descriptors it received, and becomes that rank.
 
 The socket's name is abstract (``\\0hvdlite-ray-<job>-<rank>``): it lives in the
@@ -33,6 +34,11 @@ COPIED_PREFIXES = ("PMI_", "PMIX_", "MPI_", "MPIR_", "HYDI_", "HYDRA_", "OMPI_",
 # Descriptors a rank inherits (hydra's, then hvdliterun's lost-peer pipe).
 FD_VARS = ("PMI_FD", "HYDI_CONTROL_FD", "HVDLITE_FAULT_FD")
 GOODBYE = b"bye"
+# The actor left its world for an elastic reset (hvdlite/elastic/protocol.py): the
+# process exits with the reset code, so that the elastic driver counts the rank as a
+# survivor, not as a failure.
+RESET = b"reset"
+RESET_EXIT_CODE = 75  # protocol.RESET_EXIT_CODE (this file imports nothing of hvdlite)
 MAX_MESSAGE = 1 << 20
 
 
@@ -109,7 +115,9 @@ def main() -> int:
         if not data:
             break
         reply += data
-    return 0 if reply.startswith(GOODBYE) else 1
+    if reply.startswith(GOODBYE):
+        return 0
+    return RESET_EXIT_CODE if reply.startswith(RESET) else 1
 
 
 class HandoffListener:
@@ -158,12 +166,13 @@ class HandoffListener:
         self._conn = conn.detach()
         return variables, info.get("host", ""), info.get("nice")
 
-    def release(self):
-        """Tells the rank process that this rank ends well: it exits with success once
-        this process has exited (the connection is left open until then)."""
+    def release(self, message=GOODBYE):
+        """Tells the rank process that this rank ends well (``GOODBYE``: it exits with
+        success) or leaves for a reset (``RESET``), once this process has exited (the
+        connection is left open until then)."""
         if self._conn is not None:
             try:
-                os.write(self._conn, GOODBYE)
+                os.write(self._conn, message)
             except OSError:
                 pass
 

@@ -12,7 +12,8 @@ import secrets
 import socket
 from typing import Dict, Optional
 
-from hvdlite.ray.handoff import HandoffListener
+from hvdlite.elastic import protocol
+from hvdlite.ray.handoff import RESET, HandoffListener
 from hvdlite.ray.node_shell import NodeShellServer
 
 logger = logging.getLogger("hvdlite")
@@ -79,6 +80,9 @@ def join(timeout: float, extra_env: Optional[Dict[str, str]] = None) -> str:
     """
     variables, host, nice = _state.listener.accept(timeout)
     os.environ.update(variables)
+    # An elastic rank leaving for a reset exits at once (hvdlite/elastic/state.py): its
+    # stand-in must then exit with the reset code, not as a lost rank.
+    protocol.on_leave_for_reset(_leave_for_reset)
     os.environ.update(extra_env or {})
     if nice is not None:
         take_priority(nice)
@@ -121,6 +125,11 @@ def leave() -> None:
         _state.listener.release()
     if _state.node_shell is not None:
         _state.node_shell.detach()
+
+
+def _leave_for_reset() -> None:
+    if _state.listener is not None:
+        _state.listener.release(RESET)
 
 
 def new_token() -> str:

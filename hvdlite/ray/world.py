@@ -121,15 +121,29 @@ class World:
 
     def __init__(self, call: Call, num_workers: int, start_timeout: float = 30.0,
                  nics: Optional[Sequence[str]] = None,
-                 extra_env: Optional[Dict[str, str]] = None):
+                 extra_env: Optional[Dict[str, str]] = None,
+                 job_env: Optional[Dict[str, str]] = None,
+                 supervisor: Optional[JobSupervisor] = None):
+        """
+        Args:
+            call: ``call(index, fn, *args)`` runs ``fn(*args)`` in worker ``index``.
+            num_workers: the workers (ranks).
+            start_timeout: seconds for every rank to start.
+            nics: interfaces for MPI and the ranks' calls to the driver.
+            extra_env: variables set in each worker once its rank joined.
+            job_env: more variables for the ranks' processes (an elastic world's).
+            supervisor: the job's supervisor (an elastic driver's, made for this
+                world's hosts in rank order); default: a JobSupervisor made here.
+        """
         self._call = call
+        self.job_env = dict(job_env or {})
         self.num_workers = num_workers
         self.start_timeout = start_timeout
         self.nics = sorted(nics) if nics else []
         self.extra_env = dict(extra_env or {})
         self.job_id = uuid.uuid4().hex[:12]
         self.places: List[WorkerPlace] = []
-        self._supervisor: Optional[JobSupervisor] = None
+        self._supervisor: Optional[JobSupervisor] = supervisor
         self._thread: Optional[threading.Thread] = None
         self.result: Optional[JobResult] = None
         self._ending = False
@@ -166,7 +180,8 @@ class World:
         shells = dict(zip(first_on_node, ports))
         _get([self._call(p.index, worker.listen, self.job_id, p.rank) for p in self.places],
              CALL_TIMEOUT_S, "preparing the workers for their ranks")
-        self._start_job({node_shell_module.ENV_SHELLS: node_shell_module.format_shells(shells),
+        self._start_job({**self.job_env,
+                         node_shell_module.ENV_SHELLS: node_shell_module.format_shells(shells),
                          node_shell_module.ENV_TOKEN: token,
                          handoff_module.ENV_JOB: self.job_id,
                          "HVDLITE_RAY_HANDOFF_TIMEOUT": repr(float(self.start_timeout))})
@@ -191,8 +206,9 @@ class World:
         except launch.UsageError as exc:
             raise WorldError(str(exc)) from exc
         bind = advertise if config.network_interface else "0.0.0.0"
-        self._supervisor = joblib.new_supervisor(config, bind, advertise, JobSupervisor,
-                                                 wire.peer_timeout(os.environ))
+        if self._supervisor is None:
+            self._supervisor = joblib.new_supervisor(config, bind, advertise, JobSupervisor,
+                                                     wire.peer_timeout(os.environ))
         logger.debug("hvdlite ray: job %s on %s", self.job_id,
                      ",".join(f"{h.host}:{h.slots}" for h in hosts))
 

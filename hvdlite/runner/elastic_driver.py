@@ -252,12 +252,23 @@ class ElasticDriver:
         launch_world: ``(supervisor, hosts or None, size, extra env) -> JobResult``,
             starts and supervises one world.
         make_supervisor: ``(size, hosts or None) -> _WorldSupervisor``.
+        bind_host, advertise_host: where the update service listens, and its address
+            for the ranks.
+        discover: ``() -> [HostSlots]``, the hosts and slots usable now, asked every
+            discovery interval (default: the settings' discovery script, if any).
     """
 
     def __init__(self, config, launch_world, make_supervisor, bind_host="127.0.0.1",
-                 advertise_host="127.0.0.1"):
+                 advertise_host="127.0.0.1", discover=None):
         self.config = config
         self.settings: ElasticSettings = config.elastic
+        script = self.settings.discovery_script
+        if discover is None and script is not None:
+            def discover():
+                return discover_hosts(script)
+        # () -> the hosts and slots now, or None: the hosts are fixed (config.hosts).
+        self.discover = discover
+        self.plan: List[hostlib.HostSlots] = []  # the current world's hosts, in rank order
         self.launch_world = launch_world
         self.make_supervisor = make_supervisor
         self.book = SlotBook(self.settings.cooldown_range)
@@ -270,10 +281,10 @@ class ElasticDriver:
     # -- slots -------------------------------------------------------------------------
 
     def _refresh_hosts(self) -> bool:
-        if self.settings.discovery_script is None:
+        if self.discover is None:
             return True
         try:
-            self.book.set_hosts(discover_hosts(self.settings.discovery_script))
+            self.book.set_hosts(self.discover())
             return True
         except RuntimeError as exc:
             logger.warning("%s (keeping the last host list)", exc)
@@ -298,7 +309,7 @@ class ElasticDriver:
             usable = self.book.usable()
             if hostlib.total_slots(usable) >= self.settings.min_np:
                 return usable
-            can_change = self.settings.discovery_script is not None or \
+            can_change = self.discover is not None or \
                 self.book.pending_return()
             if not can_change or time.monotonic() >= deadline:
                 self._say(f"only {hostlib.total_slots(usable)} usable slot(s) "
@@ -314,11 +325,11 @@ class ElasticDriver:
 
     def run(self) -> int:
         """Runs the job; returns hvdliterun's exit code."""
-        if self.settings.discovery_script is None:
+        if self.discover is None:
             hosts = self.config.hosts or [hostlib.HostSlots("localhost", self.config.num_ranks)]
             self.book.set_hosts(hosts)
         elif not self._refresh_hosts():
-            self._say("the host discovery script failed at start; ending the job")
+            self._say("the host discovery failed at start; ending the job")
             return 1
         service = _UpdateService(self, self.bind_host, self.advertise_host)
         discovery = threading.Thread(target=self._discovery_loop, daemon=True,
@@ -346,6 +357,7 @@ class ElasticDriver:
             plan = plan_world(usable, size)
             with self.book.lock:
                 self.world_size = size
+            self.plan = plan
             self._say(f"world {self.generation}: {size} rank(s) on {_format(plan)}"
                       + ("" if self.generation == 0 else f" after {why}, from the last commit"))
             local = hostlib.all_local(plan)

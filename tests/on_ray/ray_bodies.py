@@ -1,4 +1,5 @@
 """What the Ray tests run inside the workers (imported there by name: PYTHONPATH)."""
+import os
 import socket
 
 import numpy as np
@@ -199,3 +200,121 @@ def executor_in_current_placement_group():
     finally:
         executor.shutdown()
     return [i["rank"] for i in ids], [i["size"] for i in ids], used
+
+
+# -- elastic (issue 30): a least-squares model trained step by step, one commit a step --
+
+ELASTIC_STEPS = 24
+ELASTIC_W0 = (0.5, -0.25, 1.0)
+ELASTIC_LR = 0.1
+
+
+def elastic_data(step, rank):
+    """The samples rank ``rank`` trains on at ``step``, in any world."""
+    rng = np.random.default_rng(1000 * step + rank)
+    return rng.standard_normal((4, 3)), rng.standard_normal(4)
+
+
+def elastic_reference(history):
+    """numpy's replay of the committed steps: ``history`` is [(step, world size)], each
+    step's gradient the average of its ranks' (as DistributedOptimizer's)."""
+    w = np.array(ELASTIC_W0, dtype=np.float64)
+    for step, size in history:
+        grads = []
+        for rank in range(size):
+            x, y = elastic_data(step, rank)
+            grads.append(2.0 * x.T @ (x @ w - y) / len(y))
+        w = w - ELASTIC_LR * np.mean(grads, axis=0)
+    return w
+
+
+def elastic_train(steps, step_s=0.2, use_torch=True):
+    """An elastic job's function: ``steps`` SGD steps, a commit after each. Returns this rank's place, its committed history and
+    its weights. Every rank reports each commit through ray_logger. Runs again from its start in each new world; the state brings it to the
+    last commit."""
+    import socket as socket_mod
+    import time
+
+    from hvdlite.ray import ray_logger
+
+    if use_torch:
+        import torch
+
+        import hvdlite.torch as hvd
+
+        torch.set_num_threads(1)
+        hvd.init()
+        model = torch.nn.Linear(3, 1, bias=False).double()
+        with torch.no_grad():
+            model.weight.copy_(torch.tensor([ELASTIC_W0], dtype=torch.float64))
+        optimizer = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=ELASTIC_LR),
+            named_parameters=model.named_parameters())
+        state = hvd.elastic.TorchState(model, optimizer, step=0, history=[])
+
+        def train_step(step):
+            x, y = (torch.from_numpy(a) for a in elastic_data(step, hvd.rank()))
+            optimizer.zero_grad()
+            ((model(x).squeeze(1) - y) ** 2).mean().backward()
+            optimizer.step()
+
+        def weights():
+            return model.weight.detach().numpy()[0].copy()
+    else:
+        import hvdlite as hvd
+        import hvdlite.elastic
+
+        hvd.init()
+        state = hvdlite.elastic.ObjectState(step=0, history=[],
+                                            w=np.array(ELASTIC_W0, dtype=np.float64))
+
+        def train_step(step):
+            x, y = elastic_data(step, hvd.rank())
+            grad = 2.0 * x.T @ (x @ state.w - y) / len(y)
+            state.w = state.w - ELASTIC_LR * hvd.allreduce(grad, op=hvd.Average,
+                                                           name="elastic.grad")
+
+        def weights():
+            return state.w.copy()
+
+    elastic = hvd.elastic if use_torch else hvdlite.elastic
+
+    @elastic.run
+    def train(state):
+        while state.step < steps:
+            train_step(state.step)
+            state.history = state.history + [(state.step, hvd.size())]
+            state.step += 1
+            state.commit()
+            ray_logger.log({"step": state.step, "size": hvd.size(), "rank": hvd.rank(),
+                            "pid": os.getpid(), "host": socket_mod.gethostname(),
+                            "time": time.time()})
+            time.sleep(step_s)
+        return {"rank": hvd.rank(), "size": hvd.size(), "host": socket_mod.gethostname(),
+                "history": [list(h) for h in state.history], "w": weights().tolist(),
+                "pid": os.getpid()}
+
+    return train(state)
+
+
+class Blocker:
+    """An actor that only holds resources (so that a node is busy until it ends)."""
+
+    def ready(self):
+        return True
+
+
+def ranks_report(value):
+    """A static run's body for callbacks: each rank reports twice."""
+    import hvdlite as hvd
+    from hvdlite.ray import ray_logger
+
+    hvd.init()
+    for i in range(2):
+        ray_logger.log({"rank": hvd.rank(), "i": i, "value": value})
+    return hvd.rank()
+
+
+def bump_and_train(counter):
+    """An elastic execute's body: the world's executable, then a short elastic job."""
+    return counter.bump(), elastic_train(3, step_s=0.0, use_torch=False)

@@ -11,6 +11,7 @@ cluster, test_ray_executor.py: importing torch in four actors costs half a minut
 import json
 import os
 import secrets
+import subprocess
 import sys
 
 import numpy as np
@@ -43,7 +44,11 @@ def ray_cluster():
     cluster = netns_cluster.NetnsCluster(3).start()
     env = cluster.mpi_env(dict(os.environ, RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1",
                                PYTHONPATH=worker_pythonpath(), RAY_AUTH_MODE="token",
-                               RAY_AUTH_TOKEN=secrets.token_hex(32)))
+                               RAY_AUTH_TOKEN=secrets.token_hex(32),
+                               # A killed node is seen dead in ~3 s, not ~30 s.
+                               RAY_health_check_period_ms="1000",
+                               RAY_health_check_timeout_ms="1000",
+                               RAY_health_check_failure_threshold="3"))
     env.pop("HVDLITE_REMOTE_SHELL", None)  # the node shells must do it
     head = f"{cluster.host('h1').address}:6379"
     try:
@@ -74,10 +79,14 @@ def ray_cluster():
         assert not any(left.values()), f"processes left in the cluster's hosts: {left}"
 
 
-def run_driver(ray_cluster, scenario):
+def run_driver(ray_cluster, scenario, *args, timeout=180):
     cluster, head, env = ray_cluster
-    done = cluster.run("h1", [sys.executable, DRIVER, head, scenario], env=env,
-                       capture_output=True, text=True, timeout=180, cwd=HERE)
+    try:
+        done = cluster.run("h1", [sys.executable, DRIVER, head, scenario, *args], env=env,
+                           capture_output=True, text=True, timeout=timeout, cwd=HERE)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the {scenario} driver hung: no end within {timeout} s\nstdout:\n"
+                    f"{(exc.stdout or b'')[-3000:]}\nstderr:\n{(exc.stderr or b'')[-5000:]}")
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, (
         f"driver exited with {done.returncode}\nstdout:\n{done.stdout[-3000:]}\n"
@@ -120,3 +129,54 @@ def test_one_worker_per_node_when_packing_cannot_share(ray_cluster):
     assert [i["cross_rank"] for i in ids] == [0, 1, 2], ids
     assert all(i["local_size"] == 1 and i["cross_size"] == 3 for i in ids), ids
     check_collectives(out["collectives"], 3)
+
+
+def test_elastic_grows_when_a_node_frees_and_goes_on_when_a_node_dies(ray_cluster):
+    """min_workers=2, max_workers=3, one 2-CPU worker per node: 2 ranks (h3 busy), 3
+    once h3 is free, 2 after h2 is killed (its raylet and everything else in it); the
+    final world's ranks hold the weights numpy computes from the committed steps, and
+    every step was committed exactly once."""
+    cluster, _, _ = ray_cluster
+    out = run_driver(ray_cluster, "elastic", cluster.host("h2").netns,
+                     cluster.host("h3").address, timeout=240)
+    results, events = out["results"], out["events"]
+    print_timeline(out)
+    assert out["worlds"] == [2, 3, 2], (out["worlds"], events)
+    assert {"freed", "grown", "lost"} <= set(events), events
+    assert [r["rank"] for r in results] == [0, 1] and all(r["size"] == 2 for r in results)
+    assert sorted(r["host"] for r in results) == ["h1", "h3"], results
+    history = [tuple(h) for h in results[0]["history"]]
+    # Every step committed once, in order; the world's size changed only at the resets.
+    assert [step for step, _ in history] == list(range(ray_bodies.ELASTIC_STEPS)), history
+    runs = [size for i, (_, size) in enumerate(history) if i == 0 or history[i - 1][1] != size]
+    assert runs == [2, 3, 2], history
+    expected = ray_bodies.elastic_reference(history)
+    for r in results:
+        assert [tuple(h) for h in r["history"]] == history
+        np.testing.assert_allclose(r["w"], expected, rtol=1e-12, atol=1e-14,
+                                   err_msg=f"rank {r['rank']}")
+    # The callbacks got the reports of every world's ranks, and of every commit of the
+    # final world from each of its ranks (its ranks ran to the end).
+    reported = {(r["size"], r["rank"], r["step"]) for r in out["reports"]}
+    assert {(size, rank) for size, rank, _ in reported} == \
+        {(2, 0), (2, 1), (3, 0), (3, 1), (3, 2)}, sorted(reported)
+    last_grown = max(step for step, size in history if size == 3)
+    last_run = [step for step, _ in history if step > last_grown]
+    assert all((2, rank, step + 1) in reported for step in last_run for rank in (0, 1)), \
+        sorted(reported)
+
+
+def print_timeline(out):
+    """When each world's rank 0 committed (seconds from the start of run), for -s."""
+    events, start = out["events"], out["events"]["start"]
+    worlds = []  # [size, first commit, last commit], a new one when the size changes
+    for report in (r for r in out["reports"] if r["rank"] == 0):
+        if not worlds or worlds[-1][0] != report["size"]:
+            worlds.append([report["size"], report["time"], report["time"]])
+        worlds[-1][2] = report["time"]
+    for i, (size, first, last) in enumerate(worlds):
+        print(f"world {i} ({size} ranks): commits {first - start:.1f} s .. "
+              f"{last - start:.1f} s")
+    for name in ("freed_at", "lost_at", "end"):
+        if name in events:
+            print(f"{name}: {events[name] - start:.1f} s")

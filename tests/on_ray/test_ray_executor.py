@@ -56,8 +56,16 @@ def test_argument_errors_as_horovod():
     with pytest.raises(ValueError, match="timeout_s must be a number > 0"):
         RayExecutor.create_settings(timeout_s=0)
     elastic = RayExecutor(settings, min_workers=1, max_workers=2)
-    with pytest.raises(NotImplementedError, match="elastic training on Ray"):
+    with pytest.raises(RuntimeError, match="not started"):
+        elastic.run(ray_bodies.identity)
+    elastic.start()  # an elastic executor starts its workers in each run
+    with pytest.raises(RuntimeError, match="already called"):
         elastic.start()
+    with pytest.raises(RuntimeError, match="elastic RayExecutor .* runs its workers only"):
+        elastic.run_remote(ray_bodies.identity)
+    with pytest.raises(RuntimeError, match="elastic RayExecutor .* runs its workers only"):
+        elastic.execute_single(lambda executable: None)
+    elastic.shutdown()
     with pytest.raises(RuntimeError, match="not started"):
         RayExecutor(settings, num_workers=1).run(ray_bodies.identity)
 
@@ -68,6 +76,23 @@ def test_ranks_in_order_on_one_node(executor):
     assert [i["local_rank"] for i in ids] == list(range(SIZE))
     assert all(i["size"] == SIZE and i["local_size"] == SIZE for i in ids), ids
     assert all(i["cross_rank"] == 0 and i["cross_size"] == 1 for i in ids), ids
+
+
+def test_callbacks_get_every_report_of_every_rank(executor):
+    got = []
+    ranks = executor.run(ray_bodies.ranks_report, args=["a"], callbacks=[got.append])
+    assert ranks == list(range(SIZE))
+    assert sorted((g["rank"], g["i"]) for g in got) == \
+        [(r, i) for r in range(SIZE) for i in range(2)], got
+    assert all(g["value"] == "a" for g in got), got
+    for rank in range(SIZE):  # each rank's reports in the order it sent them
+        assert [g["i"] for g in got if g["rank"] == rank] == [0, 1], got
+    # Without callbacks, reports go nowhere; a second run's callbacks get only its own.
+    executor.run(ray_bodies.ranks_report, args=["b"])
+    later = []
+    executor.run(ray_bodies.ranks_report, args=["c"], callbacks=[later.append, len])
+    assert sorted(g["value"] for g in later) == ["c"] * (2 * SIZE), later
+    assert len(got) == 2 * SIZE
 
 
 def test_collectives_against_numpy(executor):
@@ -254,3 +279,87 @@ def test_runs_inside_the_current_placement_group(ray_local):
         assert placement_group_table(group)["state"] == "CREATED"
     finally:
         remove_placement_group(group)
+
+
+def test_elastic_below_min_workers_ends_with_the_reason(executor):
+    """The module's executor holds 3 of the 6 CPUs: an elastic job needing 4 workers
+    waits elastic_timeout for them, then run() raises saying so, starting no world."""
+    from hvdlite.ray import RayExecutor
+
+    elastic = RayExecutor(RayExecutor.create_settings(timeout_s=30), min_workers=4,
+                          max_workers=6, cpus_per_worker=1, elastic_timeout=2)
+    elastic.start()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"only 3 usable slot\(s\) .*fewer than "
+                                           r"min_workers 4, for 2 s \(elastic_timeout\)"):
+        elastic.run(ray_bodies.identity)
+    assert time.monotonic() - started < 30
+    assert elastic.last_worlds == []
+    elastic.shutdown()
+
+
+def test_elastic_execute_makes_the_executable_and_trains_in_rank_order(executor):
+    """One elastic world on the 3 CPUs the module's executor leaves free: the executable
+    is made on every rank, execute's results come in rank order, and the (framework-
+    free) elastic job's weights equal numpy's replay."""
+    from hvdlite.ray import RayExecutor
+
+    elastic = RayExecutor(RayExecutor.create_settings(timeout_s=60), min_workers=2,
+                          max_workers=2, cpus_per_worker=1, elastic_timeout=30)
+    elastic.start(executable_cls=ray_bodies.Counter, executable_args=[10],
+                  executable_kwargs={"step": 5})
+    try:
+        results = elastic.execute(ray_bodies.bump_and_train)
+    finally:
+        elastic.shutdown()
+    assert elastic.last_worlds == [2]
+    assert [bumped for bumped, _ in results] == [(0, 15), (1, 15)], results
+    trained = [r for _, r in results]
+    assert [r["rank"] for r in trained] == [0, 1] and all(r["size"] == 2 for r in trained)
+    history = [tuple(h) for h in trained[0]["history"]]
+    assert history == [(0, 2), (1, 2), (2, 2)]
+    for r in trained:
+        np.testing.assert_allclose(r["w"], ray_bodies.elastic_reference(history),
+                                   rtol=1e-12)
+
+
+def test_elastic_run_raises_the_functions_error_and_ends(executor):
+    """An exception of fn (not a lost peer) ends the elastic job at once: run() raises
+    it with the worker's traceback, no second world is tried."""
+    import ray
+    from hvdlite.ray import RayExecutor
+
+    elastic = RayExecutor(RayExecutor.create_settings(timeout_s=60), min_workers=2,
+                          max_workers=2, cpus_per_worker=1, elastic_timeout=30)
+    elastic.start()
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError, match="rank 1 fails on purpose"):
+            elastic.run(ray_bodies.fail_on_rank, args=[1])
+    finally:
+        elastic.shutdown()
+    assert elastic.last_worlds == [2]
+
+
+def test_elastic_slots_follow_free_resources_and_held_workers(monkeypatch):
+    """The discovery's arithmetic, on Ray's answers as given: free CPUs (and GPUs)
+    divided by what a worker takes, plus this job's workers there; dead nodes out."""
+    needs.import_or_skip("ray")
+    from hvdlite.ray import elastic
+
+    nodes = [{"NodeID": "a", "NodeManagerAddress": "10.0.0.1", "Alive": True},
+             {"NodeID": "b", "NodeManagerAddress": "10.0.0.2", "Alive": True},
+             {"NodeID": "c", "NodeManagerAddress": "10.0.0.3", "Alive": False},
+             {"NodeID": "d", "NodeManagerAddress": "10.0.0.4", "Alive": True}]
+    free = {"a": {"CPU": 5.0, "GPU": 1.0}, "b": {"CPU": 1.0}, "c": {"CPU": 8.0},
+            "d": {"CPU": 4.0, "GPU": 4.0}}
+    monkeypatch.setattr(elastic.ray, "nodes", lambda: nodes)
+    monkeypatch.setattr(elastic, "_free_resources", lambda alive: free)
+    cpu_only = elastic.RayNodes(cpus_per_worker=2, gpus_per_worker=0)
+    assert cpu_only.slots() == [("10.0.0.1", 2), ("10.0.0.4", 2)]
+    cpu_only.hold("b", 1)  # b's CPU is this job's worker: b still offers it
+    cpu_only.hold("a", 2)
+    assert cpu_only.slots() == [("10.0.0.1", 4), ("10.0.0.2", 1), ("10.0.0.4", 2)]
+    assert cpu_only.node_id("10.0.0.2") == "b" and cpu_only.node_id("10.0.0.3") is None
+    cpu_only.release_all()
+    with_gpus = elastic.RayNodes(cpus_per_worker=1, gpus_per_worker=2)
+    assert with_gpus.slots() == [("10.0.0.4", 2)]
