@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("native")]
 
 PRELUDE = r'''
 import copy, json, os, sys
+import numpy as np
 import torch
 import hvdlite.torch as hvd
 
@@ -68,6 +69,41 @@ def whole_batch(step):
     g = torch.Generator().manual_seed(100 + step)
     x = torch.randn(6 * size, 7, generator=g, dtype=torch.float64)
     return x, x.sum(1, keepdim=True).sin()
+
+
+def numpy_layerwise(kind, net, steps):
+    """Trains ``net`` on the whole batch with OPTIMIZERS' LARS or LAMB written out in numpy
+    (the papers' formulas; torch only computes the gradients)."""
+    def ratio(w, u, coefficient=1.0):
+        wn, un = np.linalg.norm(w), np.linalg.norm(u)
+        return coefficient * wn / un if wn > 0 and un > 0 else 1.0
+
+    params = list(net.parameters())
+    ws = [p.detach().numpy().copy() for p in params]
+    bufs, ms, vs = [None] * len(ws), [0.0] * len(ws), [0.0] * len(ws)
+    for t, step in enumerate(range(steps), start=1):
+        with torch.no_grad():
+            for p, w in zip(params, ws):
+                p.copy_(torch.from_numpy(w))
+        net.zero_grad()
+        x, y = whole_batch(step)
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        for i, p in enumerate(params):
+            g = p.grad.numpy()
+            if kind == "lars":
+                d = g + 1e-4 * ws[i]
+                scaled = 0.5 * ratio(ws[i], d, 0.01) * d
+                bufs[i] = scaled if bufs[i] is None else 0.9 * bufs[i] + scaled
+                ws[i] = ws[i] - bufs[i]
+            else:
+                ms[i] = 0.9 * ms[i] + 0.1 * g
+                vs[i] = 0.999 * vs[i] + 0.001 * g * g
+                r = (ms[i] / (1 - 0.9 ** t)) / (np.sqrt(vs[i] / (1 - 0.999 ** t)) + 1e-6) \
+                    + 0.01 * ws[i]
+                ws[i] = ws[i] - 0.02 * ratio(ws[i], r) * r
+    with torch.no_grad():
+        for p, w in zip(params, ws):
+            p.copy_(torch.from_numpy(w))
 
 
 def train(net, opt, steps, first=0, data=batch, passes=1):
@@ -165,7 +201,8 @@ report()
 
 
 STAGE2 = PRELUDE + r'''
-# shard=2 against the unsharded DistributedOptimizer and one process on the whole batch.
+# shard=2 against the unsharded DistributedOptimizer and one process on the whole batch
+# (for LAMB and LARS: their formulas in numpy).
 pieces = {}
 for kind, make in {**OPTIMIZERS, **MORE_OPTIMIZERS}.items():
     plain, sharded, alone = model(), model(), model()
@@ -174,7 +211,10 @@ for kind, make in {**OPTIMIZERS, **MORE_OPTIMIZERS}.items():
                                  named_parameters=sharded.named_parameters(), shard=2)
     train(plain, a, 4)
     train(sharded, b, 4)
-    train(alone, make(alone.parameters()), 4, data=whole_batch)
+    if kind in ("lamb", "lars"):
+        numpy_layerwise(kind, alone, 4)
+    else:
+        train(alone, make(alone.parameters()), 4, data=whole_batch)
     for (name, p), q, r in zip(plain.named_parameters(), sharded.parameters(), alone.parameters()):
         close(f"{kind} {name} vs unsharded", q.detach(), p.detach())
         close(f"{kind} {name} vs one process", q.detach(), r.detach())
