@@ -165,7 +165,12 @@ class _DistributedOptimizer:
             names.append(name)
             grads.append(grad)
         token = self._reducer.start(names, grads) if dense else None
+        self._reduction_started(dense)
         return token, dense, sparse
+
+    def _reduction_started(self, params):
+        """Called once the gradients of ``params`` are on their way; they stay, as the
+        reduced values are written back into them."""
 
     def _gradient_of(self, p):
         """``p.grad``, made zeros where this rank computed none (parameter unused here this

@@ -113,22 +113,25 @@ class _ShardedOptimizer:
         # Per parameter: the tensor this rank steps for it (None: none) and the elements
         # of the parameter it covers, [start, stop) of the flattened parameter.
         self._stepped, self._span = [], []
-        # dtype -> one list per rank of (parameter, start, stop) in gathering order: the
-        # allgather's layout, the same on every rank.
-        self._layout = {}
+        # The allgathers after a step, each (name, one list per rank of (parameter,
+        # start, stop) in gathering order): the same on every rank.
+        self._gathers = []
         self._split_parameters(groups)
         self._full_state = None  # a whole state dict this rank holds (consolidated or loaded)
 
     def _split_parameters(self, groups):
         """Stage 1: whole parameters, one owner each."""
         owners = assign_owners([p.numel() for p in self._params], self._shard_size)
+        by_dtype = {}  # one allgather per dtype
         for p, owner in zip(self._params, owners):
             mine = owner == self._shard_rank
             self._stepped.append(p if mine else None)
             self._span.append((0, p.numel()) if mine else (0, 0))
             if p.requires_grad:
-                self._layout.setdefault(p.dtype, [[] for _ in range(self._shard_size)])[
+                by_dtype.setdefault(p.dtype, [[] for _ in range(self._shard_size)])[
                     owner].append((p, 0, p.numel()))
+        self._gathers = [(f"shard.parameters.{dtype}", by_rank)
+                         for dtype, by_rank in by_dtype.items()]
 
     def owns(self, parameter):
         """Whether this rank steps (some elements of) ``parameter`` and holds their state."""
@@ -171,27 +174,39 @@ class _ShardedOptimizer:
         yield
 
     def _gather_parameters(self):
-        me = self._shard_rank
+        """Every rank's updated parameters (or pieces) to every rank: the allgathers one
+        after the other, the next on the wire while this one is copied out, so that at
+        most two gathered buffers exist at a time."""
         with torch.no_grad():
-            for dtype, by_rank in self._layout.items():
-                mine = [p.reshape(-1)[start:stop] for p, start, stop in by_rank[me]]
-                flat = torch.cat(mine) if mine else torch.empty(0, dtype=dtype,
-                                                                device=self._device())
-                full = mpi_ops.allgather(flat, name=f"shard.parameters.{dtype}",
-                                         process_set=self.process_set)
-                offset = 0
-                for rank, segments in enumerate(by_rank):
-                    for p, start, stop in segments:
-                        n = stop - start
-                        if rank != me:
-                            if n == p.numel():
-                                p.copy_(full[offset:offset + n].view_as(p))
-                            else:
-                                p.view(-1)[start:stop].copy_(full[offset:offset + n])
-                        offset += n
+            pending = None
+            for name, by_rank in self._gathers:
+                started = self._start_gather(name, by_rank), by_rank
+                if pending is not None:
+                    self._scatter_gathered(*pending)
+                pending = started
+            if pending is not None:
+                self._scatter_gathered(*pending)
 
-    def _device(self):
-        return self._params[0].device
+    def _start_gather(self, name, by_rank):
+        mine = [p.reshape(-1)[start:stop] for p, start, stop in by_rank[self._shard_rank]]
+        if not mine:  # any rank's segment has the dtype
+            p = next(segments[0][0] for segments in by_rank if segments)
+            mine = [p.reshape(-1)[:0]]
+        flat = torch.cat(mine) if len(mine) > 1 else mine[0]
+        return mpi_ops.allgather_async(flat, name=name, process_set=self.process_set)
+
+    def _scatter_gathered(self, handle, by_rank):
+        full = mpi_ops.synchronize(handle)
+        offset = 0
+        for rank, segments in enumerate(by_rank):
+            for p, start, stop in segments:
+                n = stop - start
+                if rank != self._shard_rank:
+                    if n == p.numel():
+                        p.copy_(full[offset:offset + n].view_as(p))
+                    else:
+                        p.view(-1)[start:stop].copy_(full[offset:offset + n])
+                offset += n
 
     def consolidate_state_dict(self, to=0):
         """Gathers the whole optimizer state on rank ``to`` (collective: every rank calls
@@ -305,7 +320,9 @@ class _ShardedGradients:
         size, me = self._shard_size, self._shard_rank
         for unit in units:
             bounds = piece_bounds(sum(p.numel() for p in unit), size)
-            by_rank = self._layout.setdefault(unit[0].dtype, [[] for _ in range(size)])
+            by_rank = [[] for _ in range(size)]
+            self._gathers.append((f"shard.parameters.{self._parameter_names[unit[0]]}",
+                                  by_rank))
             pieces, first = [], 0
             for p in unit:
                 last = first + p.numel()
@@ -323,15 +340,18 @@ class _ShardedGradients:
                 first = last
             self._pieces_of_unit.append(pieces)
 
+    def _reduction_started(self, params):
+        """The full gradients are dropped as soon as their bucket is on its way (the
+        reduce-scatter keeps what it reads): stage 2 never holds all of them at once."""
+        for p in params:
+            p.grad = None
+
     def _take_reduced(self, params, results):
-        """This rank's piece of a bucket's reduction becomes its pieces' gradients; the
-        full gradients are dropped."""
+        """This rank's piece of a bucket's reduction becomes its pieces' gradients."""
         (piece,) = results
         for index, offset in self._pieces_of_unit[self._unit_of[params[0]]]:
             stepped = self._stepped[index]
             stepped.grad = piece[offset:offset + stepped.numel()]
-        for p in params:
-            p.grad = None
 
     @contextlib.contextmanager
     def _stepping(self):

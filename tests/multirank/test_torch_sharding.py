@@ -39,6 +39,19 @@ def close(label, a, b, tol=1e-10):
     check(label, a.shape == b.shape and diff <= tol, f"max diff {diff}")
 
 
+def same_state(label, full, want):
+    """Checks a consolidated state dict against the unsharded optimizer's."""
+    check(f"{label}: consolidated keys", sorted(full["state"]) == sorted(want["state"]),
+          f"{sorted(full['state'])} vs {sorted(want['state'])}")
+    for index, entries in want["state"].items():
+        for key, value in entries.items():
+            got = full["state"][index][key]
+            if isinstance(value, torch.Tensor):
+                close(f"{label}: state {index}.{key}", got.double(), value.double())
+            else:
+                check(f"{label}: state {index}.{key}", got == value, f"{got} vs {value}")
+
+
 def model():
     torch.manual_seed(3)
     return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5),
@@ -147,15 +160,7 @@ for kind, make in OPTIMIZERS.items():
     b.consolidate_state_dict(to=size - 1)
     if rank == size - 1:
         full, want = b.state_dict(), a.state_dict()
-        check(f"{kind}: consolidated keys", sorted(full["state"]) == sorted(want["state"]),
-              f"{sorted(full['state'])} vs {sorted(want['state'])}")
-        for index, entries in want["state"].items():
-            for key, value in entries.items():
-                got = full["state"][index][key]
-                if isinstance(value, torch.Tensor):
-                    close(f"{kind}: state {index}.{key}", got.double(), value.double())
-                else:
-                    check(f"{kind}: state {index}.{key}", got == value, f"{got} vs {value}")
+        same_state(kind, full, want)
         if kind == "adam":
             torch.save(full, os.environ["CHECKPOINT"])
     else:
@@ -235,14 +240,8 @@ for kind, make in {**OPTIMIZERS, **MORE_OPTIMIZERS}.items():
     if kind == "adam":
         b.consolidate_state_dict(to=0)
         if rank == 0:
-            full, want = b.state_dict(), a.state_dict()
-            for index, entries in want["state"].items():
-                for key, value in entries.items():
-                    got = full["state"][index][key]
-                    if isinstance(value, torch.Tensor):
-                        close(f"consolidated {index}.{key}", got.double(), value.double())
-                    else:
-                        check(f"consolidated {index}.{key}", got == value, f"{got} vs {value}")
+            full = b.state_dict()
+            same_state("consolidated", full, a.state_dict())
             if "SAVE" in os.environ:
                 torch.save(full, os.environ["SAVE"])
 
