@@ -286,7 +286,9 @@ class _ShardedGradients:
 
     def _split_parameters(self, groups):
         """Stage 2: buckets cut element-wise, each rank a contiguous piece of each."""
-        if self._hvd_base.__name__ in _WHOLE_PARAMETER_OPTIMIZERS:
+        whole = tuple(getattr(torch.optim, name) for name in _WHOLE_PARAMETER_OPTIMIZERS
+                      if hasattr(torch.optim, name))
+        if isinstance(self, whole):
             raise ValueError(f"shard=2 steps pieces of parameters; {self._hvd_base.__name__} "
                              "needs them whole (use shard=1)")
         if not isinstance(self._reducer, reduction.CompressedAllreduce):
