@@ -13,7 +13,8 @@ the same batch per rank, one compute thread per rank, in these configurations:
              (torch.distributed's own stage 1), where it runs
 
 Each rank reports its peak resident memory (``ru_maxrss``: the whole process, torch's
-own ~0.3 GiB included), the bytes it holds of optimizer state and of gradients just
+own ~0.3 GiB included; also the peak once the model is built, before any collective),
+the bytes it holds of optimizer state and of gradients just
 before the update (after ``synchronize()``; for ZeRO, DDP's gradients), and its
 samples/s over the timed steps (after one warm-up step). A job's samples/s is the sum
 of its ranks'. The configurations run in rounds, rotated by one each round
@@ -75,6 +76,7 @@ def worker(args):
 
     torch.set_num_threads(1)
     model, x, y = build(args)
+    built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     params = sum(p.numel() for p in model.parameters())
     if args.worker == "ZeRO":
         import torch.distributed as dist
@@ -129,6 +131,7 @@ def worker(args):
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     print(RESULT + json.dumps({
         "rank": rank, "size": size, "params": params, "peak_mib": peak / MIB,
+        "built_mib": built / MIB,
         "state_mib": held_state(opt) / MIB, "grads_mib": grads / MIB,
         "samples_per_s": args.steps * args.batch / elapsed}), flush=True)
 
@@ -210,7 +213,8 @@ def summarize(np_, figures):
         if base and config != "unsharded":
             versus = (f", {statistics.median(speeds) / statistics.median(base):.2f}x "
                       "unsharded")
-        print(f"  {config:9s} peak {median('peak_mib'):7.0f} MiB  state {median('state_mib'):6.0f} "
+        print(f"  {config:9s} peak {median('peak_mib'):6.0f} MiB (built "
+              f"{median('built_mib'):5.0f})  state {median('state_mib'):6.0f} "
               f"MiB  grads {median('grads_mib'):6.0f} MiB  samples/s "
               f"{spread(speeds, '{:.1f}')}{versus}", flush=True)
 

@@ -23,8 +23,9 @@ of one allreduce. Optimizers whose update mixes a parameter's elements work thro
 LARS and LAMB sum the pieces' squared norms of every parameter in one small allreduce.
 Optimizers that need a parameter's shape (LBFGS, Adafactor's factored moments) are refused.
 
-Both stages: the updated parameters reach every rank in one allgather per dtype after the
-step (``_gather_parameters``). Checkpoints: ``consolidate_state_dict(to=r)`` on every rank
+Both stages: the updated parameters reach every rank after the step, in one allgather per
+bucket (``_gather_parameters``: two at a time, so that no rank ever holds a second copy
+of the model). Checkpoints: ``consolidate_state_dict(to=r)`` on every rank
 gathers the whole state on rank r, whose ``state_dict()`` then returns it in the unsharded
 layout (loadable by any rank count, sharded or not, either stage); ``load_state_dict``
 takes such a dict on every rank (each keeps its part), and ``broadcast_optimizer_state``
@@ -122,16 +123,18 @@ class _ShardedOptimizer:
     def _split_parameters(self, groups):
         """Stage 1: whole parameters, one owner each."""
         owners = assign_owners([p.numel() for p in self._params], self._shard_size)
-        by_dtype = {}  # one allgather per dtype
+        owner_of = dict(zip(self._params, owners))
         for p, owner in zip(self._params, owners):
             mine = owner == self._shard_rank
             self._stepped.append(p if mine else None)
             self._span.append((0, p.numel()) if mine else (0, 0))
-            if p.requires_grad:
-                by_dtype.setdefault(p.dtype, [[] for _ in range(self._shard_size)])[
-                    owner].append((p, 0, p.numel()))
-        self._gathers = [(f"shard.parameters.{dtype}", by_rank)
-                         for dtype, by_rank in by_dtype.items()]
+        # One allgather per bucket of whole parameters, each rank its own.
+        for unit in buckets(self._requires_update, BUCKET_BYTES):
+            by_rank = [[] for _ in range(self._shard_size)]
+            for p in unit:
+                by_rank[owner_of[p]].append((p, 0, p.numel()))
+            self._gathers.append((f"shard.parameters.{self._parameter_names[unit[0]]}",
+                                  by_rank))
 
     def owns(self, parameter):
         """Whether this rank steps (some elements of) ``parameter`` and holds their state."""
