@@ -51,15 +51,24 @@ class CompressedReducescatter(Reducer):
         self.process_set = process_set
 
     def start(self, names, grads):
-        flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
+        flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 \
+            else grads[0].reshape(-1)
         tensor, ctx = self.compression.compress(flat)
         handle = async_collectives.enqueue_reducescatter(tensor, names[0], self.op, *self.scale,
                                                          self.process_set)
-        return handle, ctx
+        return [handle, ctx, None]  # the result, once taken
+
+    def settle(self, token):
+        """Takes the result of a reduce-scatter that has ended, so that its handle lets go
+        of the input (the gradients) before ``finish``; never blocks."""
+        if token[2] is None and token[0].poll():
+            self.finish(token)
 
     def finish(self, token):
-        handle, ctx = token
-        return [self.compression.decompress(mpi_ops.synchronize(handle), ctx)]
+        handle, ctx, result = token
+        if result is None:
+            result = token[2] = self.compression.decompress(mpi_ops.synchronize(handle), ctx)
+        return [result]
 
 
 class OnCpuArrays(Reducer):

@@ -346,10 +346,14 @@ class _ShardedGradients:
             self._pieces_of_unit.append(pieces)
 
     def _reduction_started(self, params):
-        """The full gradients are dropped as soon as their bucket is on its way (the
-        reduce-scatter keeps what it reads): stage 2 never holds all of them at once."""
+        """The full gradients are dropped as soon as their bucket is on its way, and the
+        earlier buckets whose reduce-scatter has ended let go of theirs (a handle holds its
+        input until waited on): stage 2 never holds all of them at once."""
         for p in params:
             p.grad = None
+        for token, _, _ in self._handles.values():
+            if token is not None:
+                self._reducer.settle(token)
 
     def _take_reduced(self, params, results):
         """This rank's piece of a bucket's reduction becomes its pieces' gradients."""

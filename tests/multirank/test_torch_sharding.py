@@ -211,7 +211,8 @@ STAGE2 = PRELUDE + r'''
 pieces = {}
 for kind, make in {**OPTIMIZERS, **MORE_OPTIMIZERS}.items():
     plain, sharded, alone = model(), model(), model()
-    a = hvd.DistributedOptimizer(make(plain.parameters()), named_parameters=plain.named_parameters())
+    a = hvd.DistributedOptimizer(make(plain.parameters()),
+                                 named_parameters=plain.named_parameters())
     b = hvd.DistributedOptimizer(make(sharded.parameters()),
                                  named_parameters=sharded.named_parameters(), shard=2)
     train(plain, a, 4)
