@@ -82,16 +82,18 @@ def piece_bounds(elements, ranks):
 
 
 def buckets(params, limit_bytes):
-    """Stage 2's default units: runs of consecutive parameters of one dtype, taken from the
-    last (whose gradient backward produces first), each closed once it holds
-    ``limit_bytes`` or more; parameters in their own order within a bucket."""
+    """The units of the sharded optimizers: runs of consecutive parameters of one dtype,
+    taken from the last (whose gradient backward produces first), of at most
+    ``limit_bytes`` unless one parameter alone is larger (it then goes alone, so that its
+    gradient needs no packing); parameters in their own order within a bucket."""
     units, current, size = [], [], 0
     for p in reversed(params):
-        if current and (current[0].dtype != p.dtype or size >= limit_bytes):
+        nbytes = p.numel() * p.element_size()
+        if current and (current[0].dtype != p.dtype or size + nbytes > limit_bytes):
             units.append(tuple(reversed(current)))
             current, size = [], 0
         current.append(p)
-        size += p.numel() * p.element_size()
+        size += nbytes
     if current:
         units.append(tuple(reversed(current)))
     return units

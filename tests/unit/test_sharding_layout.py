@@ -20,8 +20,9 @@ def test_buckets_run_backwards_split_by_dtype_and_size():
          torch.zeros(50), torch.zeros(300), torch.zeros(5)]
     units = buckets(p, limit_bytes=1000)  # 250 float32 elements
     order = [[next(i for i, q in enumerate(p) if q is t) for t in unit] for unit in units]
-    # From the last parameter: 5 + 300 elements close a bucket; the float64 one is alone.
-    assert order == [[4, 5], [3], [2], [0, 1]]
+    # From the last parameter: 300 elements (1200 bytes) go alone, 100 + 100 together;
+    # the float64 one is alone.
+    assert order == [[5], [4], [3], [2], [0, 1]]
     assert all(len({t.dtype for t in unit}) == 1 for unit in units)
 
 
