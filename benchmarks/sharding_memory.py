@@ -23,6 +23,10 @@ gives each figure's median over the rounds, and the throughput of each against t
 unsharded optimizer of the same rank count.
 
 Target of issue 34: shard=1 and shard=2 within 10% of the unsharded samples/s.
+
+``--collectives`` times instead the collectives a step runs on a buffer of the model's
+size, at each rank count: the allreduce of shard=0 (and shard=1), and the reduce-scatter
+and allgather of shard=2, whole and in 16 MiB buckets.
 """
 import argparse
 import json
@@ -136,6 +140,47 @@ def worker(args):
         "samples_per_s": args.steps * args.batch / elapsed}), flush=True)
 
 
+def collectives(args):
+    """--collectives, in each rank: seconds per collective on the model's bytes."""
+    import torch
+
+    import hvdlite.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    sizes = [int(s) for s in args.layers.split("-")]
+    n = sum(a * b + b for a, b in zip(sizes, sizes[1:]))
+    n -= n % hvd.size()
+    bucket = (16 << 20) // 4
+    grads, piece = torch.ones(n), torch.ones(n // hvd.size())
+
+    def in_buckets(start):
+        handles = [start(i, min(n, i + bucket)) for i in range(0, n, bucket)]
+        for handle in handles:
+            hvd.synchronize(handle)
+
+    ops = {
+        "allreduce": lambda: hvd.allreduce_(grads, name="c.ar"),
+        "reducescatter": lambda: hvd.reducescatter(grads, name="c.rs"),
+        "allgather": lambda: hvd.allgather(piece, name="c.ag"),
+        "reducescatter 16 MiB buckets": lambda: in_buckets(
+            lambda i, j: hvd.reducescatter_async(grads[i:j], name=f"c.rs.{i}")),
+        "allgather 16 MiB buckets": lambda: in_buckets(
+            lambda i, j: hvd.allgather_async(piece[i // hvd.size():j // hvd.size()],
+                                             name=f"c.ag.{i}")),
+    }
+    for label, op in ops.items():
+        op()
+        hvd.barrier()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            op()
+        seconds = (time.perf_counter() - start) / args.steps
+        if hvd.rank() == 0:
+            print(f"  np {hvd.size()} {label:30s} {n * 4 / MIB:6.0f} MiB  {seconds:.3f} s",
+                  flush=True)
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -176,12 +221,28 @@ def main():
     parser.add_argument("--layers", default="2048-4096-4096-4096-4096-4096-4096-2048")
     parser.add_argument("--no-zero", action="store_true", help="leave ZeRO out")
     parser.add_argument("--timeout", type=int, default=900)
-    parser.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
+    parser.add_argument("--collectives", action="store_true",
+                        help="time the collectives of a step instead (see above)")
+    parser.add_argument("--worker", choices=list(CONFIGS) + ["collectives"],
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker == "collectives":
+        return collectives(args)
     if args.worker:
         return worker(args)
 
     print_commit()
+    if args.collectives:
+        for np_ in args.np:
+            command = [sys.executable, "-m", "hvdlite.runner", "-np", str(np_), sys.executable,
+                       os.path.abspath(__file__), "--worker", "collectives", "--layers",
+                       args.layers, "--steps", str(args.steps)]
+            done = subprocess.run(command, env=dict(os.environ, OMP_NUM_THREADS="1",
+                                                    PYTHONPATH=REPO),
+                                  capture_output=True, text=True, timeout=args.timeout)
+            print("\n".join(line.split(":", 1)[1] for line in done.stdout.splitlines()
+                            if " MiB " in line), flush=True)
+        return 0
     configs = [c for c in CONFIGS if not (args.no_zero and c == "ZeRO")]
     for np_ in args.np:
         figures = {c: [] for c in configs}  # config -> one list of rank reports per round
