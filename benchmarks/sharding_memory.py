@@ -39,27 +39,12 @@ import sys
 import time
 
 from rounds import print_commit, rotated, spread
+from train_throughput import build  # the same MLP (args.layers) and synthetic batch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = "SHARDING "
 CONFIGS = {"unsharded": 0, "shard=1": 1, "shard=2": 2, "ZeRO": None}
 MIB = 1 << 20
-
-
-def build(args):
-    import torch
-
-    torch.manual_seed(0)
-    sizes = [int(s) for s in args.layers.split("-")]
-    layers = []
-    for i in range(len(sizes) - 1):
-        layers.append(torch.nn.Linear(sizes[i], sizes[i + 1]))
-        if i < len(sizes) - 2:
-            layers.append(torch.nn.ReLU())
-    model = torch.nn.Sequential(*layers)
-    x = torch.randn(args.batch, sizes[0])
-    y = torch.randint(0, sizes[-1], (args.batch,))
-    return model, x, y
 
 
 def tensor_bytes(values):
