@@ -3,20 +3,13 @@
 
 Both are plain ``torch.optim`` optimizers: wrap them in ``hvd.DistributedOptimizer`` like
 any other. Under ``shard=1`` each parameter is stepped whole by the rank that owns it, so
-its norms are local and need no communication.
+its norms are local. Under ``shard=2`` a rank steps a piece of a parameter: the pieces'
+squared norms, of every parameter at once, are summed across the ranks by one small
+allreduce (``_Layerwise._sum_norm_parts``, which the sharded optimizer overrides).
 
 A ratio whose norms are not both positive is 1 (a fresh zero layer, a zero update).
 """
 import torch
-
-
-def _trust(weight, update, coefficient=1.0):
-    """coefficient * ||weight|| / ||update|| where both norms are positive, else 1; a
-    tensor, so that no step waits for the device."""
-    w, u = torch.linalg.vector_norm(weight), torch.linalg.vector_norm(update)
-    ok = (w > 0) & (u > 0)
-    return torch.where(ok, coefficient * w / torch.where(ok, u, torch.ones_like(u)),
-                       torch.ones_like(w))
 
 
 def _evaluate(closure):
@@ -27,7 +20,29 @@ def _evaluate(closure):
         return closure()
 
 
-class LARS(torch.optim.Optimizer):
+class _Layerwise(torch.optim.Optimizer):
+    """What LARS and LAMB share: the trust ratios of all parameters of a step at once."""
+
+    def _sum_norm_parts(self, squares):
+        """Sums each parameter's squared norms over the parts held by several ranks; here
+        the parameters are whole (a sharded optimizer overrides this)."""
+        return squares
+
+    def _trust_ratios(self, pairs, coefficients):
+        """coefficient * ||weight|| / ||update|| for each (weight, update) pair where both
+        norms are positive, else 1: a tensor, so that no step waits for the device."""
+        if not pairs:
+            return []
+        squares = torch.stack([torch.stack([w.square().sum(), u.square().sum()])
+                               for w, u in pairs])
+        w, u = self._sum_norm_parts(squares).sqrt().unbind(1)
+        ok = (w > 0) & (u > 0)
+        scale = torch.tensor(coefficients, dtype=w.dtype, device=w.device)
+        return torch.where(ok, scale * w / torch.where(ok, u, torch.ones_like(u)),
+                           torch.ones_like(w)).unbind(0)
+
+
+class LARS(_Layerwise):
     """Layer-wise Adaptive Rate Scaling (You, Gitman and Ginsburg, 2017).
 
     For each parameter w with gradient g::
@@ -55,24 +70,29 @@ class LARS(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = _evaluate(closure)
+        todo = []  # (group, weight, its decayed gradient)
         for group in self.param_groups:
             for w in group["params"]:
-                if w.grad is None:
-                    continue
-                d = w.grad.add(w, alpha=group["weight_decay"]) if group["weight_decay"] else w.grad
-                scaled = d * (_trust(w, d, group["trust_coefficient"]) * group["lr"])
-                if group["momentum"]:
-                    state = self.state[w]
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = scaled.clone()
-                    else:
-                        state["momentum_buffer"].mul_(group["momentum"]).add_(scaled)
-                    scaled = state["momentum_buffer"]
-                w.sub_(scaled)
+                if w.grad is not None:
+                    d = w.grad.add(w, alpha=group["weight_decay"]) if group["weight_decay"] \
+                        else w.grad
+                    todo.append((group, w, d))
+        ratios = self._trust_ratios([(w, d) for _, w, d in todo],
+                                    [group["trust_coefficient"] for group, _, _ in todo])
+        for (group, w, d), ratio in zip(todo, ratios):
+            scaled = d * (ratio * group["lr"])
+            if group["momentum"]:
+                state = self.state[w]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = scaled.clone()
+                else:
+                    state["momentum_buffer"].mul_(group["momentum"]).add_(scaled)
+                scaled = state["momentum_buffer"]
+            w.sub_(scaled)
         return loss
 
 
-class LAMB(torch.optim.Optimizer):
+class LAMB(_Layerwise):
     """Layer-wise Adaptive Moments for Batch training (You et al., 2019).
 
     For each parameter w with gradient g, at step t::
@@ -100,6 +120,7 @@ class LAMB(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = _evaluate(closure)
+        todo = []  # (group, weight, its update r)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for w in group["params"]:
@@ -119,5 +140,8 @@ class LAMB(torch.optim.Optimizer):
                 r = (m / (1 - beta1 ** t)) / ((v / (1 - beta2 ** t)).sqrt_().add_(group["eps"]))
                 if group["weight_decay"]:
                     r.add_(w, alpha=group["weight_decay"])
-                w.sub_(r * (_trust(w, r) * group["lr"]))
+                todo.append((group, w, r))
+        ratios = self._trust_ratios([(w, r) for _, w, r in todo], [1.0] * len(todo))
+        for (group, w, r), ratio in zip(todo, ratios):
+            w.sub_(r * (ratio * group["lr"]))
         return loss

@@ -165,7 +165,12 @@ class _DistributedOptimizer:
             names.append(name)
             grads.append(grad)
         token = self._reducer.start(names, grads) if dense else None
+        self._reduction_started(dense)
         return token, dense, sparse
+
+    def _reduction_started(self, params):
+        """Called once the gradients of ``params`` are on their way; they stay, as the
+        reduced values are written back into them."""
 
     def _gradient_of(self, p):
         """``p.grad``, made zeros where this rank computed none (parameter unused here this
@@ -210,13 +215,7 @@ class _DistributedOptimizer:
             started = [(token, params) for token, params, _ in pending if params]
             updates = self._reducer.finish_all([token for token, _ in started])
             for (_, params), results in zip(started, updates):
-                for p, result in zip(params, results):
-                    if p.grad.is_sparse:
-                        # sparse_as_dense: back to sparse rows for optimizers such as
-                        # SparseAdam that take sparse gradients only.
-                        p.grad = result.to_sparse(p.grad.sparse_dim())
-                    elif result is not p.grad:
-                        p.grad.copy_(result)
+                self._take_reduced(params, results)
             for _, _, sparse in pending:
                 for p, handle in sparse:
                     p.grad = mpi_ops.synchronize(handle)
@@ -227,6 +226,16 @@ class _DistributedOptimizer:
             self._ready.clear()
             self._accumulating = False
         self._synchronized = True
+
+    def _take_reduced(self, params, results):
+        """Writes a unit's reduced gradients into its parameters' ``.grad``."""
+        for p, result in zip(params, results):
+            if p.grad.is_sparse:
+                # sparse_as_dense: back to sparse rows for optimizers such as SparseAdam
+                # that take sparse gradients only.
+                p.grad = result.to_sparse(p.grad.sparse_dim())
+            elif result is not p.grad:
+                p.grad.copy_(result)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -330,7 +339,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         shard: 0 (default): every rank holds the whole optimizer state. 1: each rank
             steps only its share of the parameters and holds only their state; the
             updated parameters are gathered after each step (``hvdlite.torch.sharding``:
-            checkpoints go through ``consolidate_state_dict``).
+            checkpoints go through ``consolidate_state_dict``). 2: the gradients too:
+            reduce-scattered during backward (in buckets, or the ``groups``), each rank
+            steps its contiguous piece of every bucket; the parameters' ``.grad`` are
+            None after ``synchronize()``/``step()``.
 
     Returns:
         The distributed optimizer.
@@ -343,10 +355,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if getattr(optimizer, "_hvd_base", None) is not None:
         raise ValueError("the optimizer is already a DistributedOptimizer")
     mixins = [_DistributedAdasumOptimizer if op == mpi_ops.Adasum else _DistributedOptimizer]
+    if shard not in (0, 1, 2):
+        raise ValueError(f"shard={shard!r}: 1 shards the optimizer state, 2 also the "
+                         "gradients; 0 turns sharding off")
     if shard:
         if op == mpi_ops.Adasum:
-            raise ValueError("shard=1 cannot go with op=Adasum")
+            raise ValueError(f"shard={shard} cannot go with op=Adasum")
         mixins.append(sharding._ShardedOptimizer)
+    if shard == 2:
+        mixins.append(sharding._ShardedGradients)
     methods = {k: v for mixin in mixins for k, v in mixin.__dict__.items()
                if not k.startswith("__")}
     cls = type(base.__name__, (base,), {**methods, "_hvd_base": base,
@@ -360,5 +377,5 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     wrapped._hvd_setup(named_parameters, compression, backward_passes_per_step, op,
                        gradient_predivide_factor, groups, sparse_as_dense, process_set)
     if shard:
-        wrapped._hvd_shard_setup(shard)
+        wrapped._hvd_shard_setup(shard, groups)
     return wrapped

@@ -39,6 +39,38 @@ class CompressedAllreduce(Reducer):
         return [self.compression.decompress(tensor, ctx) for tensor, ctx in sent]
 
 
+class CompressedReducescatter(Reducer):
+    """compress -> reduce-scatter -> decompress of a unit of gradients laid end to end in
+    one flat buffer: each rank receives its contiguous, near-equal piece of the reduction
+    (the first ``n % size`` ranks one element more), the gradients of sharded optimizer
+    stage 2 (``hvdlite.torch.sharding``). One gradient goes as it is, several are packed
+    (the core does not fuse reduce-scatters)."""
+
+    def __init__(self, compression, op, scale, process_set):
+        self.compression, self.op, self.scale = compression, op, scale
+        self.process_set = process_set
+
+    def start(self, names, grads):
+        flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 \
+            else grads[0].reshape(-1)
+        tensor, ctx = self.compression.compress(flat)
+        handle = async_collectives.enqueue_reducescatter(tensor, names[0], self.op, *self.scale,
+                                                         self.process_set)
+        return [handle, ctx, None]  # the result, once taken
+
+    def settle(self, token):
+        """Takes the result of a reduce-scatter that has ended, so that its handle lets go
+        of the input (the gradients) before ``finish``; never blocks."""
+        if token[2] is None and token[0].poll():
+            self.finish(token)
+
+    def finish(self, token):
+        handle, ctx, result = token
+        if result is None:
+            result = token[2] = self.compression.decompress(mpi_ops.synchronize(handle), ctx)
+        return [result]
+
+
 class OnCpuArrays(Reducer):
     """Runs a framework-free reducer (``hvdlite.reducers``) on numpy views of the
     gradients, and gives its updates back as tensors of the gradients' dtype and device."""

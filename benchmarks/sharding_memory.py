@@ -1,0 +1,269 @@
+"""Memory and throughput of the sharded optimizers against the unsharded one.
+
+    python benchmarks/sharding_memory.py [--np 2 3] [--rounds 2] [--steps 4]
+        [--layers 2048-4096-4096-4096-4096-4096-4096-2048] [--batch 32] [--no-zero]
+
+An MLP of about 100M float32 parameters (by default) trained with Adam on synthetic data,
+the same batch per rank, one compute thread per rank, in these configurations:
+
+  unsharded  hvd.DistributedOptimizer(Adam)
+  shard=1    ... shard=1 (optimizer state sharded)
+  shard=2    ... shard=2 (gradients sharded too)
+  ZeRO       torch's ZeroRedundancyOptimizer(Adam) under DistributedDataParallel on gloo
+             (torch.distributed's own stage 1), where it runs
+
+Each rank reports its peak resident memory (``ru_maxrss``: the whole process, torch's
+own ~0.3 GiB included; also the peak once the model is built, before any collective),
+the bytes it holds of optimizer state and of gradients just
+before the update (after ``synchronize()``; for ZeRO, DDP's gradients), and its
+samples/s over the timed steps (after one warm-up step). A job's samples/s is the sum
+of its ranks'. The configurations run in rounds, rotated by one each round
+(benchmarks/rounds.py), so that the machine's drift hits all of them alike; the summary
+gives each figure's median over the rounds, and the throughput of each against the
+unsharded optimizer of the same rank count.
+
+Target of issue 34: shard=1 and shard=2 within 10% of the unsharded samples/s.
+
+``--collectives`` times instead the collectives a step runs on a buffer of the model's
+size, at each rank count: the allreduce of shard=0 (and shard=1), and the reduce-scatter
+and allgather of shard=2, whole and in 16 MiB buckets.
+"""
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+from rounds import print_commit, rotated, spread
+from train_throughput import build  # the same MLP (args.layers) and synthetic batch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULT = "SHARDING "
+CONFIGS = {"unsharded": 0, "shard=1": 1, "shard=2": 2, "ZeRO": None}
+MIB = 1 << 20
+
+
+def tensor_bytes(values):
+    import torch
+
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
+def held_state(opt):
+    """Bytes of the optimizer state this rank holds (ZeRO: its own shard)."""
+    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer wraps a local optimizer
+    return tensor_bytes(v for state in inner.state.values() for v in state.values())
+
+
+def worker(args):
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    model, x, y = build(args)
+    built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    params = sum(p.numel() for p in model.parameters())
+    if args.worker == "ZeRO":
+        import torch.distributed as dist
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group("gloo", rank=rank, world_size=size)
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam,
+                                      lr=1e-4)
+        barrier, grads_after = dist.barrier, lambda: tensor_bytes(
+            p.grad for p in model.parameters())
+
+        def step():
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            return grads_after()
+    else:
+        import hvdlite.torch as hvd
+
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4),
+                                       named_parameters=model.named_parameters(),
+                                       shard=CONFIGS[args.worker])
+        barrier, net = hvd.barrier, model
+
+        def step():
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.synchronize()
+            # Stage 2 holds its pieces' gradients (the parameters' are None by now).
+            pieces = [s.grad for s in opt._stepped] if getattr(opt, "shard", 0) == 2 else []
+            return tensor_bytes([p.grad for p in model.parameters()] + pieces)
+
+    def train_step():
+        grads = step()
+        if args.worker == "ZeRO":
+            opt.step()
+        else:
+            with opt.skip_synchronize():
+                opt.step()
+        return grads
+
+    grads = train_step()  # warm-up: the optimizer's state is created
+    barrier()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        grads = train_step()
+    elapsed = time.perf_counter() - start
+    barrier()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    print(RESULT + json.dumps({
+        "rank": rank, "size": size, "params": params, "peak_mib": peak / MIB,
+        "built_mib": built / MIB,
+        "state_mib": held_state(opt) / MIB, "grads_mib": grads / MIB,
+        "samples_per_s": args.steps * args.batch / elapsed}), flush=True)
+
+
+def collectives(args):
+    """--collectives, in each rank: seconds per collective on the model's bytes."""
+    import torch
+
+    import hvdlite.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    sizes = [int(s) for s in args.layers.split("-")]
+    n = sum(a * b + b for a, b in zip(sizes, sizes[1:]))
+    n -= n % hvd.size()
+    bucket = (16 << 20) // 4
+    grads, piece = torch.ones(n), torch.ones(n // hvd.size())
+
+    def in_buckets(start):
+        handles = [start(i, min(n, i + bucket)) for i in range(0, n, bucket)]
+        for handle in handles:
+            hvd.synchronize(handle)
+
+    ops = {
+        "allreduce": lambda: hvd.allreduce_(grads, name="c.ar"),
+        "reducescatter": lambda: hvd.reducescatter(grads, name="c.rs"),
+        "allgather": lambda: hvd.allgather(piece, name="c.ag"),
+        "reducescatter 16 MiB buckets": lambda: in_buckets(
+            lambda i, j: hvd.reducescatter_async(grads[i:j], name=f"c.rs.{i}")),
+        "allgather 16 MiB buckets": lambda: in_buckets(
+            lambda i, j: hvd.allgather_async(piece[i // hvd.size():j // hvd.size()],
+                                             name=f"c.ag.{i}")),
+    }
+    for label, op in ops.items():
+        op()
+        hvd.barrier()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            op()
+        seconds = (time.perf_counter() - start) / args.steps
+        if hvd.rank() == 0:
+            print(f"  np {hvd.size()} {label:30s} {n * 4 / MIB:6.0f} MiB  {seconds:.3f} s",
+                  flush=True)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_config(config, np_, args):
+    """One job: the ranks' reports, or None if it failed (its output is printed)."""
+    command = [sys.executable, os.path.abspath(__file__), "--worker", config,
+               "--layers", args.layers, "--batch", str(args.batch), "--steps", str(args.steps)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    if config == "ZeRO":
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        procs = [subprocess.Popen(command, env=dict(env, RANK=str(r), WORLD_SIZE=str(np_)),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for r in range(np_)]
+        outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
+        failed = any(p.returncode for p in procs)
+        output = "".join(outputs)
+    else:
+        done = subprocess.run([sys.executable, "-m", "hvdlite.runner", "-np", str(np_)] + command,
+                              env=env, capture_output=True, text=True, timeout=args.timeout)
+        failed, output = done.returncode != 0, done.stdout + done.stderr
+    reports = [json.loads(line.split(RESULT, 1)[1]) for line in output.splitlines()
+               if RESULT in line]
+    if failed or len(reports) != np_:
+        print(f"  {config} at {np_} ranks failed:\n{output[-3000:]}", flush=True)
+        return None
+    return sorted(reports, key=lambda r: r["rank"])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--np", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--layers", default="2048-4096-4096-4096-4096-4096-4096-2048")
+    parser.add_argument("--no-zero", action="store_true", help="leave ZeRO out")
+    parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--collectives", action="store_true",
+                        help="time the collectives of a step instead (see above)")
+    parser.add_argument("--worker", choices=list(CONFIGS) + ["collectives"],
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker == "collectives":
+        return collectives(args)
+    if args.worker:
+        return worker(args)
+
+    print_commit()
+    if args.collectives:
+        for np_ in args.np:
+            command = [sys.executable, "-m", "hvdlite.runner", "-np", str(np_), sys.executable,
+                       os.path.abspath(__file__), "--worker", "collectives", "--layers",
+                       args.layers, "--steps", str(args.steps)]
+            done = subprocess.run(command, env=dict(os.environ, OMP_NUM_THREADS="1",
+                                                    PYTHONPATH=REPO),
+                                  capture_output=True, text=True, timeout=args.timeout)
+            print("\n".join(line.split(":", 1)[1] for line in done.stdout.splitlines()
+                            if " MiB " in line), flush=True)
+        return 0
+    configs = [c for c in CONFIGS if not (args.no_zero and c == "ZeRO")]
+    for np_ in args.np:
+        figures = {c: [] for c in configs}  # config -> one list of rank reports per round
+        for round_ in range(args.rounds):
+            for config in rotated(configs, round_):
+                reports = run_config(config, np_, args)
+                if reports is None:
+                    continue
+                figures[config].append(reports)
+                print(f"  np {np_} round {round_} {config}: "
+                      f"samples/s {sum(r['samples_per_s'] for r in reports):.1f}, peak MiB "
+                      + " ".join(f"{r['peak_mib']:.0f}" for r in reports), flush=True)
+        summarize(np_, figures)
+
+
+def summarize(np_, figures):
+    ran = {c: rounds for c, rounds in figures.items() if rounds}
+    if not ran:
+        return
+    params = next(iter(ran.values()))[0][0]["params"]
+    print(f"\n{np_} ranks, {params / 1e6:.1f}M parameters (float32, Adam); per rank, median "
+          "over rounds: peak RSS, optimizer state, gradients held before the update")
+    base = [sum(r["samples_per_s"] for r in reports) for reports in ran.get("unsharded", [])]
+    for config, rounds in ran.items():
+        def median(key, rounds=rounds):
+            return statistics.median(max(r[key] for r in reports) for reports in rounds)
+        speeds = [sum(r["samples_per_s"] for r in reports) for reports in rounds]
+        versus = ""
+        if base and config != "unsharded":
+            versus = (f", {statistics.median(speeds) / statistics.median(base):.2f}x "
+                      "unsharded")
+        print(f"  {config:9s} peak {median('peak_mib'):6.0f} MiB (built "
+              f"{median('built_mib'):5.0f})  state {median('state_mib'):6.0f} "
+              f"MiB  grads {median('grads_mib'):6.0f} MiB  samples/s "
+              f"{spread(speeds, '{:.1f}')}{versus}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
