@@ -12,4 +12,6 @@ cd "$(dirname "$0")/.."
 # override it, e.g. HVDLITE_REQUIRE= scripts/test.sh to let what this machine lacks skip.
 export HVDLITE_REQUIRE=${HVDLITE_REQUIRE-all}
 bash scripts/setup_venv.sh lightning spark ray slurm
-HVDLITE_REQUIRE_NATIVE=1 OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# --durations: the slowest cases, printed at the end, to keep the suite near 15 minutes.
+HVDLITE_REQUIRE_NATIVE=1 OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -p no:cacheprovider \
+    --durations=30 "$@"
