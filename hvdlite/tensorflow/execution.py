@@ -142,7 +142,8 @@ class _GraphOrder:
     """
 
     def __init__(self):
-        self.index = {}     # collective op -> (position, its own input count, blocks)
+        self.index = {}     # collective op -> (position, its own input count)
+        self.blocks = []    # position -> the blocks that node links to
         self.relays = {}    # (start, size) -> int32 scalar tensor
         self.feeds = {}     # (fetch ids, feed ids) -> relay tensors to feed
 
@@ -162,7 +163,8 @@ class _GraphOrder:
 
     def add(self, op, count, code, blocks):
         position = len(self.index)
-        self.index[op] = (position, count, blocks)
+        self.index[op] = (position, count)
+        self.blocks.append(blocks)
         with tf.control_dependencies(None), tf.name_scope("hvdlite_order"):
             # stop_gradient: graph walks for gradients (tf.custom_gradient's search for
             # the variables a function uses) must not follow links to earlier nodes.
@@ -222,9 +224,8 @@ class _GraphOrder:
                 cover((start, size // 2))
                 cover((start + size // 2, size // 2))
 
-        by_position = {position: blocks for position, _, blocks in self.index.values()}
         for position in needed:
-            for block in by_position[position]:
+            for block in self.blocks[position]:
                 cover(block)
         return cut
 
