@@ -281,7 +281,5 @@ class World:
             return
         self._thread.join(timeout)
         if self._thread.is_alive():
-            import signal
-
-            self._supervisor.signals.send(signal.SIGTERM)
+            self._supervisor.end()
             self._thread.join(timeout)

@@ -190,8 +190,8 @@ class _WorldSupervisor(JobSupervisor):
         self.signalled = False
 
     def _dispatch(self, key):
-        if key.data[0] == "signal":
-            self.signalled = True
+        if key.data[0] == "signal" and not self.ended_by_owner:
+            self.signalled = True  # the user's: the job ends (an owner's end is a reset)
         super()._dispatch(key)
 
     def _since_order(self) -> Optional[float]:
@@ -421,7 +421,10 @@ class ElasticDriver:
                     code = supervisor.exits.get(r, (None, None))[0]
                     how = describe_returncode(code) if code is not None else "vanished"
                     reasons.append(f"rank {r} on {host} {how}")
-        return "; ".join(reasons) or "hosts were added"
+        if reasons:
+            return "; ".join(reasons)
+        return ("its ranks were ended from outside them" if supervisor.ended_by_owner
+                else "hosts were added")
 
     def host_alive(self, host: str) -> bool:
         """Whether ``host`` runs a command (this machine always does)."""

@@ -177,6 +177,7 @@ class JobSupervisor:
         self.killed_group = False
         self.mpiexec_stderr: List[bytes] = []
         self.signals = wire.SignalPipe()
+        self.ended_by_owner = False   # end() was called: no signal, the owner's order
 
     def rank_env(self) -> Dict[str, str]:
         """The variables that tell a rank wrapper where the launcher is."""
@@ -241,6 +242,12 @@ class JobSupervisor:
             pass
 
     # -- the loop ----------------------------------------------------------------------
+
+    def end(self):
+        """Ends the job from another thread of this process, as SIGTERM would: the order
+        of the program running the launcher (hvdlite.ray), not a signal it received."""
+        self.ended_by_owner = True
+        self.signals.send(signal.SIGTERM)
 
     def run(self, argv: Sequence[str], env: Mapping[str, str]) -> JobResult:
         """Starts ``argv`` (the mpiexec command) and supervises the job to its end.
@@ -373,8 +380,9 @@ class JobSupervisor:
         tag, extra = key.data
         if tag == "signal":
             for signum in self.signals.received():
-                self._fail(_SIGNAL_EXIT.get(signum, 128 + signum),
-                           f"received {signal_name(signum)}, ending all ranks")
+                said = ("ended by the program that runs it" if self.ended_by_owner
+                        else f"received {signal_name(signum)}")
+                self._fail(_SIGNAL_EXIT.get(signum, 128 + signum), f"{said}, ending all ranks")
         elif tag == "accept":
             self._accept()
         elif tag == "conn":

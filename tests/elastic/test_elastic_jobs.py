@@ -5,9 +5,11 @@ there): the new world starts from the last commit bit for bit (weights and optim
 state), no committed step is repeated or skipped, and each epoch's samples are trained
 once.
 """
+import dataclasses
 import os
 import re
 import stat
+import sys
 import time
 
 import pytest
@@ -207,3 +209,54 @@ def test_process_sets_of_fixed_ranks_that_a_smaller_world_lacks_end_the_job_with
     assert "rank 2 is out of range for 2 ranks" in result.stderr, describe(result)
     assert "world 1 of an elastic job has 2 ranks" in result.stderr, describe(result)
     assert "make process sets from hvdlite.size()" in result.stderr, describe(result)
+
+
+def test_a_world_its_owner_ends_is_reset_from_the_last_commit_not_the_jobs_end(tmp_path):
+    # hvdlite.ray ends a world whose Ray workers are gone while its ranks still run
+    # (Supervisor.end, from another thread): the driver must start the next world from
+    # the last commit, where a signal to the launcher ends the whole job.
+    import threading
+
+    from hvdlite.runner import elastic_driver, job, launch, mpi_command, wire
+
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    config = launch.parse_command_line(
+        ["-np", "2", "--min-np", "2", "--max-np", "2", sys.executable, SCRIPT, str(log_dir),
+         "--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--step-sleep", "0.1"])
+    launcher = mpi_command.probe_launcher(mpi_command.find_mpiexec())
+    ended = []
+
+    def end_once_committed(supervisor):
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not ended:
+            saved = [line for path in log_dir.glob("g0-r*.jsonl")
+                     for line in path.read_text().splitlines() if '"saved"' in line]
+            if len(saved) >= 2:
+                ended.append(len(saved))
+                supervisor.end()
+            time.sleep(0.1)
+
+    def make_supervisor(size, hosts):
+        world = dataclasses.replace(config, num_ranks=size, hosts=hosts)
+        return job.new_supervisor(world, "127.0.0.1", "127.0.0.1",
+                                  elastic_driver._WorldSupervisor,
+                                  wire.DEFAULT_PEER_TIMEOUT_S)
+
+    def launch_world(supervisor, hosts, size, extra_env):
+        if not ended:
+            threading.Thread(target=end_once_committed, args=(supervisor,),
+                             daemon=True).start()
+        world = dataclasses.replace(config, num_ranks=size, hosts=hosts)
+        result = job.supervise_job(world, launcher, supervisor, extra_env)
+        if supervisor.ended_by_owner:
+            assert not supervisor.signalled
+            assert "ended by the program that runs it" in result.message
+        return result
+
+    driver = elastic_driver.ElasticDriver(config, launch_world, make_supervisor)
+    assert driver.run() == 0
+    assert ended, "the world finished before its owner could end it"
+    summary = history.check(log_dir, SAMPLES, EPOCHS)
+    assert summary["worlds"] == [2, 2], summary
+    assert len({d["digest"] for d in summary["done"]}) == 1

@@ -4,6 +4,7 @@ cluster: ``python ray_cluster_driver.py HEAD_ADDRESS SCENARIO``. Prints one line
 network namespace of the host to lose and the address of the node that becomes free).
 """
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -77,6 +78,9 @@ def elastic(head, lose_netns, join_address):
 
 def main():
     head, scenario = sys.argv[1], sys.argv[2]
+    # How each world went, timed, for the test's failure message.
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("hvdlite").setLevel(logging.DEBUG)
     ray.init(address=head, logging_level="warning")
     if scenario == "elastic":
         out = elastic(head, sys.argv[3], sys.argv[4])
