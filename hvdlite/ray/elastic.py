@@ -46,8 +46,9 @@ from hvdlite.runner.supervisor import JobResult
 
 logger = logging.getLogger("hvdlite")
 
-# Seconds a node has to answer the probe of a host whose ranks all vanished.
-HOST_PROBE_TIMEOUT_S = 10.0
+# Seconds a node that Ray calls alive has to answer the probe of a host whose ranks all
+# vanished (a loaded node takes seconds to run a task; a dead one Ray marks dead sooner).
+HOST_PROBE_TIMEOUT_S = 60.0
 # Seconds to wait for Ray to show the resources of a world's ended actors free again.
 RELEASE_TIMEOUT_S = 10.0
 # Seconds a finished world's workers have to exit (MPI_Finalize) and its job to end.
@@ -166,23 +167,33 @@ class RayNodes:
             time.sleep(0.2)
 
     def alive(self, address: str, timeout: float = HOST_PROBE_TIMEOUT_S) -> bool:
-        """Whether the node at ``address`` is alive in Ray and runs a task within
-        ``timeout`` (a killed raylet is seen dead by Ray only after its health checks)."""
-        node = next((n["NodeID"] for n in ray.nodes()
-                     if n.get("Alive") and n["NodeManagerAddress"] == address), None)
+        """Whether the node at ``address`` is alive: it runs a task, and Ray has not
+        marked it dead. A killed raylet is seen dead by Ray only after its health checks,
+        and a busy node may take long to run the task: while Ray calls the node alive,
+        its answer is awaited up to ``timeout``."""
+        node = self._alive_node(address)
         if node is None:
             return False
         ref = ray.remote(_probe).options(
             num_cpus=0, max_retries=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
-        ready, _ = ray.wait([ref], timeout=timeout)
-        if not ready:
-            ray.cancel(ref, force=True)
-            return False
-        try:
-            return bool(ray.get(ready[0]))
-        except ray.exceptions.RayError:
-            return False
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready, _ = ray.wait([ref], timeout=1.0)
+            if ready:
+                try:
+                    return bool(ray.get(ready[0]))
+                except ray.exceptions.RayError:
+                    return False
+            if self._alive_node(address) != node:
+                break
+        ray.cancel(ref, force=True)
+        return False
+
+    @staticmethod
+    def _alive_node(address: str) -> Optional[str]:
+        return next((n["NodeID"] for n in ray.nodes()
+                     if n.get("Alive") and n["NodeManagerAddress"] == address), None)
 
 
 class _RayElasticDriver(elastic_driver.ElasticDriver):
