@@ -13,5 +13,29 @@ cd "$(dirname "$0")/.."
 export HVDLITE_REQUIRE=${HVDLITE_REQUIRE-all}
 bash scripts/setup_venv.sh lightning spark ray slurm
 # --durations: the slowest cases, printed at the end, to keep the suite near 15 minutes.
-HVDLITE_REQUIRE_NATIVE=1 OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -p no:cacheprovider \
-    --durations=30 "$@"
+run_pytest() {
+    HVDLITE_REQUIRE_NATIVE=1 OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q \
+        -p no:cacheprovider --durations=20 "$@"
+}
+if [ $# -gt 0 ]; then
+    run_pytest "$@"
+    exit
+fi
+# The whole suite runs in two lanes at once, two pytest processes: the tests of the
+# namespace cluster and of the engines (Ray, Spark), which mostly wait on links, daemons
+# and timeouts, beside all the others. No test of one lane shares a resource with the
+# other (namespace clusters and the engines' daemons are the first lane's alone). The
+# first lane's output follows the second's; the run fails when either lane fails.
+ENGINE_LANE=(tests/cluster tests/spark)
+lane_log=$(mktemp)
+run_pytest "${ENGINE_LANE[@]}" >"$lane_log" 2>&1 &
+engines=$!
+trap 'kill "$engines" 2>/dev/null || true; rm -f "$lane_log"' EXIT
+others=0
+run_pytest tests "${ENGINE_LANE[@]/#/--ignore=}" || others=$?
+engine_status=0
+wait "$engines" || engine_status=$?
+echo "======== lane ${ENGINE_LANE[*]}: exit status ${engine_status} ========"
+cat "$lane_log"
+echo "======== both lanes: ${ENGINE_LANE[*]} ${engine_status}, the others ${others} ========"
+[ "$others" -eq 0 ] && [ "$engine_status" -eq 0 ]
