@@ -367,13 +367,15 @@ class ElasticJob:
     def _run_fn(self, world: World, workers) -> JobResult:
         if self.executable is not None:
             cls, cargs, ckwargs = self.executable
+            # A task's error first: one whose cause is another actor's death is also a
+            # RayActorError, but its worker lives; a worker that died is not a task error.
             try:
                 ray.get([w.start_executable.remote(cls, cargs, ckwargs) for w in workers])
-            except ray.exceptions.RayActorError:
-                pass  # the world failed under it: the job's end says how
             except ray.exceptions.RayTaskError as exc:
                 world.stop(timeout=1.0)
                 raise UserError(exc) from exc
+            except ray.exceptions.RayActorError:
+                pass  # the world failed under it: the job's end says how
         refs = [self.submit(w) for w in workers]
         results: Dict[int, Any] = {}
         pending = list(refs)
@@ -383,11 +385,11 @@ class ElasticJob:
             for ref in done:
                 try:
                     results[refs.index(ref)] = ray.get(ref)
-                except ray.exceptions.RayActorError:
-                    pass  # left for a reset, or lost with its node
                 except ray.exceptions.RayTaskError as exc:
                     world.stop(timeout=1.0)
                     raise UserError(exc) from exc
+                except ray.exceptions.RayActorError:
+                    pass  # left for a reset, or lost with its node
         if len(results) == len(refs):
             logger.debug("hvdlite ray: elastic: world %d finished", self.driver.generation)
             self.results = [results[i] for i in range(len(refs))]

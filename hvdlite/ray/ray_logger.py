@@ -34,13 +34,24 @@ def configure(queue) -> None:
 
 
 def log(info: Any) -> None:
-    """Sends ``info`` (a dict, or any picklable value) to the driver's callbacks."""
-    global _warned
+    """Sends ``info`` (a dict, or any picklable value) to the driver's callbacks.
+
+    A report never fails the training: outside a run with callbacks, or once the
+    driver's queue is gone, it is dropped with one warning per process."""
+    global _queue, _warned
     if _queue is not None:
-        _queue.put(info)
-    elif not _warned:
-        warnings.warn("hvdlite.ray.ray_logger.log called outside a RayExecutor.run with "
-                      "callbacks: the report is dropped")
+        import ray
+
+        try:
+            _queue.put(info)
+            return
+        except ray.exceptions.RayError as exc:
+            _queue = None
+            why = f"the driver's report queue is gone ({type(exc).__name__})"
+    else:
+        why = "called outside a RayExecutor.run with callbacks"
+    if not _warned:
+        warnings.warn(f"hvdlite.ray.ray_logger.log: {why}: reports are dropped")
         _warned = True
 
 
@@ -58,10 +69,12 @@ class CallbackPump:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.callbacks = list(callbacks)
+        # On the driver's node, never elsewhere: a queue on a worker's node would die
+        # with that node, and the job's reports with it.
         here = ray.get_runtime_context().get_node_id()
         self.queue = Queue(actor_options={
             "num_cpus": 0,
-            "scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=True)})
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)})
         self.error: Optional[BaseException] = None  # the first callback's exception
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._pump, name="hvdlite-ray-callbacks",

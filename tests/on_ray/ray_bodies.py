@@ -123,6 +123,59 @@ def fail_on_rank(rank_to_fail):
     return hvd.rank()
 
 
+class Doomed:
+    """An actor that ``call_a_dead_actor_on_rank`` kills before calling it."""
+
+    def ping(self):
+        return True
+
+
+def call_a_dead_actor_on_rank(rank_to_fail):
+    """fn's own call to an actor it killed: Ray raises an actor's death inside fn (a
+    RayTaskError that is also a RayActorError, while the worker itself lives)."""
+    import ray
+
+    import hvdlite as hvd
+
+    hvd.init()
+    if hvd.rank() == rank_to_fail:
+        doomed = ray.remote(Doomed).options(num_cpus=0).remote()
+        ray.get(doomed.ping.remote())
+        ray.kill(doomed)
+        ray.get(doomed.ping.remote())
+    return hvd.rank()
+
+
+def reports_after_the_queue_dies():
+    """Rank 0 kills the driver's report queue after the first report of each rank; the
+    reports after it are dropped with one warning per process, and fn goes on. Returns
+    (rank, the warnings' messages)."""
+    import warnings
+
+    import numpy as np
+    import ray
+
+    import hvdlite as hvd
+    from hvdlite.ray import ray_logger
+
+    hvd.init()
+    ray_logger.log({"rank": hvd.rank(), "i": 0})
+    hvd.allreduce(np.zeros(1), name="reported")  # every first report is in the queue
+    if hvd.rank() == 0:
+        queue = ray_logger._queue.actor
+        ray.kill(queue)
+        try:
+            ray.get(queue.qsize.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            pass  # dead, as wanted
+    hvd.allreduce(np.zeros(1), name="killed")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(1, 4):
+            ray_logger.log({"rank": hvd.rank(), "i": i})
+    return hvd.rank(), [str(w.message) for w in caught]
+
+
 def train_loop_per_worker(config):
     """Ray Train's loop: trains as train_distributed, reports every step's loss and,
     at the end, a checkpoint with the weights (rank 0's)."""

@@ -95,6 +95,15 @@ def test_callbacks_get_every_report_of_every_rank(executor):
     assert len(got) == 2 * SIZE
 
 
+def test_reports_after_the_driver_queue_is_gone_are_dropped_not_fatal(executor):
+    got = []
+    results = executor.run(ray_bodies.reports_after_the_queue_dies, callbacks=[got.append])
+    assert [rank for rank, _ in results] == list(range(SIZE))
+    for rank, said in results:
+        assert len(said) == 1 and "report queue is gone" in said[0], (rank, said)
+    assert sorted(g["rank"] for g in got if g["i"] == 0) == list(range(SIZE)), got
+
+
 def test_collectives_against_numpy(executor):
     results = executor.run(ray_bodies.collectives)
     vectors = [ray_bodies.rank_values(r)[0] for r in range(SIZE)]
@@ -323,7 +332,12 @@ def test_elastic_execute_makes_the_executable_and_trains_in_rank_order(executor)
                                    rtol=1e-12)
 
 
-def test_elastic_run_raises_the_functions_error_and_ends(executor):
+@pytest.mark.parametrize("body, message", [
+    (ray_bodies.fail_on_rank, "rank 1 fails on purpose"),
+    # Ray's error for fn's own call to a dead actor is also a RayActorError: still fn's.
+    (ray_bodies.call_a_dead_actor_on_rank, "ActorDiedError|actor died|dead actor")],
+    ids=["exception", "dead_actor_inside_fn"])
+def test_elastic_run_raises_the_functions_error_and_ends(executor, body, message):
     """An exception of fn (not a lost peer) ends the elastic job at once: run() raises
     it with the worker's traceback, no second world is tried."""
     import ray
@@ -333,8 +347,8 @@ def test_elastic_run_raises_the_functions_error_and_ends(executor):
                           max_workers=2, cpus_per_worker=1, elastic_timeout=30)
     elastic.start()
     try:
-        with pytest.raises(ray.exceptions.RayTaskError, match="rank 1 fails on purpose"):
-            elastic.run(ray_bodies.fail_on_rank, args=[1])
+        with pytest.raises(ray.exceptions.RayTaskError, match=message):
+            elastic.run(body, args=[1])
     finally:
         elastic.shutdown()
     assert elastic.last_worlds == [2]
