@@ -22,7 +22,8 @@ from typing import Any, Callable, List, Optional
 logger = logging.getLogger("hvdlite")
 
 _queue = None  # this worker's queue while a run with callbacks goes on
-_warned = False
+_GONE = object()  # in place of the run's queue once a report found it gone
+_warned: set = set()  # the reasons a report was dropped that were warned of
 # Seconds the driver's thread waits on the queue per look (it blocks in Ray, no spin).
 POLL_S = 0.2
 
@@ -37,22 +38,26 @@ def log(info: Any) -> None:
     """Sends ``info`` (a dict, or any picklable value) to the driver's callbacks.
 
     A report never fails the training: outside a run with callbacks, or once the
-    driver's queue is gone, it is dropped with one warning per process."""
-    global _queue, _warned
-    if _queue is not None:
+    driver's queue is gone, it is dropped with one warning per process (for each of
+    the two)."""
+    global _queue
+    gone = "the driver's report queue is gone"
+    if _queue is _GONE:
+        why = gone
+    elif _queue is not None:
         import ray
 
         try:
             _queue.put(info)
             return
         except ray.exceptions.RayError as exc:
-            _queue = None
-            why = f"the driver's report queue is gone ({type(exc).__name__})"
+            logger.debug("hvdlite ray: report queue: %r", exc)
+            _queue, why = _GONE, gone
     else:
         why = "called outside a RayExecutor.run with callbacks"
-    if not _warned:
+    if why not in _warned:
         warnings.warn(f"hvdlite.ray.ray_logger.log: {why}: reports are dropped")
-        _warned = True
+        _warned.add(why)
 
 
 class CallbackPump:

@@ -150,6 +150,7 @@ def reports_after_the_queue_dies():
     """Rank 0 kills the driver's report queue after the first report of each rank; the
     reports after it are dropped with one warning per process, and fn goes on. Returns
     (rank, the warnings' messages)."""
+    import time
     import warnings
 
     import numpy as np
@@ -163,6 +164,9 @@ def reports_after_the_queue_dies():
     hvd.allreduce(np.zeros(1), name="reported")  # every first report is in the queue
     if hvd.rank() == 0:
         queue = ray_logger._queue.actor
+        deadline = time.monotonic() + 30
+        while ray.get(queue.qsize.remote()) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the driver has taken every first report
         ray.kill(queue)
         try:
             ray.get(queue.qsize.remote(), timeout=30)
