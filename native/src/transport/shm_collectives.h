@@ -41,7 +41,11 @@
 //
 // ReduceScatter and Allgather go round by round over the barrier below; they start once
 // every peer has copied out the last Allreduce and end with a barrier, which frees the
-// slots for the next Allreduce.
+// slots for the next Allreduce. Their rounds use a slot set's in and out slots as one
+// area (2 * kChunkBytes): ReduceScatter's in area holds a part of every shard, reduced
+// straight into the caller's shard; Allgather's holds this rank's own part only, so
+// one round moves 1 MiB of every rank's shard, and a 64 MiB allgather takes tens of
+// barriers, not hundreds.
 //
 // The barrier (a counter and a sense flag in rank 0's segment) does not spin: a rank
 // that arrives before its peers sleeps on the sense flag as a futex until the last
@@ -102,20 +106,26 @@ class ShmCollectives {
   // it with the same counts and options, in the same order.
   Status Allreduce(const std::vector<Piece>& pieces, const AllreduceOptions& options);
 
-  // The two halves of a hierarchical allreduce (HierarchicalAllreduce), over the flat
-  // elements [first, first + count) of the pieces: that block is cut into one
-  // contiguous shard per rank, rank k's being [ShardBegin(count, dtype, k),
-  // ShardBegin(count, dtype, k + 1)) of it. Each round moves a chunk's worth of every
-  // shard through the slots, 1/size of the in (or out) slot per shard, over one barrier
-  // per round, pipelined like Allreduce.
-  int64_t ShardBegin(int64_t count, int32_t dtype, int rank) const;
+  // Reduce-scatter and allgather over the flat elements [first, first + bounds.back())
+  // of the pieces, rank k's shard being [first + bounds[k], first + bounds[k + 1])
+  // (bounds: size + 1 offsets, bounds[0] == 0, nondecreasing: any split, shards of no
+  // elements included). They serve both the halves of a hierarchical allreduce
+  // (HierarchicalAllreduce, over EvenShards) and the reducescatter and allgather of
+  // ranks on one host (MpiBackend, over the caller's split). Each round moves up to a
+  // step of every shard through the slots, over one barrier per round.
+  //
+  // EvenShards(count, dtype): count elements cut into one contiguous shard per rank,
+  // each starting on a 64-byte boundary (the vectorized loops), as Allreduce's parts.
+  std::vector<int64_t> EvenShards(int64_t count, int32_t dtype) const;
   // shard = reduce over ranks of (the block of the pieces' ins * prescale), this rank's
-  // shard only. Every rank calls it with the same pieces' counts, block, dtype and op.
-  Status ReduceScatter(const std::vector<Piece>& pieces, int64_t first, int64_t count,
+  // shard only, each element reduced once, in rank order (as Allreduce). Every rank
+  // calls it with the same pieces' counts, first, bounds, dtype and op. shard must not
+  // overlap the pieces' ins.
+  Status ReduceScatter(const std::vector<Piece>& pieces, int64_t first, const std::vector<int64_t>& bounds,
                        int32_t dtype, int32_t reduce_op, double prescale, void* shard);
   // The block of the pieces' outs = every rank's shard * postscale / divisor.
   Status Allgather(const void* shard, const std::vector<Piece>& pieces, int64_t first,
-                   int64_t count, int32_t dtype, double postscale, int64_t divisor);
+                   const std::vector<int64_t>& bounds, int32_t dtype, double postscale, int64_t divisor);
   // Called between the rounds of ReduceScatter and Allgather, and every kIdleWakeUs
   // while a barrier sleeps (instead of every 100 ms), while set: the hierarchical
   // allreduce moves its network step on there. An error ends the call with it.
@@ -132,6 +142,9 @@ class ShmCollectives {
   uint64_t* Bits(int rank, int set) const;
   uint8_t* In(int rank, int set) const;
   uint8_t* Out(int rank, int set) const;
+  // A set's in and out slots as one area of kAreaBytes (ReduceScatter and Allgather).
+  static constexpr int64_t kAreaBytes = 2 * kChunkBytes;
+  uint8_t* Area(int rank, int set) const { return In(rank, set); }
   // The rounds of ReduceScatter and Allgather, over one barrier each: fill(0), then
   // after barrier r drain(r) and fill(r + 1), each given round r's slot set.
   Status Rounds(int64_t rounds, const std::function<void(int64_t, int)>& fill,
