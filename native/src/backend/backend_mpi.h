@@ -88,6 +88,9 @@ class MpiBackend {
     if (tuning.hierarchical && layered_allreduce_) return AllreduceAlgorithm::kLayers;
     return shared_memory() ? AllreduceAlgorithm::kSharedMemory : AllreduceAlgorithm::kMpi;
   }
+  // Allgatherv and ReduceScatter go through shared memory where the allreduce does,
+  // from kShmGatherMinBytes in all (ShmGathers), else over MPI (Allgatherv across
+  // hosts through the leaders, when the layers say so).
   Status Allgatherv(const void* in, int64_t in_bytes, void* out,
                     const std::vector<int64_t>& bytes_per_rank);
   Status Bcast(void* buf, int64_t nbytes, int root);
@@ -100,6 +103,12 @@ class MpiBackend {
   // Whether the allreduce goes through shared memory (every rank of this communicator
   // on one host).
   bool shared_memory() const { return host_ != nullptr && !layered_allreduce_; }
+  // Whether an allgather or reducescatter of `bytes` in all (every rank's) goes through
+  // shared memory.
+  bool ShmGathers(int64_t bytes) const { return shared_memory() && bytes >= kShmGatherMinBytes; }
+  // Below this, MPI's own shared-memory allgatherv and reduce-scatter are as fast
+  // (measured: see backend_mpi.cc).
+  static constexpr int64_t kShmGatherMinBytes = 0;
   // Whether an allreduce over the layers (hierarchical or leader) was built.
   bool layered_allreduce() const { return layered_allreduce_ != nullptr; }
   // Whether allgather (Allgatherv) and broadcast (Bcast) go through the hosts' leaders.

@@ -304,8 +304,9 @@ void ProcessSetState::ExecuteFusedAllgather(const std::vector<const Response*>& 
   }
   activities.Done("MEMCPY_IN_FUSION_BUFFER");
   Status s = mpi_->Allgatherv(send, block[me], recv, block);
-  activities.Done("MPI_ALLGATHER");
+  activities.Done(mpi_->ShmGathers(total) ? "SHM_ALLGATHER" : "MPI_ALLGATHER");
   if (mpi_->hierarchical_allgather()) counters_.hierarchical_collectives++;
+  if (mpi_->ShmGathers(total)) counters_.shm_collectives++;
   std::vector<OpOutput> outs(fused.size());
   if (s.ok()) {
     for (size_t t = 0; t < fused.size(); ++t) outs[t].Allocate(AllgatherBytes(*fused[t]));
@@ -340,7 +341,7 @@ void ProcessSetState::ExecuteOne(const Response& r) {
   OpTally tally;
   Status s = RunOp(r, e, &out, &tally);
   if (tl) {
-    activities.Done(kCollectiveActivity[r.op]);
+    activities.Done(tally.activity ? tally.activity : kCollectiveActivity[r.op]);
     timeline_.End(r.name);
   }
   if (r.op != HVDLITE_OP_JOIN) {
@@ -384,6 +385,10 @@ Status ProcessSetState::ExecuteAllgather(const Response& r, TensorEntry* e, OpOu
   Status s = mpi_->Allgatherv(e ? e->input : nullptr, bytes[rank_], out->data.get(), bytes);
   tally->moved = total;
   if (mpi_->hierarchical_allgather()) counters_.hierarchical_collectives++;
+  if (mpi_->ShmGathers(total)) {
+    counters_.shm_collectives++;
+    tally->activity = "SHM_ALLGATHER";
+  }
   return s;
 }
 
@@ -443,6 +448,10 @@ Status ProcessSetState::ExecuteReducescatter(const Response& r, TensorEntry* e, 
                average ? std::max(1, r.contributors) : 1);
   }
   tally->moved = total * elem;
+  if (mpi_->ShmGathers(total * elem)) {
+    counters_.shm_collectives++;
+    tally->activity = "SHM_REDUCESCATTER";
+  }
   return s;
 }
 
