@@ -474,10 +474,9 @@ static Status ToIntCounts(const std::vector<int64_t>& in, std::vector<int>* coun
 Status MpiBackend::Allgatherv(const void* in, int64_t in_bytes, void* out,
                               const std::vector<int64_t>& bytes_per_rank) {
   if (hierarchical_allgather_) return hierarchical_allgather_->Allgatherv(in, in_bytes, out, bytes_per_rank);
-  const std::vector<int64_t> bounds = Bounds(bytes_per_rank);
-  if (ShmGathers(bounds.back())) {
-    return host_->shm().Allgather(in, {{nullptr, out, bounds.back()}}, 0, bounds, HVDLITE_UINT8, 1.0, 1);
-  }
+  int64_t total = 0;
+  for (int64_t n : bytes_per_rank) total += n;
+  if (ShmGathers(total)) return ShmAllgatherv(in, {{nullptr, out, total}}, bytes_per_rank);
   std::vector<int> counts, displs;
   Status s = ToIntCounts(bytes_per_rank, &counts, &displs, "allgather");
   if (!s.ok()) return s;
@@ -487,6 +486,11 @@ Status MpiBackend::Allgatherv(const void* in, int64_t in_bytes, void* out,
              : MPI_Allgatherv(in, static_cast<int>(in_bytes), MPI_BYTE, out, counts.data(), displs.data(),
                               MPI_BYTE, Comm(comm_));
   });
+}
+
+Status MpiBackend::ShmAllgatherv(const void* in, const std::vector<ShmCollectives::Piece>& outs,
+                                 const std::vector<int64_t>& bytes_per_rank) {
+  return host_->shm().Allgather(in, outs, 0, Bounds(bytes_per_rank), HVDLITE_UINT8, 1.0, 1);
 }
 
 Status MpiBackend::Bcast(void* buf, int64_t nbytes, int root) {

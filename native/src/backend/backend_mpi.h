@@ -93,6 +93,10 @@ class MpiBackend {
   // hosts through the leaders, when the layers say so).
   Status Allgatherv(const void* in, int64_t in_bytes, void* out,
                     const std::vector<int64_t>& bytes_per_rank);
+  // Allgatherv through shared memory (only where ShmGathers), the result (every rank's
+  // bytes in rank order) written into the outs pieces, in order: no unpacking after.
+  Status ShmAllgatherv(const void* in, const std::vector<ShmCollectives::Piece>& outs,
+                       const std::vector<int64_t>& bytes_per_rank);
   Status Bcast(void* buf, int64_t nbytes, int root);
   Status Alltoallv(const void* in, const std::vector<int64_t>& send_bytes, void* out,
                    const std::vector<int64_t>& recv_bytes);
