@@ -313,7 +313,10 @@ Status ShmCollectives::Allreduce(const std::vector<Piece>& pieces, const Allredu
   //   copy out c - 1: chunk c - 1 reduced everywhere.
   // (Counts are of chunks done: chunk g reduced is reduced >= g + 1.)
   const int64_t g0 = issued_;
-  Status s;
+  // The first copy-in waits as the later ones do: after Rounds, a peer may still be
+  // draining the step before last, in this slot set.
+  Status s = WaitFor(1, g0 - 1);
+  if (!s.ok()) return s;
   copy_in(chunk(0));
   Publish(0, g0 + 1);
   for (int64_t c = 0; c <= chunks; ++c) {
@@ -412,22 +415,29 @@ Status ShmCollectives::ReduceScatter(const std::vector<Piece>& pieces, int64_t f
 
 Status ShmCollectives::Rounds(int64_t rounds, const std::function<void(int64_t, int)>& fill,
                             const std::function<void(int64_t, int)>& drain) {
-  if (rounds == 0) return Status::OK();
-  // The slots are free once every peer has copied out the last Allreduce's chunks, and
-  // a barrier at the end frees them for the next Allreduce, which passes none.
-  Status s = WaitFor(2, issued_);
-  if (!s.ok()) return s;
-  const int base_set = set_;
-  auto set_of = [&](int64_t r) { return (base_set + static_cast<int>(r % 2)) % 2; };
-  fill(0, set_of(0));
-  for (int64_t r = 0; r < rounds; ++r) {
-    if (!(s = Barrier()).ok()) return s;
-    drain(r, set_of(r));
-    if (r + 1 < rounds) fill(r + 1, set_of(r + 1));
+  // Each step waits only for what it overwrites or reads (counts are of steps done):
+  //   fill g: step g - 2 (same slot set: an Allreduce chunk or a round) drained everywhere;
+  //   drain g - 1: step g - 1 filled everywhere.
+  // A round drained counts as reduced too, so that the next Allreduce's waits hold.
+  const int64_t g0 = issued_;
+  Status s;
+  for (int64_t r = 0; r <= rounds && rounds > 0; ++r) {
+    const int64_t g = g0 + r;
+    if (r < rounds) {
+      if (!(s = WaitFor(2, g - 1)).ok()) return s;
+      fill(r, static_cast<int>(g % 2));
+      Publish(0, g + 1);
+    }
+    if (r > 0) {
+      if (!(s = WaitFor(0, g)).ok()) return s;
+      drain(r - 1, static_cast<int>((g - 1) % 2));
+      Publish(1, g);
+      Publish(2, g);
+    }
     if (idle_ && !(s = idle_()).ok()) return s;
   }
-  set_ = (base_set + static_cast<int>(rounds % 2)) % 2;
-  return Barrier();
+  issued_ = g0 + rounds;
+  return Status::OK();
 }
 
 Status ShmCollectives::Allgather(const void* shard, const std::vector<Piece>& pieces, int64_t first,

@@ -39,13 +39,14 @@
 // one barrier per chunk, every chunk cost a sleep and a wake-up on one rank or the
 // other: 33 of them for a 16 MB gradient, which took twice its CPU time.)
 //
-// ReduceScatter and Allgather go round by round over the barrier below; they start once
-// every peer has copied out the last Allreduce and end with a barrier, which frees the
-// slots for the next Allreduce. Their rounds use a slot set's in and out slots as one
-// area (2 * kChunkBytes): ReduceScatter's in area holds a part of every shard, reduced
-// straight into the caller's shard; Allgather's holds this rank's own part only, so
-// one round moves 1 MiB of every rank's shard, and a 64 MiB allgather takes tens of
-// barriers, not hundreds.
+// ReduceScatter and Allgather go round by round, counted in the same sequence as
+// Allreduce's chunks and pipelined the same way, without a barrier: a rank fills round
+// r + 1 while its peers may still drain round r, and waits only for what it reads or
+// overwrites. (With a barrier per round, each round cost a wake-up of whichever rank had
+// no core, with more ranks than cores: MEASURED_BARRIER.) Their rounds use a slot set's in
+// and out slots as one area (2 * kChunkBytes): ReduceScatter's holds a part of every
+// shard, reduced straight into the caller's shard; Allgather's holds this rank's own
+// part only, so one round moves 1 MiB of every rank's shard.
 //
 // The barrier (a counter and a sense flag in rank 0's segment) does not spin: a rank
 // that arrives before its peers sleeps on the sense flag as a futex until the last
@@ -145,13 +146,16 @@ class ShmCollectives {
   // A set's in and out slots as one area of kAreaBytes (ReduceScatter and Allgather).
   static constexpr int64_t kAreaBytes = 2 * kChunkBytes;
   uint8_t* Area(int rank, int set) const { return In(rank, set); }
-  // The rounds of ReduceScatter and Allgather, over one barrier each: fill(0), then
-  // after barrier r drain(r) and fill(r + 1), each given round r's slot set.
+  // The rounds of ReduceScatter and Allgather, pipelined as Allreduce's chunks are and
+  // counted with them: round r is step g = issued_ + r, in slot set g % 2. fill(r, set)
+  // writes this rank's area once every peer has drained round r - 2 (the last reader of
+  // that set); drain(r, set) reads the peers' areas once every peer has filled round r.
   Status Rounds(int64_t rounds, const std::function<void(int64_t, int)>& fill,
                 const std::function<void(int64_t, int)>& drain);
   // Every rank arrives before any leaves; a rank that waits sleeps.
   Status Barrier();
-  // Allreduce's progress: field 0 copied in, 1 reduced, 2 copied out. Publish sets this
+  // Allreduce's progress: field 0 copied in, 1 reduced, 2 copied out (Rounds: 0 filled,
+  // 1 and 2 drained). Publish sets this
   // rank's count (in chunks over all calls) and wakes peers that wait for it; WaitFor
   // sleeps until every peer's count is at least `chunks`.
   void Publish(int field, int64_t chunks);
@@ -168,8 +172,7 @@ class ShmCollectives {
   const int rank_, size_;
   const std::vector<uint8_t*> segments_;
   const std::vector<int64_t> pids_;
-  int set_ = 0;    // slot set of the next round of ReduceScatter or Allgather
-  int64_t issued_ = 0;  // Allreduce chunks of every call so far (chunk g uses slot set g % 2)
+  int64_t issued_ = 0;  // Allreduce chunks and rounds of every call so far (step g uses slot set g % 2)
   int bits_set_ = 0;  // bit-vector area of the next AndBits
   int sense_ = 0;  // this rank's barrier sense
   int64_t chunk_bytes_ = kChunkBytes;
