@@ -404,7 +404,7 @@ got = counted("huge allgather", lambda: hvd.allgather(
 check_big("huge allgather", got, np.concatenate([data(r, (AREA // 4 + 17 * r, 4), "float32", 5)
                                                  for r in range(size)]))
 def group_shapes(r):
-    # Each member's result under 1 MiB (larger allgathers go alone), over 512 KiB together.
+    # Each member's result under 1 MiB (larger allgathers go alone), so that they fuse.
     return [(r + 1, 20_001), (0 if r == 0 else 2, 5), (2, 30_000)]
 got = counted("grouped allgather", lambda: hvd.grouped_allgather(
     [data(rank, s, "float32", 6 + i) for i, s in enumerate(group_shapes(rank))],
@@ -440,8 +440,8 @@ report()
 
 @pytest.mark.parametrize("np_,shm", [(2, "on"), (3, "on"), (3, "off")])
 def test_large_reducescatter_and_allgather(np_, shm):
-    # Above the size from which they go through shared memory (where the allreduce does),
-    # and through MPI with HVDLITE_SHM_ALLREDUCE=0: the same results either way.
+    # Through shared memory (where the allreduce goes there), and through MPI with
+    # HVDLITE_SHM_ALLREDUCE=0: the same results either way.
     run_ranks(np_, "import os\n" + LARGE_GATHERS,
               env={"HVDLITE_SHM_ALLREDUCE": "1" if shm == "on" else "0"})
 

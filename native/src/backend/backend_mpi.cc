@@ -476,7 +476,7 @@ Status MpiBackend::Allgatherv(const void* in, int64_t in_bytes, void* out,
   if (hierarchical_allgather_) return hierarchical_allgather_->Allgatherv(in, in_bytes, out, bytes_per_rank);
   int64_t total = 0;
   for (int64_t n : bytes_per_rank) total += n;
-  if (ShmGathers(total)) return ShmAllgatherv(in, {{nullptr, out, total}}, bytes_per_rank);
+  if (ShmGathers()) return ShmAllgatherv(in, {{nullptr, out, total}}, bytes_per_rank);
   std::vector<int> counts, displs;
   Status s = ToIntCounts(bytes_per_rank, &counts, &displs, "allgather");
   if (!s.ok()) return s;
@@ -523,8 +523,8 @@ Status MpiBackend::Alltoallv(const void* in, const std::vector<int64_t>& send_by
 
 Status MpiBackend::ReduceScatter(const void* in, void* out, const std::vector<int64_t>& counts,
                                  int32_t dtype, int32_t reduce_op) {
-  const std::vector<int64_t> bounds = Bounds(counts);
-  if (ShmGathers(bounds.back() * ElementSize(dtype))) {
+  if (ShmGathers()) {
+    const std::vector<int64_t> bounds = Bounds(counts);
     return host_->shm().ReduceScatter({{in, nullptr, bounds.back()}}, 0, bounds, dtype, reduce_op, 1.0, out);
   }
   std::vector<int> c, d;

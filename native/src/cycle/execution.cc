@@ -295,7 +295,7 @@ void ProcessSetState::ExecuteFusedAllgather(const std::vector<const Response*>& 
   activities.Done("QUEUE");
   // Through shared memory the blocks go straight into the outputs; over MPI they arrive
   // back to back after this rank's block in the fusion buffer, and are unpacked.
-  const bool shm = mpi_->ShmGathers(total);
+  const bool shm = mpi_->ShmGathers();
   uint8_t* buf = fusion_.Get(block[me] + (shm ? 0 : total));
   uint8_t* send = buf;
   uint8_t* recv = buf + block[me];
@@ -396,7 +396,7 @@ Status ProcessSetState::ExecuteAllgather(const Response& r, TensorEntry* e, OpOu
   Status s = mpi_->Allgatherv(e ? e->input : nullptr, bytes[rank_], out->data.get(), bytes);
   tally->moved = total;
   if (mpi_->hierarchical_allgather()) counters_.hierarchical_collectives++;
-  if (mpi_->ShmGathers(total)) {
+  if (mpi_->ShmGathers()) {
     counters_.shm_collectives++;
     tally->activity = "SHM_ALLGATHER";
   }
@@ -459,7 +459,7 @@ Status ProcessSetState::ExecuteReducescatter(const Response& r, TensorEntry* e, 
                average ? std::max(1, r.contributors) : 1);
   }
   tally->moved = total * elem;
-  if (mpi_->ShmGathers(total * elem)) {
+  if (mpi_->ShmGathers()) {
     counters_.shm_collectives++;
     tally->activity = "SHM_REDUCESCATTER";
   }
