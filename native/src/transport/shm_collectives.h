@@ -42,8 +42,9 @@
 // ReduceScatter and Allgather go round by round, counted in the same sequence as
 // Allreduce's chunks and pipelined the same way, without a barrier: a rank fills round
 // r + 1 while its peers may still drain round r, and waits only for what it reads or
-// overwrites. (With a barrier per round, each round cost a wake-up of whichever rank had
-// no core, with more ranks than cores: MEASURED_BARRIER.) Their rounds use a slot set's in
+// overwrites. (With a barrier per round, each round waited for whichever rank had no
+// core, with more ranks than cores: a 64 MiB-per-rank allgather at 3 ranks on 2 cores
+// took 450 ms, against 330 pipelined, median of two runs each.) Their rounds use a slot set's in
 // and out slots as one area (2 * kChunkBytes): ReduceScatter's holds a part of every
 // shard, reduced straight into the caller's shard; Allgather's holds this rank's own
 // part only, so one round moves 1 MiB of every rank's shard.
