@@ -114,7 +114,7 @@ class ShmCollectives {
   // elements included). They serve both the halves of a hierarchical allreduce
   // (HierarchicalAllreduce, over EvenShards) and the reducescatter and allgather of
   // ranks on one host (MpiBackend, over the caller's split). Each round moves up to a
-  // step of every shard through the slots, over one barrier per round.
+  // step of every shard through the slots, pipelined (Rounds).
   //
   // EvenShards(count, dtype): count elements cut into one contiguous shard per rank,
   // each starting on a 64-byte boundary (the vectorized loops), as Allreduce's parts.
@@ -129,7 +129,7 @@ class ShmCollectives {
   Status Allgather(const void* shard, const std::vector<Piece>& pieces, int64_t first,
                    const std::vector<int64_t>& bounds, int32_t dtype, double postscale, int64_t divisor);
   // Called between the rounds of ReduceScatter and Allgather, and every kIdleWakeUs
-  // while a barrier sleeps (instead of every 100 ms), while set: the hierarchical
+  // while a wait sleeps (instead of every 100 ms), while set: the hierarchical
   // allreduce moves its network step on there. An error ends the call with it.
   void SetIdle(std::function<Status()> idle) { idle_ = std::move(idle); }
   // The chunk Allreduce moves per step of its pipeline (autotune.h), at most
