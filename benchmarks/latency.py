@@ -1,7 +1,10 @@
 """The fixed cost of one collective: hvdlite against mpi4py on the same MPI, every
-collective at 4 KiB, 64 KiB and 1 MiB, the two systems alternating call by call.
+collective at 4 KiB, 64 KiB and 1 MiB (``--sizes``: others), the two systems alternating
+call by call.
 
     .venv/bin/python -m hvdlite.runner -np 2 .venv/bin/python benchmarks/latency.py
+    .venv/bin/python -m hvdlite.runner -np 3 .venv/bin/python benchmarks/latency.py \
+        --only allreduce,allgather,reducescatter --sizes 1M,16M,64M --reps 10 --warmup 2
     sudo .venv/bin/python benchmarks/latency.py --cluster 2x2 [--rate 1gbit]   # across hosts
 
 ``--cluster HxR`` builds a namespace cluster of H hosts (hvdlite/runner/netns_cluster.py:
@@ -21,7 +24,11 @@ MPI's rate (``--burst 10``: ten calls back to back per timing, their mean; see
 docs/performance.md). Per size and collective it prints the medians,
 hvdlite's median over mpi4py's, and the issue's target (<= 2x on one host at 4 and
 64 KiB). hvdlite's calls repeat one name, so after the first they are response-cache
-hits, as a training step's are. Rounds (``--rounds``) run the collectives in rotated
+hits, as a training step's are. Sizes are of each rank's input (float32): an allgather
+returns size times that, a reducescatter 1/size of it. mpi4py's allgather and
+reducescatter are the vector calls hvdlite's stand for (``Allgatherv``,
+``Reduce_scatter`` with per-rank counts: hvdlite's take any rows per rank), into
+preallocated buffers; hvdlite's allgather allocates its result. Rounds (``--rounds``) run the collectives in rotated
 order; each ratio is printed with its median and range over the rounds.
 """
 import argparse
@@ -37,7 +44,6 @@ import numpy as np
 from rounds import print_commit, rotated, spread
 
 KIB, MIB = 1024, 1024 * 1024
-SIZES = (4 * KIB, 64 * KIB, 1 * MIB)
 TARGET_ONE_HOST = 2.0  # hvdlite <= 2x mpi4py at 4 and 64 KiB (issue: small collectives)
 TARGET_ACROSS_HOSTS = 1.5  # the same across hosts
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,18 +62,25 @@ def collectives(comm, rank, size, nbytes):
     scattered = np.empty(n // size, dtype=np.float32)
     moved = np.empty_like(x)
     rows = x.reshape(size, -1) if n % size == 0 else x.reshape(-1, 1)
+    split = [n // size] * size  # n is a multiple of size: the same rows for each
     return {
         "allreduce": (lambda: hvd.allreduce(x, name="lat.ar", op=hvd.Sum),
                       lambda: comm.Allreduce(x, out, op=MPI.SUM)),
         "allgather": (lambda: hvd.allgather(x, name="lat.ag"),
-                      lambda: comm.Allgather(x, gathered)),
+                      lambda: comm.Allgatherv(x, (gathered, [n] * size))),
         "broadcast": (lambda: hvd.broadcast(x, 0, name="lat.bc"),
                       lambda: comm.Bcast(out if rank else x, root=0)),
         "alltoall": (lambda: hvd.alltoall(rows, name="lat.a2a"),
                      lambda: comm.Alltoall(x, moved)),
         "reducescatter": (lambda: hvd.reducescatter(rows, name="lat.rs", op=hvd.Sum),
-                          lambda: comm.Reduce_scatter_block(x, scattered, op=MPI.SUM)),
+                          lambda: comm.Reduce_scatter(x, scattered, split, op=MPI.SUM)),
     }
+
+
+def parse_size(text):
+    """'64K' -> 65536, '16M' -> 16777216, '4096' -> 4096."""
+    scale = {"K": KIB, "M": MIB}.get(text[-1:].upper(), 1)
+    return int(text[:-1] if scale > 1 else text) * scale
 
 
 def measure(comm, calls, reps, warmup, barrier=True, burst=1):
@@ -134,6 +147,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", default=None, help="comma-separated collectives")
     parser.add_argument("--json", default=None, help="also write the figures here")
+    parser.add_argument("--sizes", default="4K,64K,1M",
+                        help="comma-separated bytes per rank, K and M suffixes allowed")
     parser.add_argument("--no-barrier", dest="barrier", action="store_false",
                         help="calls back to back, no barrier between them (a root's call "
                              "then also counts the previous call's data still in flight)")
@@ -161,12 +176,13 @@ def main():
               f"each (slowest rank per call; medians in us; "
               f"{'a barrier between calls' if args.barrier else 'no barrier'}"
               f"{f'; bursts of {args.burst} calls' if args.burst > 1 else ''})", flush=True)
-    names = list(collectives(comm, rank, size, SIZES[0]))
+    sizes = [parse_size(v) for v in args.sizes.split(",")]
+    names = list(collectives(comm, rank, size, sizes[0]))
     if args.only:
         names = [n for n in names if n in args.only.split(",")]
     ratios, figures = {}, {}
     for round_ in range(args.rounds):
-        for nbytes in SIZES:
+        for nbytes in sizes:
             calls = collectives(comm, rank, size, nbytes)
             for name in rotated(names, round_):
                 mine = measure(comm, calls[name], args.reps, args.warmup, args.barrier, args.burst)

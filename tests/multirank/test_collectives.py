@@ -324,6 +324,128 @@ def test_every_op_and_dtype(np_):
     run_ranks(np_, EVERY_OP)
 
 
+# ---------------------------------------------------------------- large, through shared memory
+
+LARGE_GATHERS = r"""
+SHM = os.environ.get("HVDLITE_SHM_ALLREDUCE") != "0"
+AREA = 1 << 20  # bytes a round of the core's shared-memory collectives moves per rank
+
+
+def counted(label, fn):
+    # fn()'s result; every call must go through shared memory when it is on, else MPI.
+    before = hvd.stats()["shm_collectives"]
+    got = fn()
+    went = hvd.stats()["shm_collectives"] - before
+    if went != (1 if SHM else 0):
+        failures.append(f"{label}: {went} collectives through shared memory, expected "
+                        f"{1 if SHM else 0}")
+    return got
+
+
+def check_big(label, got, expected):
+    # check(), reporting the first wrong element instead of whole arrays.
+    before = len(failures)
+    check(label, got, expected)
+    if len(failures) > before:
+        got, expected = np.asarray(got), np.asarray(expected)
+        where = "shapes differ"
+        if got.shape == expected.shape:
+            if got.dtype.name in FLOATS:
+                bad = np.argwhere(~np.isclose(got.astype(np.float64), expected.astype(np.float64),
+                                              rtol=2e-2, atol=2e-2))
+            else:
+                bad = np.argwhere(got != expected)
+            where = (f"{len(bad)} wrong, first at {bad[0].tolist()}: {got[tuple(bad[0])]!r} "
+                     f"!= {expected[tuple(bad[0])]!r}" if len(bad) else "close")
+        failures[before:] = [f"{label}: {got.dtype}{got.shape} vs {expected.dtype}"
+                             f"{expected.shape}: {where}"]
+
+
+def rs_expected(arrays, dt, op):
+    if op != "product":
+        return reduce_expected(arrays, dt, op)
+    wide = [a.astype(np.float64 if dt in FLOATS else np.int64) for a in arrays]
+    # Integers wrap as the core's products do (modulo 2**bits, from int64's).
+    return np.prod(wide, axis=0).astype(npdtype(dt))
+
+
+def split(d0):
+    counts = [d0 // size + (1 if r < d0 % size else 0) for r in range(size)]
+    return counts, sum(counts[:rank])
+
+
+OPS = {"sum": hvd.Sum, "average": hvd.Average, "min": hvd.Min, "max": hvd.Max,
+       "product": hvd.Product}
+for dt in ("float32", "float16", "bfloat16", "float64", "int32", "uint8"):
+    item = npdtype(dt).itemsize
+    width = 700_003 // item  # a row of ~700 KB: rows never line up with chunks or areas
+    # More rows than ranks (uneven), and fewer (the last rank's shard is empty).
+    for d0 in (size + 1, size - 1):
+        counts, lo = split(d0)
+        for label, op in OPS.items():
+            name = f"big.rs.{dt}.{d0}.{label}"
+            got = counted(name, lambda: hvd.reducescatter(data(rank, (d0, width), dt, 3), op=op,
+                                                          name=name))
+            full = rs_expected([data(r, (d0, width), dt, 3) for r in range(size)], dt, label)
+            check_big(name, got, full[lo:lo + counts[rank]])
+
+    # allgather: uneven rows, the last rank sending none, then the first.
+    for k, rows in enumerate(([2 * r + 1 for r in range(size - 1)] + [0],
+                              [0] + [r + 2 for r in range(1, size)])):
+        name = f"big.ag.{dt}.{k}"
+        got = counted(name, lambda: hvd.allgather(data(rank, (rows[rank], width), dt, 4),
+                                                  name=name))
+        check_big(name, got, np.concatenate([data(r, (rows[r], width), dt, 4)
+                                         for r in range(size)]))
+
+# Several areas per rank (4 MiB each), and a fused group of smaller allgathers.
+got = counted("huge allgather", lambda: hvd.allgather(
+    data(rank, (AREA // 4 + 17 * rank, 4), "float32", 5), name="huge.ag"))
+check_big("huge allgather", got, np.concatenate([data(r, (AREA // 4 + 17 * r, 4), "float32", 5)
+                                                 for r in range(size)]))
+def group_shapes(r):
+    # Each member's result under 1 MiB (larger allgathers go alone), so that they fuse.
+    return [(r + 1, 20_001), (0 if r == 0 else 2, 5), (2, 30_000)]
+got = counted("grouped allgather", lambda: hvd.grouped_allgather(
+    [data(rank, s, "float32", 6 + i) for i, s in enumerate(group_shapes(rank))],
+    name="big.group"))
+for i in range(3):
+    check_big(f"grouped allgather member {i}", got[i],
+              np.concatenate([data(r, group_shapes(r)[i], "float32", 6 + i)
+                              for r in range(size)]))
+
+# Random floats: through shared memory a reducescatter's shard holds the very bits of the
+# allreduce's (each element reduced once, in rank order); either way numpy's sum within
+# rounding.
+rng = np.random.default_rng(rank)
+x = rng.standard_normal((5 * size + 2, 100_003)).astype(np.float32)
+counts, lo = split(x.shape[0])
+got = counted("random reducescatter", lambda: hvd.reducescatter(x, op=hvd.Sum, name="rand.rs"))
+whole = hvd.allreduce(x, op=hvd.Sum, name="rand.ar")[lo:lo + counts[rank]]
+if SHM and not np.array_equal(got.view(np.uint32), whole.view(np.uint32)):
+    failures.append("random reducescatter: not the allreduce's bits")
+inputs = [np.random.default_rng(r).standard_normal(x.shape).astype(np.float32)
+          for r in range(size)]
+expected = np.sum([a.astype(np.float64) for a in inputs], axis=0)[lo:lo + counts[rank]]
+if not np.allclose(got, expected, rtol=1e-5, atol=1e-5):
+    failures.append("random reducescatter: not numpy's sum")
+# Scaled, and averaged: the scaling is the op's, whichever path moved the bytes.
+got = counted("scaled reducescatter", lambda: hvd.reducescatter(
+    x, op=hvd.Average, prescale_factor=2.0, postscale_factor=0.25, name="rand.rs.scaled"))
+if not np.allclose(got, expected * 0.5 / size, rtol=1e-5, atol=1e-5):
+    failures.append("scaled reducescatter: not numpy's")
+report()
+"""
+
+
+@pytest.mark.parametrize("np_,shm", [(2, "on"), (3, "on"), (3, "off")])
+def test_large_reducescatter_and_allgather(np_, shm):
+    # Through shared memory (where the allreduce goes there), and through MPI with
+    # HVDLITE_SHM_ALLREDUCE=0: the same results either way.
+    run_ranks(np_, "import os\n" + LARGE_GATHERS,
+              env={"HVDLITE_SHM_ALLREDUCE": "1" if shm == "on" else "0"})
+
+
 # ---------------------------------------------------------------- mismatches
 
 MISMATCH = r'''

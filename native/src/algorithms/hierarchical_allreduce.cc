@@ -33,10 +33,13 @@ Status HierarchicalAllreduce::Allreduce(const std::vector<ShmCollectives::Piece>
   const int64_t blocks = (count + block - 1) / block;
   ShmCollectives& shm = host_->shm();
   const int me = host_->rank();
-  // Block k: flat elements [k * block, k * block + length(k)); this rank's shard of it.
+  // Block k: flat elements [k * block, k * block + length(k)), cut into even shards
+  // (bounds(k)); this rank's shard of it.
   auto length = [&](int64_t k) { return std::min(block, count - k * block); };
+  auto bounds = [&](int64_t k) { return shm.EvenShards(length(k), dtype); };
   auto shard_length = [&](int64_t k) {
-    return shm.ShardBegin(length(k), dtype, me + 1) - shm.ShardBegin(length(k), dtype, me);
+    const std::vector<int64_t> b = bounds(k);
+    return b[me + 1] - b[me];
   };
   auto shard = [&](int64_t k) {
     std::vector<uint8_t>& s = shards_[k % 2];
@@ -45,7 +48,7 @@ Status HierarchicalAllreduce::Allreduce(const std::vector<ShmCollectives::Piece>
   };
   ProgressWhileWaiting progress(shm, *cross_);
   Status s;
-  if (blocks > 0) s = shm.ReduceScatter(pieces, 0, length(0), dtype, reduce_op, prescale, shard(0));
+  if (blocks > 0) s = shm.ReduceScatter(pieces, 0, bounds(0), dtype, reduce_op, prescale, shard(0));
   if (s.ok() && blocks > 0) s = cross_->Start(0, shards_[0].data(), shard_length(0), dtype, reduce_op);
   step_done("SHM_REDUCESCATTER");
   for (int64_t k = 0; k < blocks && s.ok(); ++k) {
@@ -53,7 +56,7 @@ Status HierarchicalAllreduce::Allreduce(const std::vector<ShmCollectives::Piece>
     if (k + 1 < blocks) {
       // Block k + 1 joins block k on the network (the other slot, whose last user,
       // block k - 1, is done and copied out).
-      s = shm.ReduceScatter(pieces, (k + 1) * block, length(k + 1), dtype, reduce_op, prescale,
+      s = shm.ReduceScatter(pieces, (k + 1) * block, bounds(k + 1), dtype, reduce_op, prescale,
                             shard(k + 1));
       if (s.ok()) s = cross_->Start(next, shards_[next].data(), shard_length(k + 1), dtype, reduce_op);
       step_done("SHM_REDUCESCATTER");
@@ -61,7 +64,7 @@ Status HierarchicalAllreduce::Allreduce(const std::vector<ShmCollectives::Piece>
     if (s.ok()) s = cross_->Wait(slot);
     step_done("CROSS_HOST_ALLREDUCE");
     if (s.ok()) {
-      s = shm.Allgather(shards_[slot].data(), pieces, k * block, length(k), dtype, postscale, divisor);
+      s = shm.Allgather(shards_[slot].data(), pieces, k * block, bounds(k), dtype, postscale, divisor);
     }
     step_done("SHM_ALLGATHER");
   }

