@@ -133,6 +133,8 @@ class Doomed:
 def call_a_dead_actor_on_rank(rank_to_fail):
     """fn's own call to an actor it killed: Ray raises an actor's death inside fn (a
     RayTaskError that is also a RayActorError, while the worker itself lives)."""
+    import time
+
     import ray
 
     import hvdlite as hvd
@@ -141,8 +143,12 @@ def call_a_dead_actor_on_rank(rank_to_fail):
     if hvd.rank() == rank_to_fail:
         doomed = ray.remote(Doomed).options(num_cpus=0).remote()
         ray.get(doomed.ping.remote())
-        ray.kill(doomed)
-        ray.get(doomed.ping.remote())
+        ray.kill(doomed)  # asynchronous: a call right after may still be answered
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            ray.get(doomed.ping.remote())  # raises once the actor is dead
+            time.sleep(0.05)
+        raise RuntimeError("the killed actor still answers after 30 s")
     return hvd.rank()
 
 
