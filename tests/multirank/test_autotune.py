@@ -177,10 +177,12 @@ def test_every_rank_settles_on_rank_0s_best_trial_within_the_bound(np_, horovod_
 
 def test_the_search_ends_by_itself_and_chunk_sizes_stay_correct(tmp_path):
     log = str(tmp_path / "autotune.csv")
-    # Samples of 12 loop steps (a few of the job's steps): long enough that some of the
-    # job's steps run wholly under one trial's knobs (counters_by_knob).
+    # Samples of 24 cycles that moved data: under the 1 MiB threshold a job step takes 7-10
+    # cycles, so a sample spans about 3 steps and at least one runs wholly under one trial's
+    # knobs (counters_by_knob). With 12, a trial of 1 MiB sometimes straddled two steps and
+    # left none (seen in CI).
     env = quick_env(log, HVDLITE_AUTOTUNE_WARMUP_SAMPLES="1", HVDLITE_AUTOTUNE_MAX_SAMPLES="50",
-                    HVDLITE_AUTOTUNE_STEPS_PER_SAMPLE="12")
+                    HVDLITE_AUTOTUNE_STEPS_PER_SAMPLE="24")
     result, bodies = run(3, env)
     tried = check_agreement_and_log(result, bodies, log, bound=50)
     assert len(tried) < 50, "a search over a small grid should end before the bound"
