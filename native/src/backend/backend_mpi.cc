@@ -291,6 +291,10 @@ Status MpiBackend::Collective(const char* what, const std::function<int(void*)>&
   return s.ok() ? WaitBackoff(&req, what, PollBackoff::kDataMaxSleep) : s;
 }
 
+void MpiBackend::set_caller_waiting(bool waiting) {
+  if (host_) host_->shm().set_waits_may_poll(waiting);
+}
+
 Status MpiBackend::AndBits(std::vector<uint64_t>* bits) {
   const int64_t words = static_cast<int64_t>(bits->size());
   if (shared_memory() && words <= ShmCollectives::kMaxBitsWords) return host_->shm().AndBits(bits->data(), words);

@@ -96,7 +96,14 @@ Status HandleTable::Wait(hvdlite_handle_t h, double timeout_s, bool release) {
     const bool blocks = timeout_s != 0;
     if (blocks) {
       blocked_.fetch_add(1);
-      if (on_block_) on_block_();
+      // Outside the lock: on_block_ wakes the background thread, which (real-time, on
+      // this thread's core) runs at once and may soon complete a handle, which takes
+      // this lock. The state stays: it has a waiter.
+      if (on_block_) {
+        lock.unlock();
+        on_block_();
+        lock.lock();
+      }
     }
     bool done = true;
     if (timeout_s < 0) {

@@ -65,7 +65,7 @@ class HandleTable {
   // to Wait and Poll for the next kRecentReleases releases (see Recent).
   Status Release(hvdlite_handle_t h);
   static constexpr size_t kRecentReleases = 4096;
-  // Threads blocked in Wait right now; on_block runs (handle lock held) when a thread
+  // Threads blocked in Wait right now; on_block runs (handle lock not held) when a thread
   // is about to block.
   const std::atomic<int>& blocked() const { return blocked_; }
   void set_on_block(std::function<void()> on_block) { on_block_ = std::move(on_block); }
