@@ -180,8 +180,10 @@ def stats():
     (allreduces over hosts in layers: README, "Hierarchical collectives"),
     nccl_collectives and staged_collectives (collectives on GPU tensors through NCCL, or
     staged through host memory), nccl_us (microseconds the core spent on the NCCL ones:
-    packing, the collective, unpacking, to the end of its stream). The core
-    answers at any time (after ``shutdown()`` it keeps the last counts).
+    packing, the collective, unpacking, to the end of its stream); and one that is not
+    a count since init, waiting_threads: the threads waiting for a result right now (a
+    blocking op's caller from its enqueue on). The core answers at any time (after
+    ``shutdown()`` it keeps the last counts).
     """
     out = ffi.new("hvdlite_stats_t *")
     check(lib.hvdlite_stats(out))

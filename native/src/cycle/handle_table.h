@@ -56,8 +56,13 @@ class HandleTable {
   void CompleteAll(const std::vector<hvdlite_handle_t>& handles, const Status& status);
   Status Poll(hvdlite_handle_t h, bool* done);
   // Returns the op's status, or TIMEOUT with the op still running. release: Release
-  // the handle too once the op has ended.
-  Status Wait(hvdlite_handle_t h, double timeout_s, bool release = false);
+  // the handle too once the op has ended. announced: the calling thread called
+  // Announce before it enqueued the op; this wait takes its count over.
+  Status Wait(hvdlite_handle_t h, double timeout_s, bool release = false, bool announced = false);
+  // A thread about to enqueue an op it will wait for at once counts as blocked from now
+  // (see blocked()); Unannounce if the enqueue failed.
+  void Announce() { blocked_.fetch_add(1); }
+  void Unannounce() { blocked_.fetch_sub(1); }
   Status Output(hvdlite_handle_t h, void** data, int64_t* nbytes, int64_t* first_dim);
   Status RecvSplits(hvdlite_handle_t h, std::vector<int64_t>* splits);
   // Forgets an ended handle; while threads still wait on it (woken, not yet
@@ -102,7 +107,7 @@ class HandleTable {
   std::vector<Status> recent_statuses_ = std::vector<Status>(kRecentReleases);
   size_t recent_next_ = 0;
   hvdlite_handle_t next_ = 1;                           // Guarded by mutex_.
-  std::atomic<int> blocked_{0};    // threads in Wait with a timeout other than 0
+  std::atomic<int> blocked_{0};    // threads in Wait with a timeout other than 0, or announced
   std::function<void()> on_block_;  // set once by Core::Get, before any other thread
 };
 
