@@ -499,6 +499,7 @@ Status MpiBackend::ShmAllgatherv(const void* in, const std::vector<ShmCollective
 
 Status MpiBackend::Bcast(void* buf, int64_t nbytes, int root) {
   if (hierarchical_broadcast_) return hierarchical_broadcast_->Bcast(buf, nbytes, root);
+  if (ShmGathers()) return host_->shm().Broadcast(buf, nbytes, root);
   char* p = static_cast<char*>(buf);
   for (int64_t done = 0; done < nbytes;) {
     int64_t n = std::min(kMaxChunk, nbytes - done);

@@ -500,4 +500,11 @@ Status ShmCollectives::Allgather(const void* shard, const std::vector<Piece>& pi
   return Rounds(walk.rounds, publish, copy_out);
 }
 
+Status ShmCollectives::Broadcast(void* buf, int64_t nbytes, int root) {
+  std::vector<int64_t> bounds(size_ + 1, 0);
+  for (int k = root + 1; k <= size_; ++k) bounds[k] = nbytes;
+  // The root's rows are already in its buf: no output there.
+  return Allgather(buf, {{nullptr, rank_ == root ? nullptr : buf, nbytes}}, 0, bounds, HVDLITE_UINT8, 1.0, 1);
+}
+
 }  // namespace hvdlite

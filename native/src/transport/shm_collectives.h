@@ -128,6 +128,9 @@ class ShmCollectives {
   // The block of the pieces' outs = every rank's shard * postscale / divisor.
   Status Allgather(const void* shard, const std::vector<Piece>& pieces, int64_t first,
                    const std::vector<int64_t>& bounds, int32_t dtype, double postscale, int64_t divisor);
+  // buf (nbytes) of rank root into every other rank's buf: an Allgather in which only
+  // root's shard has bytes.
+  Status Broadcast(void* buf, int64_t nbytes, int root);
   // Called between the rounds of ReduceScatter and Allgather, and every kIdleWakeUs
   // while a wait sleeps (instead of every 100 ms), while set: the hierarchical
   // allreduce moves its network step on there. An error ends the call with it.
