@@ -107,8 +107,9 @@ class MpiBackend {
   // Whether the allreduce goes through shared memory (every rank of this communicator
   // on one host).
   bool shared_memory() const { return host_ != nullptr && !layered_allreduce_; }
-  // A framework thread of this process waits for a result: the shared-memory waits of
-  // small collectives may poll before they sleep (ShmCollectives::set_waits_may_poll).
+  // A framework thread of this process waits for a blocking op's result: the
+  // shared-memory waits of small collectives may poll before they sleep
+  // (ShmCollectives::set_waits_may_poll).
   void set_caller_waiting(bool waiting);
   // Whether allgathers, reducescatters and broadcasts go through shared memory: where the
   // allreduce does, at every size. (No threshold: from 4 KiB to 64 MiB per rank, at 2 and

@@ -85,14 +85,15 @@ Status HandleTable::Poll(hvdlite_handle_t h, bool* done) {
 
 Status HandleTable::Wait(hvdlite_handle_t h, double timeout_s, bool release, bool announced) {
   std::unique_lock<std::mutex> lock(mutex_);
-  // This thread's share of blocked_, given back on every way out.
+  // This thread's share of blocked_ (and announced_), given back on every way out.
   struct Count {
-    std::atomic<int>& blocked;
-    bool held;
+    HandleTable* table;
+    bool held, announced;
     ~Count() {
-      if (held) blocked.fetch_sub(1);
+      if (held) table->blocked_.fetch_sub(1);
+      if (announced) table->announced_.fetch_sub(1);
     }
-  } count{blocked_, announced};
+  } count{this, announced, announced};
   // unordered_map references stay valid while other keys are inserted; a released
   // state is erased only once no thread waits on it.
   State* found = Live(h);

@@ -139,9 +139,9 @@ class ShmCollectives {
   // kChunkBytes, which sizes the slots. Every rank sets the same before the same call.
   void set_chunk_bytes(int64_t bytes) { chunk_bytes_ = std::max<int64_t>(4096, std::min(bytes, kChunkBytes)); }
 
-  // Whether a framework thread of this process waits for a result now (the core says so
-  // every cycle): then the waits of the coordination round and of collectives of at most
-  // kPollMaxBytes poll a little before they sleep (poll_).
+  // Whether a framework thread of this process waits for a blocking op's result now (the
+  // core says so every cycle): then the waits of the coordination round and of
+  // collectives of at most kPollMaxBytes poll a little before they sleep (poll_).
   // Never with more ranks here than cores: a poll would keep the core from the peer it
   // waits for.
   void set_waits_may_poll(bool may) { may_poll_ = may && cores_for_each_; }
@@ -186,10 +186,12 @@ class ShmCollectives {
   int64_t issued_ = 0;  // Allreduce chunks and rounds of every call so far (step g uses slot set g % 2)
   int bits_set_ = 0;  // bit-vector area of the next AndBits
   // Whether this call's waits poll for up to ~50 us before they sleep (PollUntil in the
-  // .cc): only while a thread of this process waits for a result (set_waits_may_poll),
+  // .cc): only while a thread of this process waits for a blocking op (set_waits_may_poll),
   // in AndBits and in collectives of at most kPollMaxBytes, whose steps a peer in step
   // finishes within microseconds. Otherwise a wait sleeps at once: the framework's
-  // threads are computing (a training step's backward), and a larger collective's peers
+  // threads are computing (a training step's backward; and while one rank's optimizer
+  // waits in synchronize, the other rank's backward may still run: polling for any
+  // waiting thread cost the MLP step 6-10% on 2 cores), and a larger collective's peers
   // need the cores for copying and reducing (a 20 us poll per chunk cost each rank
   // ~0.7 ms of CPU per MLP step).
   const bool cores_for_each_;  // at least one core per rank of this host
