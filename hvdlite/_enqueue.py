@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from hvdlite._native import check, ffi, lib
-from hvdlite.handle import Handle, OpHandle
+from hvdlite.handle import _WAIT_SLICE_S, Handle, OpHandle
 
 # Reduction ops (values read from the library).
 Average = lib.HVDLITE_AVERAGE
@@ -84,6 +84,7 @@ def pointer(p):
 _OK = lib.HVDLITE_OK
 # Looked up once: the per-tensor path calls them for every gradient of every step.
 _enqueue_buffers = lib.hvdlite_enqueue_buffers
+_enqueue_buffers_wait = lib.hvdlite_enqueue_buffers_wait
 # An array's memory as a cffi pointer (several times cheaper than ``arr.ctypes.data``;
 # the pointer references the array).
 from_buffer = ffi.from_buffer
@@ -229,17 +230,41 @@ def template(op, name, dtype, shape, reduce_op, prescale, postscale, root_rank,
 
 
 def submit(kept, input_ptr, output_ptr, keepalive, finisher, name, result):
-    """Enqueues a kept struct with these buffers; returns the Handle."""
+    """Enqueues a kept struct with these buffers; returns the Handle. Inside ``at_once``
+    the first such op is also waited for (see there)."""
     try:
         cell = _cells.handle
     except AttributeError:
         cell = _cells.handle = ffi.new("hvdlite_handle_t *")
+    if _cells.__dict__.get("at_once") and finisher is None:
+        _cells.at_once = False
+        op_status = _cells.__dict__.get("op_status")
+        if op_status is None:
+            op_status = _cells.op_status = ffi.new("hvdlite_status_t *")
+        status = _enqueue_buffers_wait(kept[0], input_ptr, output_ptr, _WAIT_SLICE_S, cell,
+                                       op_status)
+        if status != _OK:
+            check(status)
+        return OpHandle.after_wait(cell[0], op_status[0], keepalive, name, result)
     status = _enqueue_buffers(kept[0], input_ptr, output_ptr, cell)
     if status != _OK:
         check(status)
     if finisher is None:
         return OpHandle(cell[0], keepalive, name, result)
     return Handle([cell[0]], finisher, keepalive, name, result)
+
+
+def at_once(start, *args, **kwargs):
+    """``start(*args, **kwargs)`` (an ``*_async`` op) for a caller that waits for its
+    result at once: the op it submits through ``submit`` is enqueued and waited for in
+    one call of the core, which then runs its cycle at once instead of first gathering a
+    burst of requests (a blocking small allreduce: a wake-up of the background thread
+    less, and one native call less). Returns ``start``'s handle."""
+    _cells.at_once = True
+    try:
+        return start(*args, **kwargs)
+    finally:
+        _cells.at_once = False
 
 
 def enqueue_fields(op, name, dtype_code, shape, input_ptr, output_ptr, reduce_op, prescale,

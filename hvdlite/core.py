@@ -173,15 +173,18 @@ def stats():
 
     Keys are the fields of ``hvdlite_stats_t``: cycles, coordinator_gathers, cache_hits,
     cache_misses, collectives, fused_collectives, tensors, bytes, errors,
-    shm_collectives (allreduces, reducescatters and allgathers through shared memory), wire_bytes (bytes this rank
+    shm_collectives (allreduces, reducescatters, allgathers and broadcasts through shared
+    memory), wire_bytes (bytes this rank
     sent to the others, counted as a bandwidth-optimal algorithm sends them: an
     allreduce of S bytes on n ranks counts 2(n-1)/n S, an allgather whose result is S
     bytes (n-1)/n S; what compression saves shows here), hierarchical_collectives
     (allreduces over hosts in layers: README, "Hierarchical collectives"),
     nccl_collectives and staged_collectives (collectives on GPU tensors through NCCL, or
     staged through host memory), nccl_us (microseconds the core spent on the NCCL ones:
-    packing, the collective, unpacking, to the end of its stream). The core
-    answers at any time (after ``shutdown()`` it keeps the last counts).
+    packing, the collective, unpacking, to the end of its stream); and one that is not
+    a count since init, waiting_threads: the threads waiting for a result right now (a
+    blocking op's caller from its enqueue on). The core answers at any time (after
+    ``shutdown()`` it keeps the last counts).
     """
     out = ffi.new("hvdlite_stats_t *")
     check(lib.hvdlite_stats(out))

@@ -370,6 +370,20 @@ class OpHandle(Handle):
         self._result = result
         self._error = None
 
+    @classmethod
+    def after_wait(cls, handle_id, status, keepalive, name, result):
+        """The handle of an op that was enqueued and waited for in one call
+        (hvdlite_enqueue_buffers_wait) with this outcome: ended, unless ``status`` is a
+        timeout, which leaves it to be waited for as any other."""
+        if status == _TIMEOUT:
+            return cls(handle_id, keepalive, name, result)
+        handle = cls(0, None, name, result)
+        handle._ended = True
+        if status != _OK:
+            handle._error = error_for(status, last_error())
+            handle._result = None
+        return handle
+
     @property
     def native_ids(self):
         handle_id = self._id

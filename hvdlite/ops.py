@@ -160,8 +160,8 @@ def allreduce(array, name=None, op=Average, prescale_factor=1.0, postscale_facto
             ``allreduce_async``.
         HorovodInternalError: the collective failed (e.g. MismatchError across ranks).
     """
-    return synchronize(allreduce_async(array, name, op, prescale_factor, postscale_factor, out,
-                                       process_set))
+    return synchronize(_enqueue.at_once(allreduce_async, array, name, op, prescale_factor,
+                                        postscale_factor, out, process_set))
 
 
 @refusing(ALLREDUCE)
@@ -298,7 +298,8 @@ def broadcast(array, root_rank, name=None, out=None, process_set=global_process_
 
     See ``broadcast_async``; raises HorovodInternalError subclasses if it fails.
     """
-    return synchronize(broadcast_async(array, root_rank, name, out, process_set))
+    return synchronize(_enqueue.at_once(broadcast_async, array, root_rank, name, out,
+                                        process_set))
 
 
 @refusing(ALLTOALL)
@@ -381,8 +382,8 @@ def reducescatter(array, name=None, op=Average, prescale_factor=1.0, postscale_f
 
     See ``reducescatter_async``; raises HorovodInternalError subclasses if it fails.
     """
-    return synchronize(reducescatter_async(array, name, op, prescale_factor,
-                                           postscale_factor, out, process_set))
+    return synchronize(_enqueue.at_once(reducescatter_async, array, name, op, prescale_factor,
+                                        postscale_factor, out, process_set))
 
 
 def _group_members(kind, arrays, name, outs=None, process_set_id=0):

@@ -5,13 +5,19 @@ backward runs the collective that Horovod defines as its gradient.
 """
 import torch
 
-from hvdlite import ops, process_sets, runtime
+from hvdlite import _enqueue, ops, process_sets, runtime
 from hvdlite._enqueue import Average, Sum
 from hvdlite.torch.async_collectives import (allgather_async, alltoall_async, enqueue_allreduce,
                                              enqueue_broadcast, enqueue_grouped_allgather,
                                              enqueue_grouped_allreduce, enqueue_reducescatter,
                                              group_names, grouped_allgather_async,
                                              grouped_reducescatter_async)
+
+
+def _run(enqueue, *args):
+    """One single-tensor collective to the end: enqueued and waited for in one call of the
+    core (``_enqueue.at_once``); returns its result."""
+    return ops.synchronize(_enqueue.at_once(enqueue, *args))
 
 
 class AllreduceFunction(torch.autograd.Function):
@@ -22,13 +28,13 @@ class AllreduceFunction(torch.autograd.Function):
         ctx.op = op
         ctx.scale = (prescale_factor, postscale_factor)
         ctx.process_set = process_set
-        return ops.synchronize(enqueue_allreduce(tensor, None, name, op, prescale_factor,
-                                                 postscale_factor, process_set))
+        return _run(enqueue_allreduce, tensor, None, name, op, prescale_factor, postscale_factor,
+                    process_set)
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = ops.synchronize(enqueue_allreduce(grad_output.contiguous(), None, None, ctx.op,
-                                                 *ctx.scale, ctx.process_set))
+        grad = _run(enqueue_allreduce, grad_output.contiguous(), None, None, ctx.op, *ctx.scale,
+                    ctx.process_set)
         return grad, None, None, None, None, None
 
 
@@ -65,8 +71,8 @@ class AllgatherFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = ops.synchronize(enqueue_allreduce(grad_output.contiguous(), None, None, Average,
-                                                 1.0, 1.0, ctx.process_set))
+        grad = _run(enqueue_allreduce, grad_output.contiguous(), None, None, Average, 1.0, 1.0,
+                    ctx.process_set)
         rows = ops.synchronize(allgather_async(torch.tensor([ctx.rows], dtype=torch.int64),
                                                None, ctx.process_set))
         offset = int(rows[:process_sets.members(ctx.process_set)[1]].sum())
@@ -81,12 +87,12 @@ class BroadcastFunction(torch.autograd.Function):
     def forward(ctx, tensor, root_rank, name, process_set):
         ctx.root_rank = root_rank
         ctx.process_set = process_set
-        return ops.synchronize(enqueue_broadcast(tensor, None, root_rank, name, process_set))
+        return _run(enqueue_broadcast, tensor, None, root_rank, name, process_set)
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = ops.synchronize(enqueue_allreduce(grad_output.contiguous(), None, None, Average,
-                                                 1.0, 1.0, ctx.process_set))
+        grad = _run(enqueue_allreduce, grad_output.contiguous(), None, None, Average, 1.0, 1.0,
+                    ctx.process_set)
         if runtime.rank() != ctx.root_rank:
             grad.zero_()
         return grad, None, None, None
@@ -122,8 +128,8 @@ class ReducescatterFunction(torch.autograd.Function):
             ctx.scale = prescale_factor * postscale_factor * (
                 process_sets.members(process_set)[0] if op == Sum else 1)
         ctx.process_set = process_set
-        return ops.synchronize(enqueue_reducescatter(tensor, name, op, prescale_factor,
-                                                     postscale_factor, process_set))
+        return _run(enqueue_reducescatter, tensor, name, op, prescale_factor, postscale_factor,
+                    process_set)
 
     @staticmethod
     def backward(ctx, grad_output):

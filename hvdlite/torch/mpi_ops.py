@@ -56,8 +56,8 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 
     See ``allreduce_async``; raises HorovodInternalError subclasses if it fails.
     """
-    return ops.synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
-                                            postscale_factor, process_set))
+    return ops.synchronize(_enqueue.at_once(allreduce_async_, tensor, average, name, op,
+                                            prescale_factor, postscale_factor, process_set))
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
@@ -119,7 +119,8 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
     """Overwrites ``tensor`` with ``root_rank``'s values and returns it (in place)."""
-    return ops.synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return ops.synchronize(_enqueue.at_once(broadcast_async_, tensor, root_rank, name,
+                                            process_set))
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):

@@ -414,6 +414,19 @@ for i in range(3):
               np.concatenate([data(r, group_shapes(r)[i], "float32", 6 + i)
                               for r in range(size)]))
 
+# Broadcast: an allgather of the root's rows alone, through shared memory. Sizes around a
+# round (AREA), from every root, into a new array and in place, and a small one.
+for root in range(size):
+    for nbytes in (4096, AREA - 1, AREA, AREA + 3, 2 * AREA + AREA // 2):
+        name = f"big.bc.{root}.{nbytes}"
+        got = counted(name, lambda: hvd.broadcast(data(rank, (nbytes,), "uint8", 7), root,
+                                                  name=name))
+        check_big(name, got, data(root, (nbytes,), "uint8", 7))
+    x = data(rank, (3, 100_001), "float64", 8)
+    counted(f"in-place broadcast {root}", lambda: hvd.broadcast(x, root, name="big.bc.inplace",
+                                                                out=x))
+    check_big(f"in-place broadcast {root}", x, data(root, (3, 100_001), "float64", 8))
+
 # Random floats: through shared memory a reducescatter's shard holds the very bits of the
 # allreduce's (each element reduced once, in rank order); either way numpy's sum within
 # rounding.
@@ -439,7 +452,7 @@ report()
 
 
 @pytest.mark.parametrize("np_,shm", [(2, "on"), (3, "on"), (3, "off")])
-def test_large_reducescatter_and_allgather(np_, shm):
+def test_large_reducescatter_allgather_and_broadcast(np_, shm):
     # Through shared memory (where the allreduce goes there), and through MPI with
     # HVDLITE_SHM_ALLREDUCE=0: the same results either way.
     run_ranks(np_, "import os\n" + LARGE_GATHERS,

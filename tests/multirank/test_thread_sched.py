@@ -148,10 +148,10 @@ def test_background_realtime_asked_where_permitted():
 
 @needs_realtime
 def test_blocking_mpi_collectives_run_at_normal_priority():
-    # On one host broadcast is a blocking MPI call, which spins until every peer is in:
+    # On one host alltoall is a blocking MPI call, which spins until every peer is in:
     # the background thread leaves real-time for it. A thread of each rank samples its
-    # policy while the ranks broadcast 4 MiB tensors: both must show. (Allgathers that
-    # size go through shared memory, at real-time priority, like allreduces.)
+    # policy while the ranks exchange 4 MiB tensors: both must show. (Allgathers and
+    # broadcasts go through shared memory, at real-time priority, like allreduces.)
     result = assert_ok(run_job(2, """
         import json, os, threading, time
         import numpy as np
@@ -188,13 +188,14 @@ def test_blocking_mpi_collectives_run_at_normal_priority():
                 seen.add(policy_of_loop())
         sampler = threading.Thread(target=sample)
         sampler.start()
-        part = np.full(1 << 20, float(hvd.rank()), np.float32)
+        part = np.full(1 << 20, float(hvd.rank() + 1), np.float32)
         for step in range(100):
-            got = hvd.broadcast(part, root_rank=step % 2, name=f"bcast.{step % 4}")
-            assert got.shape == (1 << 20,) and got[0] == step % 2 and got[-1] == step % 2
+            got, _ = hvd.alltoall(part * (step + 1), name=f"a2a.{step % 4}")
+            # Half of each rank's tensor from each rank, in rank order.
+            assert got.shape == (1 << 20,) and got[0] == step + 1 and got[-1] == 2 * (step + 1)
         done.set(); sampler.join()
         # Back to real-time once no blocking call is in flight (another may still be,
-        # for a moment, when broadcast returns: give it a second).
+        # for a moment, when alltoall returns: give it a second).
         for _ in range(100):
             after = policy_of_loop()
             if after == os.SCHED_FIFO:

@@ -101,7 +101,8 @@ def test_init_queries_shutdown(native, run_py):
     assert set(stats) == {"cycles", "coordinator_gathers", "cache_hits", "cache_misses",
                           "collectives", "fused_collectives", "shm_collectives", "tensors",
                           "bytes", "errors", "wire_bytes", "hierarchical_collectives",
-                          "nccl_collectives", "staged_collectives", "nccl_us"}
+                          "nccl_collectives", "staged_collectives", "nccl_us",
+                          "waiting_threads"}
     assert stats["tensors"] >= 1 and stats["cycles"] >= 1
     assert "already initialized" in out.stderr
 

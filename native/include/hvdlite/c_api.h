@@ -150,7 +150,7 @@ typedef struct {
   int64_t tensors;             /* tensors completed */
   int64_t bytes;               /* payload bytes through collectives */
   int64_t errors;              /* ops that ended in an error */
-  int64_t shm_collectives;     /* of the collectives, those through shared memory (allreduce; reducescatter, allgather) */
+  int64_t shm_collectives;     /* of the collectives, those through shared memory (allreduce; reducescatter, allgather, broadcast) */
   int64_t wire_bytes;          /* bytes this rank sent to other ranks, counted as a
                                 * bandwidth-optimal algorithm sends them (allreduce of S
                                 * bytes on n ranks: 2(n-1)/n S; allgather, broadcast,
@@ -163,6 +163,8 @@ typedef struct {
   int64_t nccl_us;             /* microseconds the background thread spent on the NCCL
                                 * collectives: waiting for the inputs' events, packing,
                                 * the collective, unpacking, until the core's stream ended */
+  int64_t waiting_threads;     /* not a count since init: the threads waiting for a result
+                                * right now (a blocking op's caller from its enqueue on) */
 } hvdlite_stats_t;
 
 /* Starts the core: MPI (unless already initialized, e.g. by mpi4py), the background
@@ -193,6 +195,16 @@ hvdlite_status_t hvdlite_enqueue(const hvdlite_tensor_t* tensor, hvdlite_handle_
  * it. */
 hvdlite_status_t hvdlite_enqueue_buffers(const hvdlite_tensor_t* tensor, const void* input,
                                          void* output, hvdlite_handle_t* out);
+
+/* hvdlite_enqueue_buffers, then hvdlite_wait_release of the new handle, for a caller
+ * that waits for the op at once (a blocking collective): returns the enqueue's status;
+ * when that is HVDLITE_OK, *op_status is the wait's (the op's own status, or
+ * HVDLITE_ERR_TIMEOUT with the op still running and *out still to be waited). The
+ * core knows from the start that the caller waits, so it runs the op's cycle at once
+ * rather than first gathering a burst of requests. */
+hvdlite_status_t hvdlite_enqueue_buffers_wait(const hvdlite_tensor_t* tensor, const void* input,
+                                              void* output, double timeout_s,
+                                              hvdlite_handle_t* out, hvdlite_status_t* op_status);
 
 /* Enqueues n tensors that are negotiated and executed together, never split across
  * cycles. handles receives n entries. All or nothing: on error none is enqueued. */

@@ -105,6 +105,26 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_enqueue_buffers(const hvdlite_tensor_t* 
   });
 }
 
+HVDLITE_EXPORT hvdlite_status_t hvdlite_enqueue_buffers_wait(const hvdlite_tensor_t* tensor,
+                                                             const void* input, void* output,
+                                                             double timeout_s, hvdlite_handle_t* out,
+                                                             hvdlite_status_t* op_status) {
+  return Guard([&] {
+    if (!tensor) return hvdlite::InvalidArgument("tensor is NULL");
+    if (!op_status) return NullOut();
+    hvdlite_tensor_t t = *tensor;
+    t.input = input;
+    t.output = output;
+    hvdlite::Status op;
+    hvdlite::Status s = hvdlite::Core::Get().EnqueueAndWait(&t, timeout_s, out, &op);
+    if (s.ok()) {
+      *op_status = op.code();
+      if (!op.ok()) Record(op);  // the op's message, for hvdlite_last_error
+    }
+    return s;
+  });
+}
+
 HVDLITE_EXPORT hvdlite_status_t hvdlite_enqueue_group(const hvdlite_tensor_t* tensors, int32_t n,
                                                       hvdlite_handle_t* handles) {
   return Guard([&] { return hvdlite::Core::Get().Enqueue(tensors, n, true, handles); });
@@ -180,6 +200,7 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_stats(hvdlite_stats_t* out) {
     out->nccl_collectives = c.nccl_collectives;
     out->staged_collectives = c.staged_collectives;
     out->nccl_us = c.nccl_us;
+    out->waiting_threads = hvdlite::Core::Get().handles().blocked().load();
     return hvdlite::Status::OK();
   });
 }

@@ -291,6 +291,10 @@ Status MpiBackend::Collective(const char* what, const std::function<int(void*)>&
   return s.ok() ? WaitBackoff(&req, what, PollBackoff::kDataMaxSleep) : s;
 }
 
+void MpiBackend::set_caller_waiting(bool waiting) {
+  if (host_) host_->shm().set_waits_may_poll(waiting);
+}
+
 Status MpiBackend::AndBits(std::vector<uint64_t>* bits) {
   const int64_t words = static_cast<int64_t>(bits->size());
   if (shared_memory() && words <= ShmCollectives::kMaxBitsWords) return host_->shm().AndBits(bits->data(), words);
@@ -495,6 +499,7 @@ Status MpiBackend::ShmAllgatherv(const void* in, const std::vector<ShmCollective
 
 Status MpiBackend::Bcast(void* buf, int64_t nbytes, int root) {
   if (hierarchical_broadcast_) return hierarchical_broadcast_->Bcast(buf, nbytes, root);
+  if (ShmGathers()) return host_->shm().Broadcast(buf, nbytes, root);
   char* p = static_cast<char*>(buf);
   for (int64_t done = 0; done < nbytes;) {
     int64_t n = std::min(kMaxChunk, nbytes - done);

@@ -88,9 +88,9 @@ class MpiBackend {
     if (tuning.hierarchical && layered_allreduce_) return AllreduceAlgorithm::kLayers;
     return shared_memory() ? AllreduceAlgorithm::kSharedMemory : AllreduceAlgorithm::kMpi;
   }
-  // Allgatherv and ReduceScatter go through shared memory where the allreduce does
-  // (ShmGathers), else over MPI (Allgatherv across hosts through the leaders, when the
-  // layers say so).
+  // Allgatherv, ReduceScatter and Bcast go through shared memory where the allreduce
+  // does (ShmGathers), else over MPI (Allgatherv and Bcast across hosts through the
+  // leaders, when the layers say so).
   Status Allgatherv(const void* in, int64_t in_bytes, void* out,
                     const std::vector<int64_t>& bytes_per_rank);
   // Allgatherv through shared memory (only where ShmGathers()), the result (every rank's
@@ -107,10 +107,14 @@ class MpiBackend {
   // Whether the allreduce goes through shared memory (every rank of this communicator
   // on one host).
   bool shared_memory() const { return host_ != nullptr && !layered_allreduce_; }
-  // Whether allgathers and reducescatters go through shared memory: where the allreduce
-  // does, at every size. (No threshold: from 4 KiB to 64 MiB per rank, at 2 and 3 ranks,
-  // they were faster than MPICH's MPI_Allgatherv and MPI_Reduce_scatter, e.g. at 3 ranks
-  // 384 against 612 us at 4 KiB, 2.7 against 6.6 ms at 1 MiB: benchmarks/latency.py.)
+  // A framework thread of this process waits for a blocking op's result: the
+  // shared-memory waits of small collectives may poll before they sleep
+  // (ShmCollectives::set_waits_may_poll).
+  void set_caller_waiting(bool waiting);
+  // Whether allgathers, reducescatters and broadcasts go through shared memory: where the
+  // allreduce does, at every size. (No threshold: from 4 KiB to 64 MiB per rank, at 2 and
+  // 3 ranks, they were faster than MPICH's MPI_Allgatherv and MPI_Reduce_scatter, e.g. at
+  // 3 ranks 384 against 612 us at 4 KiB, 2.7 against 6.6 ms at 1 MiB: benchmarks/latency.py.)
   bool ShmGathers() const { return shared_memory(); }
   // Whether an allreduce over the layers (hierarchical or leader) was built.
   bool layered_allreduce() const { return layered_allreduce_ != nullptr; }

@@ -88,6 +88,11 @@ void SetNormal() {
 
 }  // namespace
 
+int CoresAtStartCount() {
+  std::string why;
+  return static_cast<int>(CoresAtStart(&why).size());
+}
+
 bool RequestRealtime(int local_size, std::string* why) {
   const std::vector<int> cores = CoresAtStart(why);
   if (cores.empty()) return false;

@@ -49,6 +49,10 @@ class NormalPriorityScope {
   const bool lowered_;
 };
 
+// How many cores this process could use when it started (before any binding); 0 when
+// that cannot be read.
+int CoresAtStartCount();
+
 // Binds every thread of this process to local rank local_rank's share of the cores the
 // process may use: the local_rank-th of local_size equal, contiguous blocks of them in
 // number order (what is left over stays unused), as MPI's --bind-to core does. Threads

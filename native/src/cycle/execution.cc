@@ -412,6 +412,10 @@ Status ProcessSetState::ExecuteBroadcast(const Response& r, TensorEntry* e, OpTa
   Status s = mpi_->Bcast(target, nbytes, r.root_rank);
   tally->moved = nbytes;
   if (mpi_->hierarchical_broadcast()) counters_.hierarchical_collectives++;
+  if (mpi_->ShmGathers()) {
+    counters_.shm_collectives++;
+    tally->activity = "SHM_BROADCAST";
+  }
   return s;
 }
 

@@ -83,8 +83,17 @@ Status HandleTable::Poll(hvdlite_handle_t h, bool* done) {
   return Status::OK();
 }
 
-Status HandleTable::Wait(hvdlite_handle_t h, double timeout_s, bool release) {
+Status HandleTable::Wait(hvdlite_handle_t h, double timeout_s, bool release, bool announced) {
   std::unique_lock<std::mutex> lock(mutex_);
+  // This thread's share of blocked_ (and announced_), given back on every way out.
+  struct Count {
+    HandleTable* table;
+    bool held, announced;
+    ~Count() {
+      if (held) table->blocked_.fetch_sub(1);
+      if (announced) table->announced_.fetch_sub(1);
+    }
+  } count{this, announced, announced};
   // unordered_map references stay valid while other keys are inserted; a released
   // state is erased only once no thread waits on it.
   State* found = Live(h);
@@ -93,10 +102,17 @@ Status HandleTable::Wait(hvdlite_handle_t h, double timeout_s, bool release) {
   if (!state.done) {
     ++state.waiters;
     // A zero timeout is a poll: it does not count as a thread that submits no more.
-    const bool blocks = timeout_s != 0;
-    if (blocks) {
+    if (timeout_s != 0 && !count.held) {
       blocked_.fetch_add(1);
-      if (on_block_) on_block_();
+      count.held = true;
+      // Outside the lock: on_block_ wakes the background thread, which (real-time, on
+      // this thread's core) runs at once and may soon complete a handle, which takes
+      // this lock. The state stays: it has a waiter.
+      if (on_block_) {
+        lock.unlock();
+        on_block_();
+        lock.lock();
+      }
     }
     bool done = true;
     if (timeout_s < 0) {
@@ -106,7 +122,6 @@ Status HandleTable::Wait(hvdlite_handle_t h, double timeout_s, bool release) {
                                [&] { return state.done; });
     }
     --state.waiters;
-    if (blocks) blocked_.fetch_sub(1);
     if (!done) {
       return Status(HVDLITE_ERR_TIMEOUT, "the op did not finish within " +
                                              std::to_string(timeout_s) + " s; it is still running");

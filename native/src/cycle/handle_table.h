@@ -56,8 +56,24 @@ class HandleTable {
   void CompleteAll(const std::vector<hvdlite_handle_t>& handles, const Status& status);
   Status Poll(hvdlite_handle_t h, bool* done);
   // Returns the op's status, or TIMEOUT with the op still running. release: Release
-  // the handle too once the op has ended.
-  Status Wait(hvdlite_handle_t h, double timeout_s, bool release = false);
+  // the handle too once the op has ended. announced: the calling thread called
+  // Announce before it enqueued the op; this wait takes its count over.
+  Status Wait(hvdlite_handle_t h, double timeout_s, bool release = false, bool announced = false);
+  // A thread about to enqueue an op it will wait for at once counts as blocked from now
+  // (see blocked()); Unannounce if the enqueue failed.
+  void Announce() {
+    blocked_.fetch_add(1);
+    announced_.fetch_add(1);
+  }
+  void Unannounce() {
+    blocked_.fetch_sub(1);
+    announced_.fetch_sub(1);
+  }
+  // Threads waiting for a blocking op right now (announced, not yet returned): what the
+  // shared-memory waits' polling follows (ShmCollectives::set_waits_may_poll). Not every
+  // blocked thread: a training step's synchronize waits while the other rank's training
+  // thread still computes, and a poll then takes a core it needs.
+  const std::atomic<int>& announced() const { return announced_; }
   Status Output(hvdlite_handle_t h, void** data, int64_t* nbytes, int64_t* first_dim);
   Status RecvSplits(hvdlite_handle_t h, std::vector<int64_t>* splits);
   // Forgets an ended handle; while threads still wait on it (woken, not yet
@@ -65,7 +81,7 @@ class HandleTable {
   // to Wait and Poll for the next kRecentReleases releases (see Recent).
   Status Release(hvdlite_handle_t h);
   static constexpr size_t kRecentReleases = 4096;
-  // Threads blocked in Wait right now; on_block runs (handle lock held) when a thread
+  // Threads blocked in Wait right now; on_block runs (handle lock not held) when a thread
   // is about to block.
   const std::atomic<int>& blocked() const { return blocked_; }
   void set_on_block(std::function<void()> on_block) { on_block_ = std::move(on_block); }
@@ -102,7 +118,8 @@ class HandleTable {
   std::vector<Status> recent_statuses_ = std::vector<Status>(kRecentReleases);
   size_t recent_next_ = 0;
   hvdlite_handle_t next_ = 1;                           // Guarded by mutex_.
-  std::atomic<int> blocked_{0};    // threads in Wait with a timeout other than 0
+  std::atomic<int> blocked_{0};    // threads in Wait with a timeout other than 0, or announced
+  std::atomic<int> announced_{0};  // of those, the announced
   std::function<void()> on_block_;  // set once by Core::Get, before any other thread
 };
 

@@ -54,6 +54,7 @@ void ProcessSetState::LeftJoin() {
 }
 
 bool ProcessSetState::RunCycle(Clock::time_point now, const RoundFlags& mine, RoundFlags* heard) {
+  mpi_->set_caller_waiting(handles_.announced().load() > 0);
   SortFresh(now);
   if (leave_join_) LeftJoin();
   bool any_uncached = false;

@@ -8,11 +8,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 
 #include "common/elementwise.h"
+#include "common/thread_sched.h"
 
 namespace hvdlite {
 namespace {
@@ -51,6 +53,28 @@ void FutexWait(std::atomic<int32_t>* word, int32_t expected, int64_t timeout_us)
   syscall(SYS_futex, reinterpret_cast<int32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
 }
 
+// Polls done() for up to kPollUs before a wait sleeps (ShmCollectives::poll_). A peer in
+// step with us (a blocking collective's usual case) is there within a few microseconds,
+// while a futex sleep and its wake-up on another core cost tens (20-60 us on this
+// project's 2-core machine, where an idle core must be woken; a small allreduce waits
+// three or four times). Bounded, so a peer still computing costs at most kPollUs of a
+// core per wait, and only of a core whose framework thread is blocked anyway.
+constexpr auto kPollUs = std::chrono::microseconds(50);
+
+template <typename Done>
+bool PollUntil(Done done) {
+  const auto until = std::chrono::steady_clock::now() + kPollUs;
+  do {
+    for (int i = 0; i < 32; ++i) {
+      if (done()) return true;
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    }
+  } while (std::chrono::steady_clock::now() < until);
+  return done();
+}
+
 void FutexWakeAll(std::atomic<int32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<int32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
 }
@@ -74,7 +98,7 @@ bool ProcessAlive(int64_t pid) {
 
 ShmCollectives::ShmCollectives(int rank, std::vector<uint8_t*> segments, std::vector<int64_t> pids)
     : rank_(rank), size_(static_cast<int>(segments.size())), segments_(std::move(segments)),
-      pids_(std::move(pids)) {}
+      pids_(std::move(pids)), cores_for_each_(CoresAtStartCount() >= size_) {}
 
 uint8_t* ShmCollectives::In(int rank, int set) const {
   return segments_[rank] + kHeaderBytes + static_cast<int64_t>(set) * 2 * kChunkBytes;
@@ -111,6 +135,7 @@ Status ShmCollectives::WaitFor(int field, int64_t chunks) {
     if (k == rank_) continue;
     Progress* p = ProgressOf(segments_[k]);
     const std::atomic<int64_t>* f = field == 0 ? &p->copied_in : field == 1 ? &p->reduced : &p->copied_out;
+    if (poll_) PollUntil([&] { return f->load(std::memory_order_acquire) >= chunks; });
     while (f->load(std::memory_order_acquire) < chunks) {
       p->sleepers.fetch_add(1, std::memory_order_seq_cst);
       const int32_t seq = p->seq.load(std::memory_order_seq_cst);
@@ -136,6 +161,9 @@ Status ShmCollectives::Barrier() {
     return Status::OK();
   }
   const int32_t old_sense = sense_ ^ 1;
+  if (poll_ && PollUntil([&] { return c->sense.load(std::memory_order_acquire) == sense_; })) {
+    return Status::OK();
+  }
   while (true) {
     c->sleepers.fetch_add(1, std::memory_order_seq_cst);
     if (c->sense.load(std::memory_order_seq_cst) == old_sense) FutexWait(&c->sense, old_sense, idle_ ? kIdleWakeUs : 100000);
@@ -159,6 +187,7 @@ Status ShmCollectives::AfterWait() {
 }
 
 Status ShmCollectives::AndBits(uint64_t* bits, int64_t words) {
+  poll_ = may_poll_;
   std::memcpy(Bits(rank_, bits_set_), bits, words * sizeof(uint64_t));
   Status s = Barrier();
   if (!s.ok()) return s;
@@ -216,6 +245,7 @@ Status ShmCollectives::Allreduce(const std::vector<Piece>& pieces, const Allredu
   const int64_t align = AlignOf(elem);
   const std::vector<int64_t> starts = PieceStarts(pieces);
   const int64_t count = starts.back();
+  poll_ = may_poll_ && count * elem <= kPollMaxBytes;
   const int64_t chunks = (count + per_chunk - 1) / per_chunk;
   const bool float_sum = size_ >= 2 && reduce_op == HVDLITE_SUM &&
                          (dtype == HVDLITE_FLOAT32 || dtype == HVDLITE_FLOAT64);
@@ -371,6 +401,7 @@ std::vector<int64_t> ShmCollectives::EvenShards(int64_t count, int32_t dtype) co
 Status ShmCollectives::ReduceScatter(const std::vector<Piece>& pieces, int64_t first,
                                    const std::vector<int64_t>& bounds, int32_t dtype, int32_t reduce_op,
                                    double prescale, void* shard) {
+  poll_ = may_poll_ && bounds.back() * ElementSize(dtype) <= kPollMaxBytes;
   const int64_t elem = ElementSize(dtype), align = AlignOf(elem);
   const std::vector<int64_t> starts = PieceStarts(pieces);
   // Every shard's part of a round side by side in one area, each on a 64-byte boundary.
@@ -444,6 +475,7 @@ Status ShmCollectives::Allgather(const void* shard, const std::vector<Piece>& pi
                                const std::vector<int64_t>& bounds, int32_t dtype, double postscale,
                                int64_t divisor) {
   const int64_t elem = ElementSize(dtype);
+  poll_ = may_poll_ && bounds.back() * elem <= kPollMaxBytes;
   const std::vector<int64_t> starts = PieceStarts(pieces);
   // Each rank's area holds its own shard's part only: a whole area per round.
   const ShardRounds walk(bounds, std::max<int64_t>(1, kAreaBytes / elem));
@@ -466,6 +498,13 @@ Status ShmCollectives::Allgather(const void* shard, const std::vector<Piece>& pi
     }
   };
   return Rounds(walk.rounds, publish, copy_out);
+}
+
+Status ShmCollectives::Broadcast(void* buf, int64_t nbytes, int root) {
+  std::vector<int64_t> bounds(size_ + 1, 0);
+  for (int k = root + 1; k <= size_; ++k) bounds[k] = nbytes;
+  // The root's rows are already in its buf: no output there.
+  return Allgather(buf, {{nullptr, rank_ == root ? nullptr : buf, nbytes}}, 0, bounds, HVDLITE_UINT8, 1.0, 1);
 }
 
 }  // namespace hvdlite

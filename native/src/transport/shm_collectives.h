@@ -128,6 +128,9 @@ class ShmCollectives {
   // The block of the pieces' outs = every rank's shard * postscale / divisor.
   Status Allgather(const void* shard, const std::vector<Piece>& pieces, int64_t first,
                    const std::vector<int64_t>& bounds, int32_t dtype, double postscale, int64_t divisor);
+  // buf (nbytes) of rank root into every other rank's buf: an Allgather in which only
+  // root's shard has bytes.
+  Status Broadcast(void* buf, int64_t nbytes, int root);
   // Called between the rounds of ReduceScatter and Allgather, and every kIdleWakeUs
   // while a wait sleeps (instead of every 100 ms), while set: the hierarchical
   // allreduce moves its network step on there. An error ends the call with it.
@@ -135,6 +138,13 @@ class ShmCollectives {
   // The chunk Allreduce moves per step of its pipeline (autotune.h), at most
   // kChunkBytes, which sizes the slots. Every rank sets the same before the same call.
   void set_chunk_bytes(int64_t bytes) { chunk_bytes_ = std::max<int64_t>(4096, std::min(bytes, kChunkBytes)); }
+
+  // Whether a framework thread of this process waits for a blocking op's result now (the
+  // core says so every cycle): then the waits of the coordination round and of
+  // collectives of at most kPollMaxBytes poll a little before they sleep (poll_).
+  // Never with more ranks here than cores: a poll would keep the core from the peer it
+  // waits for.
+  void set_waits_may_poll(bool may) { may_poll_ = may && cores_for_each_; }
 
   // bits[i] = AND over ranks of every rank's bits[i]; words <= kMaxBitsWords. Every
   // rank calls it with the same length, in the same order relative to Allreduce.
@@ -175,6 +185,19 @@ class ShmCollectives {
   const std::vector<int64_t> pids_;
   int64_t issued_ = 0;  // Allreduce chunks and rounds of every call so far (step g uses slot set g % 2)
   int bits_set_ = 0;  // bit-vector area of the next AndBits
+  // Whether this call's waits poll for up to ~50 us before they sleep (PollUntil in the
+  // .cc): only while a thread of this process waits for a blocking op (set_waits_may_poll),
+  // in AndBits and in collectives of at most kPollMaxBytes, whose steps a peer in step
+  // finishes within microseconds. Otherwise a wait sleeps at once: the framework's
+  // threads are computing (a training step's backward; and while one rank's optimizer
+  // waits in synchronize, the other rank's backward may still run: polling for any
+  // waiting thread cost the MLP step 6-10% on 2 cores), and a larger collective's peers
+  // need the cores for copying and reducing (a 20 us poll per chunk cost each rank
+  // ~0.7 ms of CPU per MLP step).
+  const bool cores_for_each_;  // at least one core per rank of this host
+  bool may_poll_ = false;
+  bool poll_ = false;
+  static constexpr int64_t kPollMaxBytes = 64 * 1024;
   int sense_ = 0;  // this rank's barrier sense
   int64_t chunk_bytes_ = kChunkBytes;
   std::function<Status()> idle_;
