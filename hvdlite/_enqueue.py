@@ -236,16 +236,20 @@ def submit(kept, input_ptr, output_ptr, keepalive, finisher, name, result):
         cell = _cells.handle
     except AttributeError:
         cell = _cells.handle = ffi.new("hvdlite_handle_t *")
-    if _cells.__dict__.get("at_once") and finisher is None:
+    if _cells.__dict__.get("at_once"):
         _cells.at_once = False
         op_status = _cells.__dict__.get("op_status")
         if op_status is None:
             op_status = _cells.op_status = ffi.new("hvdlite_status_t *")
-        status = _enqueue_buffers_wait(kept[0], input_ptr, output_ptr, _WAIT_SLICE_S, cell,
-                                       op_status)
+        # An op with a finisher keeps its handle for the finisher to read (the Handle's
+        # own wait then finds it ended).
+        status = _enqueue_buffers_wait(kept[0], input_ptr, output_ptr, _WAIT_SLICE_S,
+                                       finisher is None, cell, op_status)
         if status != _OK:
             check(status)
-        return OpHandle.after_wait(cell[0], op_status[0], keepalive, name, result)
+        if finisher is None:
+            return OpHandle.after_wait(cell[0], op_status[0], keepalive, name, result)
+        return Handle([cell[0]], finisher, keepalive, name, result)
     status = _enqueue_buffers(kept[0], input_ptr, output_ptr, cell)
     if status != _OK:
         check(status)
@@ -256,10 +260,10 @@ def submit(kept, input_ptr, output_ptr, keepalive, finisher, name, result):
 
 def at_once(start, *args, **kwargs):
     """``start(*args, **kwargs)`` (an ``*_async`` op) for a caller that waits for its
-    result at once: the op it submits through ``submit`` is enqueued and waited for in
-    one call of the core, which then runs its cycle at once instead of first gathering a
-    burst of requests (a blocking small allreduce: a wake-up of the background thread
-    less, and one native call less). Returns ``start``'s handle."""
+    result at once: the first op it submits through ``submit`` is enqueued and waited
+    for in one call of the core, which then runs its cycle at once instead of first
+    gathering a burst of requests (a blocking small allreduce: a wake-up of the
+    background thread less, and one native call less). Returns ``start``'s handle."""
     _cells.at_once = True
     try:
         return start(*args, **kwargs)

@@ -262,7 +262,7 @@ def allgather(array, name=None, process_set=global_process_set):
 
     See ``allgather_async``; raises HorovodInternalError subclasses if it fails.
     """
-    return synchronize(allgather_async(array, name, process_set))
+    return synchronize(_enqueue.at_once(allgather_async, array, name, process_set))
 
 
 @refusing(BROADCAST)
@@ -341,7 +341,7 @@ def alltoall(array, splits=None, name=None, process_set=global_process_set):
 
     See ``alltoall_async``; raises HorovodInternalError subclasses if it fails.
     """
-    return synchronize(alltoall_async(array, splits, name, process_set))
+    return synchronize(_enqueue.at_once(alltoall_async, array, splits, name, process_set))
 
 
 @refusing(REDUCESCATTER)

@@ -64,7 +64,7 @@ class AllgatherFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor, name, process_set):
-        handle = allgather_async(tensor, name, process_set)  # validates first
+        handle = _enqueue.at_once(allgather_async, tensor, name, process_set)  # validates first
         ctx.rows = tensor.shape[0]
         ctx.process_set = process_set
         return ops.synchronize(handle)

@@ -196,14 +196,15 @@ hvdlite_status_t hvdlite_enqueue(const hvdlite_tensor_t* tensor, hvdlite_handle_
 hvdlite_status_t hvdlite_enqueue_buffers(const hvdlite_tensor_t* tensor, const void* input,
                                          void* output, hvdlite_handle_t* out);
 
-/* hvdlite_enqueue_buffers, then hvdlite_wait_release of the new handle, for a caller
- * that waits for the op at once (a blocking collective): returns the enqueue's status;
- * when that is HVDLITE_OK, *op_status is the wait's (the op's own status, or
- * HVDLITE_ERR_TIMEOUT with the op still running and *out still to be waited). The
+/* hvdlite_enqueue_buffers, then hvdlite_wait (release != 0: hvdlite_wait_release) of
+ * the new handle, for a caller that waits for the op at once (a blocking collective):
+ * returns the enqueue's status; when that is HVDLITE_OK, *op_status is the wait's (the
+ * op's own status, or HVDLITE_ERR_TIMEOUT with the op still running and *out still to be
+ * waited). Without release, *out stays valid for hvdlite_handle_output and the like. The
  * core knows from the start that the caller waits, so it runs the op's cycle at once
  * rather than first gathering a burst of requests. */
 hvdlite_status_t hvdlite_enqueue_buffers_wait(const hvdlite_tensor_t* tensor, const void* input,
-                                              void* output, double timeout_s,
+                                              void* output, double timeout_s, int32_t release,
                                               hvdlite_handle_t* out, hvdlite_status_t* op_status);
 
 /* Enqueues n tensors that are negotiated and executed together, never split across

@@ -107,7 +107,8 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_enqueue_buffers(const hvdlite_tensor_t* 
 
 HVDLITE_EXPORT hvdlite_status_t hvdlite_enqueue_buffers_wait(const hvdlite_tensor_t* tensor,
                                                              const void* input, void* output,
-                                                             double timeout_s, hvdlite_handle_t* out,
+                                                             double timeout_s, int32_t release,
+                                                             hvdlite_handle_t* out,
                                                              hvdlite_status_t* op_status) {
   return Guard([&] {
     if (!tensor) return hvdlite::InvalidArgument("tensor is NULL");
@@ -116,7 +117,7 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_enqueue_buffers_wait(const hvdlite_tenso
     t.input = input;
     t.output = output;
     hvdlite::Status op;
-    hvdlite::Status s = hvdlite::Core::Get().EnqueueAndWait(&t, timeout_s, out, &op);
+    hvdlite::Status s = hvdlite::Core::Get().EnqueueAndWait(&t, timeout_s, release != 0, out, &op);
     if (s.ok()) {
       *op_status = op.code();
       if (!op.ok()) Record(op);  // the op's message, for hvdlite_last_error

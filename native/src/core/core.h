@@ -30,12 +30,12 @@ class Core {
   const MpiTopology& topology() const { return topo_; }
   Status Enqueue(const hvdlite_tensor_t* tensors, int32_t n, bool group, hvdlite_handle_t* out);
   // Enqueue of one tensor whose caller then waits for it at once (a blocking op):
-  // *op_status is Wait's (release included, but for a TIMEOUT). The caller counts as
+  // *op_status is Wait's (and release as Wait's). The caller counts as
   // blocked from before the enqueue, so the background thread runs the op's cycle at
   // once instead of first gathering a burst of requests (and being woken again when
   // the caller blocks).
-  Status EnqueueAndWait(const hvdlite_tensor_t* tensor, double timeout_s, hvdlite_handle_t* out,
-                        Status* op_status);
+  Status EnqueueAndWait(const hvdlite_tensor_t* tensor, double timeout_s, bool release,
+                        hvdlite_handle_t* out, Status* op_status);
   // Sends a refusal of the op named name to the coordinator (see hvdlite_refuse).
   Status Refuse(int32_t op, const char* name, int32_t process_set, const std::string& reason);
   // join()'s caller gave up: see hvdlite_leave_join. Goes with the refusals (a request

@@ -95,15 +95,15 @@ Status Core::Enqueue(const hvdlite_tensor_t* tensors, int32_t n, bool group, hvd
   return Submit(tensors, n, group, false, out);
 }
 
-Status Core::EnqueueAndWait(const hvdlite_tensor_t* tensor, double timeout_s, hvdlite_handle_t* out,
-                            Status* op_status) {
+Status Core::EnqueueAndWait(const hvdlite_tensor_t* tensor, double timeout_s, bool release,
+                            hvdlite_handle_t* out, Status* op_status) {
   handles_.Announce();
   Status s = Submit(tensor, 1, false, false, out);
   if (!s.ok()) {
     handles_.Unannounce();
     return s;
   }
-  *op_status = handles_.Wait(*out, timeout_s, true, true);
+  *op_status = handles_.Wait(*out, timeout_s, release, true);
   return Status::OK();
 }
 
