@@ -243,19 +243,33 @@ def submit(kept, input_ptr, output_ptr, keepalive, finisher, name, result):
             op_status = _cells.op_status = ffi.new("hvdlite_status_t *")
         # An op with a finisher keeps its handle for the finisher to read (the Handle's
         # own wait then finds it ended).
-        status = _enqueue_buffers_wait(kept[0], input_ptr, output_ptr, _WAIT_SLICE_S,
-                                       finisher is None, cell, op_status)
+        cell[0] = 0
+        try:
+            status = _enqueue_buffers_wait(kept[0], input_ptr, output_ptr, _WAIT_SLICE_S,
+                                           finisher is None, cell, op_status)
+        finally:
+            # Wrapped even when an exception (Ctrl-C during the wait) arrives as the call
+            # returns: dropped, the handle of an op still running keeps its buffers
+            # until it ends (the orphans of handle.py).
+            handle = _waited(cell[0], op_status[0], keepalive, finisher, name,
+                             result) if cell[0] else None
         if status != _OK:
             check(status)
-        if finisher is None:
-            return OpHandle.after_wait(cell[0], op_status[0], keepalive, name, result)
-        return Handle([cell[0]], finisher, keepalive, name, result)
+        return handle
     status = _enqueue_buffers(kept[0], input_ptr, output_ptr, cell)
     if status != _OK:
         check(status)
     if finisher is None:
         return OpHandle(cell[0], keepalive, name, result)
     return Handle([cell[0]], finisher, keepalive, name, result)
+
+
+def _waited(handle_id, status, keepalive, finisher, name, result):
+    """The handle of an op enqueued and waited for in one call (``submit`` in
+    ``at_once``), whose wait returned ``status``."""
+    if finisher is None:
+        return OpHandle.after_wait(handle_id, status, keepalive, name, result)
+    return Handle([handle_id], finisher, keepalive, name, result)
 
 
 def at_once(start, *args, **kwargs):

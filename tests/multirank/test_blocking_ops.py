@@ -126,3 +126,59 @@ def test_blocking_ops_are_right_and_leave_no_waiter_counted(np_):
         assert body["waiting_after"] == ends, f"rank {r}: {body['waiting_after']}"
         # 40 tensors of 400 bytes in one burst: far fewer collectives than tensors.
         assert body["burst_collectives"] <= 10, body
+
+
+INTERRUPT_SCRIPT = r"""
+import gc, json, os, signal, threading, time, weakref
+import numpy as np
+import hvdlite as hvd
+
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+out = {}
+x = np.full(1000, rank + 1.0, np.float32)
+if rank == 0:
+    # Ctrl-C 0.3 s into a blocking allreduce that rank 1 joins only after 2 s.
+    buf = np.zeros(1000, np.float32)
+    alive = weakref.ref(buf)
+    threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    try:
+        hvd.allreduce(x, name="interrupted", op=hvd.Sum, out=buf)
+        out["interrupted"] = False
+    except KeyboardInterrupt:
+        out["interrupted"] = True
+    # The op goes on without the caller: the core still writes into buf, so buf must
+    # stay alive without this script's reference.
+    del buf
+    gc.collect()
+    out["buffer_kept_while_running"] = alive() is not None
+else:
+    time.sleep(2.0)
+    got = hvd.allreduce(x, name="interrupted", op=hvd.Sum)
+    out["peer_result_right"] = bool(np.array_equal(got, np.full(1000, 3.0, np.float32)))
+# The job goes on: a later blocking call, then the orphan is released once its op ended.
+got = hvd.allreduce(np.ones(4, np.float32), name="after", op=hvd.Sum)
+out["after_right"] = bool(np.array_equal(got, np.full(4, float(size), np.float32)))
+if rank == 0:
+    hvd.allreduce(np.ones(1, np.float32), name="reap", op=hvd.Sum)
+    gc.collect()
+    out["buffer_freed_after"] = alive() is None
+else:
+    hvd.allreduce(np.ones(1, np.float32), name="reap", op=hvd.Sum)
+out["waiting"] = hvd.stats()["waiting_threads"]
+print("HVDLITE_RESULT", json.dumps(out), flush=True)
+hvd.shutdown()
+"""
+
+
+def test_a_blocking_call_interrupted_keeps_its_buffers_until_the_op_ends():
+    # Ctrl-C while a blocking call waits in the core (its first wait slice): the op,
+    # already enqueued, completes with the peers; its buffers are the core's until then.
+    result = assert_ok(run_job(2, INTERRUPT_SCRIPT, timeout=120))
+    first, second = result.result(0), result.result(1)
+    assert first["interrupted"] is True, first
+    assert first["buffer_kept_while_running"] is True, first
+    assert second["peer_result_right"] is True, second
+    assert first["after_right"] and second["after_right"], (first, second)
+    assert first["buffer_freed_after"] is True, first
+    assert first["waiting"] == 0 and second["waiting"] == 0, (first, second)
