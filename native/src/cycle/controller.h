@@ -44,6 +44,7 @@ class Controller {
   };
   bool Ready(const PendingTensor& p) const;
   Response Validate(const std::string& name, const PendingTensor& p) const;
+  bool Mismatched(const std::string& name, const PendingTensor& p, const Request& base, Response* out) const;
   std::string MissingRanks(const PendingTensor& p) const;
   // "rank 3" / "ranks 0, 2" of set ranks, named by their global ranks.
   std::string Ranks(const std::vector<int>& set_ranks) const;
