@@ -95,6 +95,15 @@ def _release_all(ids):
         lib.hvdlite_release(handle_id)
 
 
+def _release_ended(ids):
+    """Releases ids[-1], ids[-2], ... while each op has ended successfully, in one native
+    call, and drops them from ``ids``; the first one in flight or failed stays, with
+    those before it."""
+    released = ffi.new("int32_t *")
+    check(lib.hvdlite_release_ended(ffi.new("hvdlite_handle_t[]", ids), len(ids), released))
+    del ids[len(ids) - released[0]:]
+
+
 def _wait_slices(wait, handle_id, deadline, name):
     """Waits for one native op with ``wait`` (hvdlite_wait or hvdlite_wait_release);
     returns its status (the message, if any, is the calling thread's last error).
@@ -252,6 +261,8 @@ class Handle:
             if status != _OK:
                 error = error_for(status, last_error())  # ends as the first op's failure
                 self._error = error
+            elif release and pending:
+                _release_ended(pending)  # the rest of a group mostly ended with its last
         if error is None and finisher is not None:
             try:
                 self._result = finisher(self)

@@ -384,6 +384,40 @@ def test_a_wait_cut_short_after_the_release_still_gets_the_outcome(hvd):
         handle.output()
 
 
+def test_ended_handles_are_released_in_one_call_up_to_an_unknown_id(hvd):
+    # hvdlite_release_ended releases from the last id back, and stops at the first op
+    # in flight or failed or id it does not know (here: unknown and released ones):
+    # those, and the ids before them, stay as they were (a group's wait then takes them
+    # one by one, as before).
+    from hvdlite._native import ffi, lib
+
+    def ended(*names):
+        handles = [hvd.broadcast_async(np.ones(4, np.float32), 0, name=n) for n in names]
+        ids = [h.native_ids[0] for h in handles]
+        for i in ids:
+            lib.hvdlite_wait(i, 30.0)
+        return handles, ids
+
+    def released(ids):
+        count = ffi.new("int32_t *")
+        assert lib.hvdlite_release_ended(ffi.new("hvdlite_handle_t[]", ids), len(ids), count) == lib.HVDLITE_OK
+        return count[0]
+
+    def live(i):  # an ended op's handle still there (any call on a released one: unknown)
+        out, nbytes, first = ffi.new("void **"), ffi.new("int64_t *"), ffi.new("int64_t *")
+        return lib.hvdlite_handle_output(i, out, nbytes, first) != lib.HVDLITE_ERR_INVALID_HANDLE
+
+    keep, ids = ended("rel.a", "rel.b", "rel.c")
+    assert all(live(i) for i in ids) and released(ids) == 3 and not any(live(i) for i in ids)
+    done = ffi.new("int32_t *")
+    assert lib.hvdlite_poll(ids[0], done) == lib.HVDLITE_OK and done[0] == 1  # a recent release
+
+    keep, ids = ended("rel.d", "rel.e")
+    assert released([ids[0], 1 << 40, ids[1]]) == 1 and live(ids[0]) and not live(ids[1])
+    assert released([ids[0], ids[1]]) == 0 and live(ids[0])  # a released id stops it too
+    assert released([]) == 0 and released([ids[0]]) == 1 and not live(ids[0])
+
+
 def test_an_unknown_handle_never_reads_as_ended(hvd):
     # Id 0 is never handed out; the core's ring of recent releases starts filled with
     # zeros and must not answer for it (a failed enqueue leaves a caller's handle at 0).

@@ -276,6 +276,13 @@ hvdlite_status_t hvdlite_handle_recv_splits(hvdlite_handle_t handle, int64_t* sp
  * on a released handle is HVDLITE_ERR_INVALID_HANDLE. */
 hvdlite_status_t hvdlite_release(hvdlite_handle_t handle);
 
+/* Releases handles[n-1], handles[n-2], ... for as long as each has ended successfully,
+ * and says in *released how many it released; it stops at the first that is in flight,
+ * failed or unknown, which is left as it was. For the ops of a group once its last op
+ * was waited for: one call instead of a wait and a release for each. */
+hvdlite_status_t hvdlite_release_ended(const hvdlite_handle_t* handles, int32_t n,
+                                       int32_t* released);
+
 hvdlite_status_t hvdlite_stats(hvdlite_stats_t* out);
 
 /* Whether the core can open the CUDA runtime and NCCL (it opens them at run time, never

@@ -160,6 +160,15 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_wait_release(hvdlite_handle_t handle, do
   return Guard([&] { return hvdlite::Core::Get().handles().Wait(handle, timeout_s, true); });
 }
 
+HVDLITE_EXPORT hvdlite_status_t hvdlite_release_ended(const hvdlite_handle_t* handles, int32_t n,
+                                                      int32_t* released) {
+  return Guard([&] {
+    if (!released || (n > 0 && !handles)) return NullOut();
+    *released = n > 0 ? hvdlite::Core::Get().handles().ReleaseEnded(handles, n) : 0;
+    return hvdlite::Status::OK();
+  });
+}
+
 HVDLITE_EXPORT hvdlite_status_t hvdlite_handle_output(hvdlite_handle_t handle, void** data,
                                                       int64_t* nbytes, int64_t* first_dim) {
   return Guard([&] {

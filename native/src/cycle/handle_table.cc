@@ -174,4 +174,16 @@ Status HandleTable::Release(hvdlite_handle_t h) {
   return Status::OK();
 }
 
+int HandleTable::ReleaseEnded(const hvdlite_handle_t* handles, int n) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  int released = 0;
+  for (int k = n - 1; k >= 0; --k, ++released) {
+    State* state = Live(handles[k]);
+    if (!state || !state->done || !state->status.ok()) break;
+    state->released = true;
+    EraseIfUnused(handles[k], *state);
+  }
+  return released;
+}
+
 }  // namespace hvdlite

@@ -80,6 +80,9 @@ class HandleTable {
   // returned), only marks it, and the last of them erases it. Its status stays known
   // to Wait and Poll for the next kRecentReleases releases (see Recent).
   Status Release(hvdlite_handle_t h);
+  // Releases handles[n-1], handles[n-2], ... while each has ended successfully, under
+  // one lock; returns how many it released (it stops at one in flight, failed or gone).
+  int ReleaseEnded(const hvdlite_handle_t* handles, int n);
   static constexpr size_t kRecentReleases = 4096;
   // Threads blocked in Wait right now; on_block runs (handle lock not held) when a thread
   // is about to block.
