@@ -2,6 +2,7 @@
 // rank binds its threads to its share of the host's cores.
 #pragma once
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,23 @@ class NormalPriorityScope {
  private:
   const bool lowered_;
 };
+
+// Calls done() until it is true or `limit` has passed; returns its last answer. For a
+// wait whose end is usually microseconds away, before the wait sleeps (a sleep and its
+// wake-up cost tens of microseconds): a bounded poll, never a spinning core.
+template <typename Done>
+bool PollUntil(std::chrono::microseconds limit, Done done) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  do {
+    for (int i = 0; i < 32; ++i) {
+      if (done()) return true;
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    }
+  } while (std::chrono::steady_clock::now() < until);
+  return done();
+}
 
 // How many cores this process could use when it started (before any binding); 0 when
 // that cannot be read.

@@ -83,6 +83,7 @@ const CudaApi* Cuda(std::string* error) {
       return;
     }
     api.RuntimeGetVersion(&api.version);
+    api.EventQuery = reinterpret_cast<decltype(api.EventQuery)>(dlsym(lib, "cudaEventQuery"));
     // Optional: without it, batches of copies are issued one by one.
     void* batch = dlsym(lib, "cudaMemcpyBatchAsync");
     if (batch && api.version >= 13000) {

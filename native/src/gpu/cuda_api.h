@@ -38,6 +38,7 @@ struct CudaApi {
   int (*DeviceGetPCIBusId)(char*, int, int);
   int (*RuntimeGetVersion)(int*);
   const char* (*GetErrorString)(int);
+  int (*EventQuery)(Event) = nullptr;  // optional: Device::Finish polls with it first
   // cudaMemcpyBatchAsync, where the runtime has it (12.8 and later); its C signature
   // differs between 12.x (a failIdx out-parameter before the stream) and 13.x, so each
   // has its own pointer and at most one is set (by the runtime's version).
@@ -67,6 +68,8 @@ constexpr int kMemcpyDefault = 4;
 constexpr unsigned kStreamNonBlocking = 0x01;
 // cudaEventBlockingSync | cudaEventDisableTiming: a wait on it sleeps, never spins.
 constexpr unsigned kEventBlockingNoTiming = 0x01 | 0x02;
+// cudaErrorNotReady: cudaEventQuery's answer while the work before the event runs.
+constexpr int kErrorNotReady = 600;
 
 struct NcclUniqueId {
   char internal[128];

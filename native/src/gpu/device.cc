@@ -1,5 +1,6 @@
 #include "gpu/device.h"
 
+#include "common/thread_sched.h"
 #include "gpu/copy_kernel.h"
 
 #include <unistd.h>
@@ -168,7 +169,14 @@ bool Device::CopyWithBatch(const std::vector<const Span*>& copies) {
 
 Status Device::Finish() {
   Status s = Check(cuda_->EventRecord(done_, stream_), "cudaEventRecord");
-  if (s.ok()) s = Check(cuda_->EventSynchronize(done_), "cudaEventSynchronize");
+  // The stream's work for a few small tensors ends within tens of microseconds, and a
+  // sleeping wait adds the wake-up of an interrupt: polled first, briefly.
+  int code = kErrorNotReady;
+  if (s.ok() && may_poll_ && cuda_->EventQuery) {
+    PollUntil(kFinishPollUs, [&] { return (code = cuda_->EventQuery(done_)) != kErrorNotReady; });
+  }
+  if (s.ok() && code != kErrorNotReady) s = Check(code, "cudaEventQuery");
+  if (s.ok() && code == kErrorNotReady) s = Check(cuda_->EventSynchronize(done_), "cudaEventSynchronize");
   if (s.ok()) table_used_ = 0;
   return s;
 }

@@ -11,6 +11,7 @@
 // completes, so a result is ready for every stream once the handle says done.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -55,8 +56,12 @@ class Device {
   Status CopyOnDevice(const std::vector<Span>& copies);
   // How CopyOnDevice copies now: "the core's copy kernel", ... (for logs).
   const char* PackMethod() const;
-  // Waits until the core's stream has done all it was given.
+  // Waits until the core's stream has done all it was given: polls for up to
+  // kFinishPollUs where allowed, then sleeps on the event.
   Status Finish();
+  // Whether Finish may poll: not where this host's ranks outnumber its cores.
+  void set_may_poll(bool may) { may_poll_ = may; }
+  static constexpr std::chrono::microseconds kFinishPollUs{100};
 
   // Grow-only buffers, reused from op to op; their old contents are not kept.
   Status Pinned(int64_t bytes, uint8_t** out) { return Grow(&pinned_, bytes, true, out); }
@@ -70,6 +75,7 @@ class Device {
   Status Check(int code, const char* what) const;
 
  private:
+  bool may_poll_ = false;
   struct Buffer {
     uint8_t* data = nullptr;
     int64_t bytes = 0;

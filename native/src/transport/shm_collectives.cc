@@ -53,27 +53,13 @@ void FutexWait(std::atomic<int32_t>* word, int32_t expected, int64_t timeout_us)
   syscall(SYS_futex, reinterpret_cast<int32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
 }
 
-// Polls done() for up to kPollUs before a wait sleeps (ShmCollectives::poll_). A peer in
-// step with us (a blocking collective's usual case) is there within a few microseconds,
-// while a futex sleep and its wake-up on another core cost tens (20-60 us on this
-// project's 2-core machine, where an idle core must be woken; a small allreduce waits
-// three or four times). Bounded, so a peer still computing costs at most kPollUs of a
-// core per wait, and only of a core whose framework thread is blocked anyway.
+// How long a wait polls before it sleeps (ShmCollectives::poll_). A peer in step with
+// us (a blocking collective's usual case) is there within a few microseconds, while a
+// futex sleep and its wake-up on another core cost tens (20-60 us on this project's
+// 2-core machine, where an idle core must be woken; a small allreduce waits three or
+// four times). Bounded, so a peer still computing costs at most kPollUs of a core per
+// wait, and only of a core whose framework thread is blocked anyway.
 constexpr auto kPollUs = std::chrono::microseconds(50);
-
-template <typename Done>
-bool PollUntil(Done done) {
-  const auto until = std::chrono::steady_clock::now() + kPollUs;
-  do {
-    for (int i = 0; i < 32; ++i) {
-      if (done()) return true;
-#if defined(__x86_64__) || defined(__i386__)
-      __builtin_ia32_pause();
-#endif
-    }
-  } while (std::chrono::steady_clock::now() < until);
-  return done();
-}
 
 void FutexWakeAll(std::atomic<int32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<int32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
@@ -135,7 +121,7 @@ Status ShmCollectives::WaitFor(int field, int64_t chunks) {
     if (k == rank_) continue;
     Progress* p = ProgressOf(segments_[k]);
     const std::atomic<int64_t>* f = field == 0 ? &p->copied_in : field == 1 ? &p->reduced : &p->copied_out;
-    if (poll_) PollUntil([&] { return f->load(std::memory_order_acquire) >= chunks; });
+    if (poll_) PollUntil(kPollUs, [&] { return f->load(std::memory_order_acquire) >= chunks; });
     while (f->load(std::memory_order_acquire) < chunks) {
       p->sleepers.fetch_add(1, std::memory_order_seq_cst);
       const int32_t seq = p->seq.load(std::memory_order_seq_cst);
@@ -161,7 +147,7 @@ Status ShmCollectives::Barrier() {
     return Status::OK();
   }
   const int32_t old_sense = sense_ ^ 1;
-  if (poll_ && PollUntil([&] { return c->sense.load(std::memory_order_acquire) == sense_; })) {
+  if (poll_ && PollUntil(kPollUs, [&] { return c->sense.load(std::memory_order_acquire) == sense_; })) {
     return Status::OK();
   }
   while (true) {
