@@ -11,6 +11,7 @@ the native handle (freed by ``hvdlite_release``). They are wrapped zero-copy: th
 array's base chain ends in an object that owns the native handle, so the handle is
 released exactly once, when the last array viewing that memory is gone.
 """
+import math
 import threading
 import time
 
@@ -288,11 +289,11 @@ class Handle:
         For ALLGATHER and ALLTOALL the address is the buffer the core allocated (0 when
         nbytes is 0); for JOIN, first_dim is the last rank that joined.
         """
-        data = ffi.new("void **")
-        nbytes = ffi.new("int64_t *")
-        first_dim = ffi.new("int64_t *")
-        check(lib.hvdlite_handle_output(self._ids[index], data, nbytes, first_dim))
-        return int(ffi.cast("uintptr_t", data[0])), int(nbytes[0]), int(first_dim[0])
+        data = ffi.new("uintptr_t *")  # void** as the core sees it, an int as read here
+        sizes = ffi.new("int64_t[2]")  # nbytes, first_dim
+        check(lib.hvdlite_handle_output(self._ids[index], ffi.cast("void **", data), sizes,
+                                        sizes + 1))
+        return data[0], sizes[0], sizes[1]
 
     def output_array(self, index, dtype, trailing_shape):
         """Wraps a core-allocated result as a numpy array without copying.
@@ -314,7 +315,7 @@ class Handle:
         dtype = np.dtype(dtype)
         address, nbytes, first_dim = self.output(index)
         shape = (first_dim,) + tuple(trailing_shape)
-        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        expected = math.prod(shape) * dtype.itemsize
         if nbytes != expected:
             raise errors.InternalError(
                 f"result of {self.name!r}: the core returned {nbytes} bytes for shape "

@@ -24,6 +24,8 @@ Why the alignment: TF kernels CHECK-fail (abort the process) on a buffer that is
 aligned to ``EIGEN_MAX_ALIGN_BYTES`` (64 on x86 builds with AVX-512), and DLPack
 import does not copy unaligned buffers, so only aligned buffers are handed over.
 """
+import math
+
 import numpy as np
 import tensorflow as tf
 
@@ -67,7 +69,7 @@ def empty_aligned(shape, dtype):
     """Returns an uninitialized C-contiguous array whose data is ALIGNMENT-aligned."""
     dtype = np.dtype(dtype)
     shape = tuple(int(d) for d in shape)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
     offset = (-raw.ctypes.data) % ALIGNMENT
     return raw[offset:offset + nbytes].view(dtype).reshape(shape)
