@@ -427,6 +427,21 @@ for root in range(size):
                                                                 out=x))
     check_big(f"in-place broadcast {root}", x, data(root, (3, 100_001), "float64", 8))
 
+# Alltoall: each rank's whole send buffer published a round (AREA) at a time, every rank
+# taking its blocks from there. Uneven splits, zeros among them, blocks across round
+# boundaries; and two small ones (one round each).
+def a2a_splits(j, rows):  # rows rank j sends each rank
+    return [0 if (j + k) % 3 == 2 else rows + 13 * j + 7 * k for k in range(size)]
+for rows in (AREA // 8 + 5, 3, 0):
+    x = data(rank, (sum(a2a_splits(rank, rows)), 2), "float32", 9)
+    got, recv = counted(f"alltoall {rows}", lambda: hvd.alltoall(
+        x, splits=a2a_splits(rank, rows), name=f"big.a2a.{rows}"))
+    blocks = [np.split(data(j, (sum(a2a_splits(j, rows)), 2), "float32", 9),
+                       np.cumsum(a2a_splits(j, rows))[:-1])[rank] for j in range(size)]
+    check_big(f"alltoall {rows}", got, np.concatenate(blocks))
+    check(f"alltoall {rows} recv splits", recv,
+          np.array([a2a_splits(j, rows)[rank] for j in range(size)]))
+
 # Random floats: through shared memory a reducescatter's shard holds the very bits of the
 # allreduce's (each element reduced once, in rank order); either way numpy's sum within
 # rounding.
@@ -452,7 +467,7 @@ report()
 
 
 @pytest.mark.parametrize("np_,shm", [(2, "on"), (3, "on"), (3, "off")])
-def test_large_reducescatter_allgather_and_broadcast(np_, shm):
+def test_large_reducescatter_allgather_broadcast_and_alltoall(np_, shm):
     # Through shared memory (where the allreduce goes there), and through MPI with
     # HVDLITE_SHM_ALLREDUCE=0: the same results either way.
     run_ranks(np_, "import os\n" + LARGE_GATHERS,

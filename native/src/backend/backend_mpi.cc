@@ -514,7 +514,8 @@ Status MpiBackend::Bcast(void* buf, int64_t nbytes, int root) {
 }
 
 Status MpiBackend::Alltoallv(const void* in, const std::vector<int64_t>& send_bytes, void* out,
-                             const std::vector<int64_t>& recv_bytes) {
+                             const std::vector<int64_t>& recv_bytes, const std::vector<int64_t>* matrix) {
+  if (matrix && ShmGathers()) return host_->shm().Alltoall(in, *matrix, out);
   std::vector<int> sc, sd, rc, rd;
   Status s = ToIntCounts(send_bytes, &sc, &sd, "alltoall");
   if (!s.ok() || !(s = ToIntCounts(recv_bytes, &rc, &rd, "alltoall")).ok()) return s;

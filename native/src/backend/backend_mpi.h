@@ -88,8 +88,8 @@ class MpiBackend {
     if (tuning.hierarchical && layered_allreduce_) return AllreduceAlgorithm::kLayers;
     return shared_memory() ? AllreduceAlgorithm::kSharedMemory : AllreduceAlgorithm::kMpi;
   }
-  // Allgatherv, ReduceScatter and Bcast go through shared memory where the allreduce
-  // does (ShmGathers), else over MPI (Allgatherv and Bcast across hosts through the
+  // Allgatherv, ReduceScatter, Bcast and Alltoallv go through shared memory where the
+  // allreduce does (ShmGathers), else over MPI (Allgatherv and Bcast across hosts through the
   // leaders, when the layers say so).
   Status Allgatherv(const void* in, int64_t in_bytes, void* out,
                     const std::vector<int64_t>& bytes_per_rank);
@@ -98,8 +98,10 @@ class MpiBackend {
   Status ShmAllgatherv(const void* in, const std::vector<ShmCollectives::Piece>& outs,
                        const std::vector<int64_t>& bytes_per_rank);
   Status Bcast(void* buf, int64_t nbytes, int root);
+  // matrix: every rank's send_bytes, row by row (what rank j sends rank k at j * size +
+  // k): with it, and where ShmGathers(), the alltoall goes through shared memory.
   Status Alltoallv(const void* in, const std::vector<int64_t>& send_bytes, void* out,
-                   const std::vector<int64_t>& recv_bytes);
+                   const std::vector<int64_t>& recv_bytes, const std::vector<int64_t>* matrix = nullptr);
   Status ReduceScatter(const void* in, void* out, const std::vector<int64_t>& counts,
                        int32_t dtype, int32_t reduce_op);
   Status Barrier();

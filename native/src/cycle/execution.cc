@@ -433,10 +433,16 @@ Status ProcessSetState::ExecuteAlltoall(const Response& r, TensorEntry* e, OpOut
     total += recv[k];
   }
   out->Allocate(total);
-  Status s = mpi_->Alltoallv(e ? e->input : nullptr, send, out->data.get(), recv);
+  std::vector<int64_t> matrix(r.splits.size());
+  for (size_t k = 0; k < matrix.size(); ++k) matrix[k] = r.splits[k] * row;
+  Status s = mpi_->Alltoallv(e ? e->input : nullptr, send, out->data.get(), recv, &matrix);
   tally->moved = total;
   tally->sent_away = 0;
   for (int k = 0; k < size; ++k) tally->sent_away += k == me ? 0 : send[k];
+  if (mpi_->ShmGathers()) {
+    counters_.shm_collectives++;
+    tally->activity = "SHM_ALLTOALL";
+  }
   return s;
 }
 

@@ -7,7 +7,7 @@
 // Ordering with the framework: the adapter records an event on the stream that produced
 // a tensor (after allocating any output); the core's stream waits on that event
 // (WaitFor) before reading, so no device-wide synchronize is ever made. The core's stream
-// is synchronized (Finish: a blocking event, the thread sleeps) before an op's handle
+// is synchronized (Finish: a short poll, then a blocking event) before an op's handle
 // completes, so a result is ready for every stream once the handle says done.
 #pragma once
 

@@ -493,4 +493,39 @@ Status ShmCollectives::Broadcast(void* buf, int64_t nbytes, int root) {
   return Allgather(buf, {{nullptr, rank_ == root ? nullptr : buf, nbytes}}, 0, bounds, HVDLITE_UINT8, 1.0, 1);
 }
 
+Status ShmCollectives::Alltoall(const void* in, const std::vector<int64_t>& bytes, void* out) {
+  // Of rank j's row: its whole length, and where and how long its block for this rank is;
+  // where that block goes in out.
+  std::vector<int64_t> total(size_, 0), from(size_, 0), len(size_, 0), at(size_, 0);
+  int64_t most = 0, placed = 0;
+  for (int j = 0; j < size_; ++j) {
+    for (int k = 0; k < size_; ++k) {
+      const int64_t b = bytes[static_cast<size_t>(j) * size_ + k];
+      if (k < rank_) from[j] += b;
+      total[j] += b;
+    }
+    len[j] = bytes[static_cast<size_t>(j) * size_ + rank_];
+    at[j] = placed;
+    placed += len[j];
+    most = std::max(most, total[j]);
+  }
+  poll_ = may_poll_ && most <= kPollMaxBytes;
+  const int64_t step = kAreaBytes;
+  const auto* mine = static_cast<const uint8_t*>(in);
+  auto publish = [&](int64_t r, int set) {
+    const int64_t lo = r * step, n = std::min(total[rank_], lo + step) - lo;
+    if (n > 0) std::memcpy(Area(rank_, set), mine + lo, n);
+  };
+  auto take = [&](int64_t r, int set) {
+    const int64_t lo = r * step, hi = lo + step;
+    for (int j = 0; j < size_; ++j) {
+      const int64_t a = std::max(lo, from[j]), b = std::min(hi, from[j] + len[j]);
+      if (a >= b) continue;
+      const uint8_t* src = j == rank_ ? mine + a : Area(j, set) + (a - lo);
+      std::memcpy(static_cast<uint8_t*>(out) + at[j] + (a - from[j]), src, b - a);
+    }
+  };
+  return Rounds((most + step - 1) / step, publish, take);
+}
+
 }  // namespace hvdlite

@@ -131,6 +131,11 @@ class ShmCollectives {
   // buf (nbytes) of rank root into every other rank's buf: an Allgather in which only
   // root's shard has bytes.
   Status Broadcast(void* buf, int64_t nbytes, int root);
+  // Every rank's bytes for every other: bytes[j * size + k] is what rank j sends rank k
+  // (the same matrix on every rank); in holds this rank's row, blocks in rank order, and
+  // out receives one block from each rank, in rank order. Each round, every rank
+  // publishes the next kAreaBytes of its in; each takes its blocks' parts from there.
+  Status Alltoall(const void* in, const std::vector<int64_t>& bytes, void* out);
   // Called between the rounds of ReduceScatter and Allgather, and every kIdleWakeUs
   // while a wait sleeps (instead of every 100 ms), while set: the hierarchical
   // allreduce moves its network step on there. An error ends the call with it.
