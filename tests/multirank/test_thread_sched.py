@@ -148,10 +148,11 @@ def test_background_realtime_asked_where_permitted():
 
 @needs_realtime
 def test_blocking_mpi_collectives_run_at_normal_priority():
-    # On one host alltoall is a blocking MPI call, which spins until every peer is in:
-    # the background thread leaves real-time for it. A thread of each rank samples its
-    # policy while the ranks exchange 4 MiB tensors: both must show. (Allgathers and
-    # broadcasts go through shared memory, at real-time priority, like allreduces.)
+    # A blocking MPI call spins until every peer is in: the background thread leaves
+    # real-time for it. On one host every collective goes through shared memory (at
+    # real-time priority) unless HVDLITE_SHM_ALLREDUCE=0; then alltoall is a blocking
+    # MPI call. A thread of each rank samples the policy while the ranks exchange 4 MiB
+    # tensors: both must show.
     result = assert_ok(run_job(2, """
         import json, os, threading, time
         import numpy as np
@@ -202,7 +203,7 @@ def test_blocking_mpi_collectives_run_at_normal_priority():
                 break
             time.sleep(0.01)
         print("HVDLITE_RESULT", json.dumps({"seen": sorted(seen), "after": after}))
-    """, env=UNSET))
+    """, env={**UNSET, "HVDLITE_SHM_ALLREDUCE": "0"}))
     for rank in range(2):
         got = result.result(rank)
         assert set(got["seen"]) == {os.SCHED_FIFO, os.SCHED_OTHER}, describe(result)
