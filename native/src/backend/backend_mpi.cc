@@ -180,6 +180,7 @@ Status MpiBackend::SetUpLayers(const LayerSettings& settings, const MpiTopology&
   LayerPlan plan = PlanLayers(places);
   spans_hosts_ = std::count_if(places.begin(), places.end(),
                                [](const RankPlace& p) { return p.local_rank == 0; }) > 1;
+  cores_for_each_ = CoresAtStartCount() >= topo.local_size;
   if (s.ok() && !plan.error.empty()) {
     // Every rank found the same disagreement: end MPI together, as a failed init must.
     for (void* c : {local, cross}) MPI_Comm_free(static_cast<MPI_Comm*>(c));
@@ -266,10 +267,14 @@ void MpiBackend::Shutdown(bool finalize) {
   comm_ = nullptr;
 }
 
-Status MpiBackend::WaitBackoff(void* request, const char* what, std::chrono::microseconds max_sleep) {
+Status MpiBackend::WaitBackoff(void* request, const char* what, std::chrono::microseconds max_sleep,
+                               int64_t bytes) {
   InMpiCall in_mpi(what);
   MPI_Request* req = static_cast<MPI_Request*>(request);
-  PollBackoff backoff(max_sleep);
+  // A blocking caller waits: a small transfer's end (or the coordination's) is due
+  // within ~100 us, which sleeps would each cost a wake-up.
+  const bool spin = caller_waiting_.load(std::memory_order_relaxed) && bytes <= kCallerSpinMaxBytes;
+  PollBackoff backoff(max_sleep, spin ? PollBackoff::kCallerSpin : PollBackoff::kSpin);
   while (true) {
     int flag = 0;
     int rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE);
@@ -279,7 +284,7 @@ Status MpiBackend::WaitBackoff(void* request, const char* what, std::chrono::mic
   }
 }
 
-Status MpiBackend::Collective(const char* what, const std::function<int(void*)>& call) {
+Status MpiBackend::Collective(const char* what, int64_t bytes, const std::function<int(void*)>& call) {
   InMpiCall in_mpi(what);
   if (!spans_hosts_) {
     // On one host the blocking call is faster, but it spins until every peer is in.
@@ -288,11 +293,12 @@ Status MpiBackend::Collective(const char* what, const std::function<int(void*)>&
   }
   MPI_Request req;
   Status s = Check(call(&req), what);
-  return s.ok() ? WaitBackoff(&req, what, PollBackoff::kDataMaxSleep) : s;
+  return s.ok() ? WaitBackoff(&req, what, PollBackoff::kDataMaxSleep, bytes) : s;
 }
 
 void MpiBackend::set_caller_waiting(bool waiting) {
   if (host_) host_->shm().set_waits_may_poll(waiting);
+  caller_waiting_.store(waiting && cores_for_each_, std::memory_order_relaxed);
 }
 
 Status MpiBackend::AndBits(std::vector<uint64_t>* bits) {
@@ -439,7 +445,7 @@ Status MpiBackend::MpiAllreduce(const void* in, void* out, int64_t count, int32_
     int64_t n = std::min(kMaxChunk, count - done);
     const void* send = in == out ? MPI_IN_PLACE : src + done * elem;
     void* recv = dst + done * elem;
-    Status s = Collective("MPI_Allreduce", [&](void* r) {
+    Status s = Collective("MPI_Allreduce", n * elem, [&](void* r) {
       return r ? MPI_Iallreduce(send, recv, static_cast<int>(n), type, op, Comm(comm_), static_cast<MPI_Request*>(r))
                : MPI_Allreduce(send, recv, static_cast<int>(n), type, op, Comm(comm_));
     });
@@ -484,7 +490,7 @@ Status MpiBackend::Allgatherv(const void* in, int64_t in_bytes, void* out,
   std::vector<int> counts, displs;
   Status s = ToIntCounts(bytes_per_rank, &counts, &displs, "allgather");
   if (!s.ok()) return s;
-  return Collective("MPI_Allgatherv", [&](void* r) {
+  return Collective("MPI_Allgatherv", total, [&](void* r) {
     return r ? MPI_Iallgatherv(in, static_cast<int>(in_bytes), MPI_BYTE, out, counts.data(), displs.data(),
                                MPI_BYTE, Comm(comm_), static_cast<MPI_Request*>(r))
              : MPI_Allgatherv(in, static_cast<int>(in_bytes), MPI_BYTE, out, counts.data(), displs.data(),
@@ -503,7 +509,7 @@ Status MpiBackend::Bcast(void* buf, int64_t nbytes, int root) {
   char* p = static_cast<char*>(buf);
   for (int64_t done = 0; done < nbytes;) {
     int64_t n = std::min(kMaxChunk, nbytes - done);
-    Status s = Collective("MPI_Bcast", [&](void* r) {
+    Status s = Collective("MPI_Bcast", n, [&](void* r) {
       return r ? MPI_Ibcast(p + done, static_cast<int>(n), MPI_BYTE, root, Comm(comm_), static_cast<MPI_Request*>(r))
                : MPI_Bcast(p + done, static_cast<int>(n), MPI_BYTE, root, Comm(comm_));
     });
@@ -519,7 +525,9 @@ Status MpiBackend::Alltoallv(const void* in, const std::vector<int64_t>& send_by
   std::vector<int> sc, sd, rc, rd;
   Status s = ToIntCounts(send_bytes, &sc, &sd, "alltoall");
   if (!s.ok() || !(s = ToIntCounts(recv_bytes, &rc, &rd, "alltoall")).ok()) return s;
-  return Collective("MPI_Alltoallv", [&](void* r) {
+  int64_t moved = 0;
+  for (size_t k = 0; k < send_bytes.size(); ++k) moved += std::max(send_bytes[k], recv_bytes[k]);
+  return Collective("MPI_Alltoallv", moved, [&](void* r) {
     return r ? MPI_Ialltoallv(in, sc.data(), sd.data(), MPI_BYTE, out, rc.data(), rd.data(), MPI_BYTE,
                               Comm(comm_), static_cast<MPI_Request*>(r))
              : MPI_Alltoallv(in, sc.data(), sd.data(), MPI_BYTE, out, rc.data(), rd.data(), MPI_BYTE,
@@ -540,7 +548,9 @@ Status MpiBackend::ReduceScatter(const void* in, void* out, const std::vector<in
   if (dtype == HVDLITE_FLOAT16 || dtype == HVDLITE_BFLOAT16) {
     op = *static_cast<MPI_Op*>(ops_[(dtype == HVDLITE_BFLOAT16 ? 5 : 0) + reduce_op]);
   }
-  return Collective("MPI_Reduce_scatter", [&](void* r) {
+  int64_t elements = 0;
+  for (int64_t n : counts) elements += n;
+  return Collective("MPI_Reduce_scatter", elements * ElementSize(dtype), [&](void* r) {
     return r ? MPI_Ireduce_scatter(in, out, c.data(), MpiType(dtype), op, Comm(comm_), static_cast<MPI_Request*>(r))
              : MPI_Reduce_scatter(in, out, c.data(), MpiType(dtype), op, Comm(comm_));
   });

@@ -9,6 +9,8 @@
 // nonblocking ones, polled with short sleeps.
 #pragma once
 
+#include <atomic>
+
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -111,7 +113,9 @@ class MpiBackend {
   bool shared_memory() const { return host_ != nullptr && !layered_allreduce_; }
   // A framework thread of this process waits for a blocking op's result: the
   // shared-memory waits of small collectives may poll before they sleep
-  // (ShmCollectives::set_waits_may_poll).
+  // (ShmCollectives::set_waits_may_poll), and the MPI waits across hosts for the
+  // coordination and small collectives spin for PollBackoff::kCallerSpin before their
+  // first sleep (WaitBackoff).
   void set_caller_waiting(bool waiting);
   // Whether allgathers, reducescatters and broadcasts go through shared memory: where the
   // allreduce does, at every size. (No threshold: from 4 KiB to 64 MiB per rank, at 2 and
@@ -132,12 +136,16 @@ class MpiBackend {
                        FusionBuffer* fusion, const LayeredAllreduce::StepDone& step_done);
   // One MPI allreduce of count elements; in == out reduces in place.
   Status MpiAllreduce(const void* in, void* out, int64_t count, int32_t dtype, int32_t reduce_op);
+  // bytes: a data collective's size (0 for the coordination's waits); up to
+  // kCallerSpinMaxBytes, the wait spins for PollBackoff::kCallerSpin before it sleeps
+  // while a caller blocks on the result (set_caller_waiting).
   Status WaitBackoff(void* request, const char* what,
-                     std::chrono::microseconds max_sleep = PollBackoff::kWaitMaxSleep);
+                     std::chrono::microseconds max_sleep = PollBackoff::kWaitMaxSleep, int64_t bytes = 0);
+  static constexpr int64_t kCallerSpinMaxBytes = 16 * 1024;
   // Runs a data collective: call(nullptr) makes the blocking MPI call, call(request)
   // (an MPI_Request*) posts the nonblocking one; returns an MPI error code. Blocking on
   // one host; across hosts posted and waited on with WaitBackoff.
-  Status Collective(const char* what, const std::function<int(void*)>& call);
+  Status Collective(const char* what, int64_t bytes, const std::function<int(void*)>& call);
   // After comm_ is set: errors as codes, the 16-bit reductions, the topology of comm_
   // and its layers (SetUpLayers). Collective over comm_.
   Status Attach(const LayerSettings& layers, MpiTopology* topo);
@@ -147,6 +155,10 @@ class MpiBackend {
 
   void* comm_ = nullptr;  // MPI_Comm*, kept opaque so that only common/mpi_glue.h includes mpi.h
   bool spans_hosts_ = false;  // this communicator's ranks are on more than one host
+  // set_caller_waiting's word for WaitBackoff, whose polls then spin longer before they
+  // sleep (never where this host's ranks outnumber its cores).
+  std::atomic<bool> caller_waiting_{false};
+  bool cores_for_each_ = false;
   std::vector<void*> ops_;  // user-defined reductions for 16-bit floats
   // The layers in use: host_ alone (every rank on one host, shared memory), all three
   // (hierarchical allreduce), or none (flat MPI).

@@ -36,17 +36,20 @@ namespace hvdlite {
 class PollBackoff {
  public:
   using Clock = std::chrono::steady_clock;
-  explicit PollBackoff(std::chrono::microseconds max_sleep = kWaitMaxSleep)
-      : max_sleep_(max_sleep), since_(Clock::now()) {}
+  // spin: how long the wait polls without sleeping (kSpin; longer where a caller
+  // blocks on the result and a core is there for it: MpiBackend::set_caller_waiting).
+  explicit PollBackoff(std::chrono::microseconds max_sleep = kWaitMaxSleep,
+                       std::chrono::microseconds spin = kSpin)
+      : max_sleep_(max_sleep), spin_(spin), since_(Clock::now()) {}
   // Something moved (a step of a collective completed): the wait starts over, short.
   void Progressed() { since_ = Clock::now(); }
   // After a poll that found nothing done: polls again at once during the first
-  // kSpin of the wait, else sleeps 1/8 of the wait so far, within [kMinSleep, the cap]:
+  // spin of the wait, else sleeps 1/8 of the wait so far, within [kMinSleep, the cap]:
   // max_sleep, or 1/kDataCapDivisor of the wait when that is longer (up to
   // kDataLongMaxSleep; a longer max_sleep is never lowered).
   void Pause() {
     const auto waited = Clock::now() - since_;
-    if (waited < kSpin) return;
+    if (waited < spin_) return;
     const auto sleep = std::chrono::duration_cast<std::chrono::microseconds>(waited / 8);
     const auto cap = std::max(
         max_sleep_, std::min(kDataLongMaxSleep, std::chrono::duration_cast<std::chrono::microseconds>(
@@ -59,10 +62,14 @@ class PollBackoff {
   static constexpr int kDataCapDivisor = 200;
   static constexpr std::chrono::microseconds kDataLongMaxSleep{500};
   static constexpr std::chrono::microseconds kSpin{10};
+  // A blocking caller's wait across hosts: a peer's answer over TCP is due within
+  // ~100 us, and each sleep before it costs a wake-up of 20-60 us.
+  static constexpr std::chrono::microseconds kCallerSpin{100};
   static constexpr std::chrono::microseconds kMinSleep{10};
 
  private:
   const std::chrono::microseconds max_sleep_;
+  const std::chrono::microseconds spin_;
   Clock::time_point since_;
 };
 
