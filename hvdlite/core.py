@@ -173,8 +173,8 @@ def stats():
 
     Keys are the fields of ``hvdlite_stats_t``: cycles, coordinator_gathers, cache_hits,
     cache_misses, collectives, fused_collectives, tensors, bytes, errors,
-    shm_collectives (allreduces, reducescatters, allgathers and broadcasts through shared
-    memory), wire_bytes (bytes this rank
+    shm_collectives (allreduces, reducescatters, allgathers, broadcasts and alltoalls
+    through shared memory), wire_bytes (bytes this rank
     sent to the others, counted as a bandwidth-optimal algorithm sends them: an
     allreduce of S bytes on n ranks counts 2(n-1)/n S, an allgather whose result is S
     bytes (n-1)/n S; what compression saves shows here), hierarchical_collectives

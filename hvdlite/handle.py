@@ -99,10 +99,12 @@ def _release_all(ids):
 def _release_ended(ids):
     """Releases ids[-1], ids[-2], ... while each op has ended successfully, in one native
     call, and drops them from ``ids``; the first one in flight or failed stays, with
-    those before it."""
+    those before it (and all of them if the call fails: they are then waited one by
+    one, which reports whatever is wrong)."""
     released = ffi.new("int32_t *")
-    check(lib.hvdlite_release_ended(ffi.new("hvdlite_handle_t[]", ids), len(ids), released))
-    del ids[len(ids) - released[0]:]
+    status = lib.hvdlite_release_ended(ffi.new("hvdlite_handle_t[]", ids), len(ids), released)
+    if status == _OK:
+        del ids[len(ids) - released[0]:]
 
 
 def _wait_slices(wait, handle_id, deadline, name):
@@ -256,13 +258,15 @@ class Handle:
         # reads the ids: those are released after it, and waited from a copy.
         pending = ids if release else list(ids)
         error = self._error  # from an earlier call that timed out on another op
+        tried = False  # the one call that releases what ended with the last op
         while pending:
             status = _wait_slices(wait, pending[-1], deadline, self.name)
             pending.pop()
             if status != _OK:
                 error = error_for(status, last_error())  # ends as the first op's failure
                 self._error = error
-            elif release and pending:
+            elif release and pending and not tried:
+                tried = True
                 _release_ended(pending)  # the rest of a group mostly ended with its last
         if error is None and finisher is not None:
             try:

@@ -150,7 +150,7 @@ typedef struct {
   int64_t tensors;             /* tensors completed */
   int64_t bytes;               /* payload bytes through collectives */
   int64_t errors;              /* ops that ended in an error */
-  int64_t shm_collectives;     /* of the collectives, those through shared memory (allreduce; reducescatter, allgather, broadcast) */
+  int64_t shm_collectives;     /* of the collectives, those through shared memory (allreduce; reducescatter, allgather, broadcast, alltoall) */
   int64_t wire_bytes;          /* bytes this rank sent to other ranks, counted as a
                                 * bandwidth-optimal algorithm sends them (allreduce of S
                                 * bytes on n ranks: 2(n-1)/n S; allgather, broadcast,

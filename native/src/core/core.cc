@@ -114,6 +114,9 @@ Status Core::Init(int64_t comm_f2c) {
     if (st.ok()) {
       topo_ = topo;
       SetLogRank(topo.rank);
+      // The GPU's stream end is polled before the wait sleeps, unless this host's ranks
+      // outnumber its cores (one process-wide device, so one world-wide rule).
+      gpu_.set_may_poll(CoresAtStartCount() >= topo.local_size);
       if (config_.bind_to_core) BindThisRank(topo);
       if (topo.rank == 0 && !config_.timeline_path.empty()) {
         st = timeline_.Start(config_.timeline_path, config_.timeline_mark_cycles);

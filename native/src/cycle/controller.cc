@@ -150,6 +150,21 @@ static bool Agree(const std::vector<Request>& reqs, const std::vector<uint8_t>& 
   return diff->empty();
 }
 
+// Whether b asks what a does, as far as Mismatched looks (at least as strict: true means
+// Mismatched finds nothing): the same op, dtype, memory, set, group, reduction, scale
+// factors, root; the same shape, or for allgather and alltoall the same trailing
+// dimensions (their first dimension and splits may differ); the GPU's ordinal may too.
+static bool Agrees(const Request& a, const Request& b) {
+  if (a.op != b.op || a.dtype != b.dtype || (a.device < 0) != (b.device < 0) || a.process_set != b.process_set ||
+      a.group != b.group || a.reduce_op != b.reduce_op || !SameFactor(a.prescale, b.prescale) ||
+      !SameFactor(a.postscale, b.postscale) || a.root_rank != b.root_rank) {
+    return false;
+  }
+  if (a.op != HVDLITE_OP_ALLGATHER && a.op != HVDLITE_OP_ALLTOALL) return a.shape == b.shape;
+  return !a.shape.empty() && !b.shape.empty() && a.shape.size() == b.shape.size() &&
+         std::equal(a.shape.begin() + 1, a.shape.end(), b.shape.begin() + 1);
+}
+
 // The first property in which the ranks' requests differ, as a mismatch error in *out
 // (true), or false where they differ only where they may (allgather's first dimension,
 // alltoall's splits, the group size).
@@ -246,7 +261,7 @@ Response Controller::Validate(const std::string& name, const PendingTensor& p) c
   // requests shows; only when some differ are they compared property by property (with
   // strings), to say which differed. A cycle of 200 tensors paid ~1 ms for those strings.
   bool same = true;
-  for (int r = 0; r < size_ && same; ++r) same = !p.have[r] || p.requests[r].SameParams(base);
+  for (int r = 0; r < size_ && same; ++r) same = !p.have[r] || Agrees(p.requests[r], base);
   if (!same && Mismatched(name, p, base, &out)) return out;
   const int op = base.op;
   if (op == HVDLITE_OP_ADD_PROCESS_SET || op == HVDLITE_OP_REMOVE_PROCESS_SET) return out;  // never cached

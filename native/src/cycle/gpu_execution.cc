@@ -18,7 +18,6 @@
 #include <cstring>
 #include <map>
 
-#include "common/thread_sched.h"
 #include "cycle/process_set.h"
 
 namespace hvdlite {
@@ -59,14 +58,6 @@ Status ProcessSetState::DecideGpuPath(int device) {
   Status s = mpi_->Allgatherv(&mine, sizeof(mine), all.data(), std::vector<int64_t>(size_, sizeof(GpuRecord)));
   if (!s.ok()) return s;
 
-  // Finish may poll the stream's end where this host's members do not outnumber its
-  // cores (the identity is "host/PCI bus id").
-  if (own.ok()) {
-    const std::string host = gpu_.identity().substr(0, gpu_.identity().find('/') + 1);
-    int here = 0;
-    for (const GpuRecord& r : all) here += r.gpu_ok && std::strncmp(r.identity, host.c_str(), host.size()) == 0;
-    gpu_.set_may_poll(here <= CoresAtStartCount());
-  }
   // From here on every member reads the same records and decides alike.
   std::vector<int> no_gpu, no_nccl;
   std::map<std::string, std::vector<int>> by_gpu;

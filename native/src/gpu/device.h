@@ -59,7 +59,7 @@ class Device {
   // Waits until the core's stream has done all it was given: polls for up to
   // kFinishPollUs where allowed, then sleeps on the event.
   Status Finish();
-  // Whether Finish may poll: not where this host's ranks outnumber its cores.
+  // Whether Finish may poll (Core: not where this host's ranks outnumber its cores).
   void set_may_poll(bool may) { may_poll_ = may; }
   static constexpr std::chrono::microseconds kFinishPollUs{100};
 

@@ -169,7 +169,7 @@ Status ShmCollectives::AfterWait() {
   if (dead < 0) return Status::OK();
   return Status(HVDLITE_ERR_RANK_FAILED, "rank " + std::to_string(dead) + " (pid " +
                                              std::to_string(pids_[dead]) +
-                                             ") ended during a shared-memory allreduce");
+                                             ") ended during a shared-memory collective");
 }
 
 Status ShmCollectives::AndBits(uint64_t* bits, int64_t words) {
