@@ -273,7 +273,7 @@ Status MpiBackend::WaitBackoff(void* request, const char* what, std::chrono::mic
   MPI_Request* req = static_cast<MPI_Request*>(request);
   // A blocking caller waits: a small transfer's end (or the coordination's) is due
   // within ~100 us, which sleeps would each cost a wake-up.
-  const bool spin = caller_waiting_.load(std::memory_order_relaxed) && bytes <= kCallerSpinMaxBytes;
+  const bool spin = caller_waiting_ && bytes <= kCallerSpinMaxBytes;
   PollBackoff backoff(max_sleep, spin ? PollBackoff::kCallerSpin : PollBackoff::kSpin);
   while (true) {
     int flag = 0;
@@ -297,8 +297,8 @@ Status MpiBackend::Collective(const char* what, int64_t bytes, const std::functi
 }
 
 void MpiBackend::set_caller_waiting(bool waiting) {
-  if (host_) host_->shm().set_waits_may_poll(waiting);
-  caller_waiting_.store(waiting && cores_for_each_, std::memory_order_relaxed);
+  caller_waiting_ = waiting && cores_for_each_;
+  if (host_) host_->shm().set_waits_may_poll(caller_waiting_);
 }
 
 Status MpiBackend::AndBits(std::vector<uint64_t>* bits) {

@@ -9,8 +9,6 @@
 // nonblocking ones, polled with short sleeps.
 #pragma once
 
-#include <atomic>
-
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -155,10 +153,11 @@ class MpiBackend {
 
   void* comm_ = nullptr;  // MPI_Comm*, kept opaque so that only common/mpi_glue.h includes mpi.h
   bool spans_hosts_ = false;  // this communicator's ranks are on more than one host
-  // set_caller_waiting's word for WaitBackoff, whose polls then spin longer before they
-  // sleep (never where this host's ranks outnumber its cores).
-  std::atomic<bool> caller_waiting_{false};
-  bool cores_for_each_ = false;
+  // A caller waits and this host has a core for each of its ranks (set_caller_waiting,
+  // each cycle): WaitBackoff's polls, and the shared-memory waits, poll longer before
+  // they sleep. Background thread only.
+  bool caller_waiting_ = false;
+  bool cores_for_each_ = false;  // at least one core per rank of this host
   std::vector<void*> ops_;  // user-defined reductions for 16-bit floats
   // The layers in use: host_ alone (every rank on one host, shared memory), all three
   // (hierarchical allreduce), or none (flat MPI).

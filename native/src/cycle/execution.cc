@@ -433,9 +433,13 @@ Status ProcessSetState::ExecuteAlltoall(const Response& r, TensorEntry* e, OpOut
     total += recv[k];
   }
   out->Allocate(total);
-  std::vector<int64_t> matrix(r.splits.size());
-  for (size_t k = 0; k < matrix.size(); ++k) matrix[k] = r.splits[k] * row;
-  Status s = mpi_->Alltoallv(e ? e->input : nullptr, send, out->data.get(), recv, &matrix);
+  // Through shared memory every rank's row of the matrix is needed, in bytes.
+  std::vector<int64_t> matrix;
+  if (mpi_->ShmGathers()) {
+    for (int64_t rows : r.splits) matrix.push_back(rows * row);
+  }
+  Status s = mpi_->Alltoallv(e ? e->input : nullptr, send, out->data.get(), recv,
+                             matrix.empty() ? nullptr : &matrix);
   tally->moved = total;
   tally->sent_away = 0;
   for (int k = 0; k < size; ++k) tally->sent_away += k == me ? 0 : send[k];

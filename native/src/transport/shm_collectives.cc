@@ -84,7 +84,7 @@ bool ProcessAlive(int64_t pid) {
 
 ShmCollectives::ShmCollectives(int rank, std::vector<uint8_t*> segments, std::vector<int64_t> pids)
     : rank_(rank), size_(static_cast<int>(segments.size())), segments_(std::move(segments)),
-      pids_(std::move(pids)), cores_for_each_(CoresAtStartCount() >= size_) {}
+      pids_(std::move(pids)) {}
 
 uint8_t* ShmCollectives::In(int rank, int set) const {
   return segments_[rank] + kHeaderBytes + static_cast<int64_t>(set) * 2 * kChunkBytes;

@@ -147,9 +147,9 @@ class ShmCollectives {
   // Whether a framework thread of this process waits for a blocking op's result now (the
   // core says so every cycle): then the waits of the coordination round and of
   // collectives of at most kPollMaxBytes poll a little before they sleep (poll_).
-  // Never with more ranks here than cores: a poll would keep the core from the peer it
-  // waits for.
-  void set_waits_may_poll(bool may) { may_poll_ = may && cores_for_each_; }
+  // The caller (MpiBackend) says no where this host has more ranks than cores: a poll
+  // would keep the core from the peer it waits for.
+  void set_waits_may_poll(bool may) { may_poll_ = may; }
 
   // bits[i] = AND over ranks of every rank's bits[i]; words <= kMaxBitsWords. Every
   // rank calls it with the same length, in the same order relative to Allreduce.
@@ -199,7 +199,6 @@ class ShmCollectives {
   // waiting thread cost the MLP step 6-10% on 2 cores), and a larger collective's peers
   // need the cores for copying and reducing (a 20 us poll per chunk cost each rank
   // ~0.7 ms of CPU per MLP step).
-  const bool cores_for_each_;  // at least one core per rank of this host
   bool may_poll_ = false;
   bool poll_ = false;
   static constexpr int64_t kPollMaxBytes = 64 * 1024;
