@@ -21,21 +21,22 @@ if [ $# -gt 0 ]; then
     run_pytest "$@"
     exit
 fi
-# The whole suite runs in two lanes at once, two pytest processes: the tests of the
-# namespace cluster and of the engines (Ray, Spark), which mostly wait on links, daemons
-# and timeouts, beside all the others. No test of one lane shares a resource with the
-# other (namespace clusters and the engines' daemons are the first lane's alone). The
-# first lane's output follows the second's; the run fails when either lane fails.
-ENGINE_LANE=(tests/cluster tests/spark)
+# The whole suite runs in two lanes at once, two pytest processes: the tests that mostly
+# wait (on links, daemons, heartbeats and timeouts: the namespace cluster's, the engines'
+# (Spark, Ray) and the elastic jobs') beside all the others. No test of one lane shares a
+# resource with the other (namespace clusters and the engines' daemons are the first
+# lane's alone, and its tests run one at a time). The first lane's output follows the
+# second's; the run fails when either lane fails.
+WAITING_LANE=(tests/cluster tests/spark tests/on_ray tests/elastic)
 lane_log=$(mktemp)
-run_pytest "${ENGINE_LANE[@]}" >"$lane_log" 2>&1 &
-engines=$!
-trap 'kill "$engines" 2>/dev/null || true; rm -f "$lane_log"' EXIT
+run_pytest "${WAITING_LANE[@]}" >"$lane_log" 2>&1 &
+waiting=$!
+trap 'kill "$waiting" 2>/dev/null || true; rm -f "$lane_log"' EXIT
 others=0
-run_pytest tests "${ENGINE_LANE[@]/#/--ignore=}" || others=$?
-engine_status=0
-wait "$engines" || engine_status=$?
-echo "======== lane ${ENGINE_LANE[*]}: exit status ${engine_status} ========"
+run_pytest tests "${WAITING_LANE[@]/#/--ignore=}" || others=$?
+waiting_status=0
+wait "$waiting" || waiting_status=$?
+echo "======== lane ${WAITING_LANE[*]}: exit status ${waiting_status} ========"
 cat "$lane_log"
-echo "======== both lanes: ${ENGINE_LANE[*]} ${engine_status}, the others ${others} ========"
-[ "$others" -eq 0 ] && [ "$engine_status" -eq 0 ]
+echo "======== both lanes: ${WAITING_LANE[*]} ${waiting_status}, the others ${others} ========"
+[ "$others" -eq 0 ] && [ "$waiting_status" -eq 0 ]
