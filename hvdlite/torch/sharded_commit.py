@@ -264,11 +264,11 @@ def hand_over(store, optimizer, load_shared):
             entries.append((commit_id, path, *found))
     listings = objects.allgather_object((host_name(), entries), name="hvdlite.elastic.listing")
     plan = plan_handover(listings)
-    for commit_id, missing in plan.skipped:
+    me = core.rank()
+    for commit_id, missing in plan.skipped if me == 0 else ():
         log.warning("hvdlite elastic: commit %d was not written whole (no part from old "
                     "rank(s) %s: a rank died writing it); resuming from commit %d",
                     commit_id, missing, plan.commit_id)
-    me = core.rank()
 
     def read(source, key):
         if source.reader != me:
