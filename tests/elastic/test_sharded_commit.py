@@ -29,6 +29,20 @@ def test_each_part_is_copied_to_the_next_rank_on_another_host():
     assert holders(["a", "a", "b", "b"]) == [2, 2, 0, 0]
 
 
+def test_a_kept_previous_commit_outlives_the_new_one_until_dropped(tmp_path):
+    from hvdlite.elastic.store import CommitStore
+
+    store = CommitStore(str(tmp_path), generation=0, rank=1)
+    for commit_id in (1, 2):
+        store.write(lambda f, c=commit_id: f.write(b"%d" % c), commit_id, keep_previous=True)
+    # A death now (another rank not done writing 2) leaves commit 1 whole on the disk.
+    assert [entry[0] for entry in store.files()] == [1, 2]
+    store.drop_previous()
+    assert [entry[0] for entry in store.files()] == [2]
+    store.write(lambda f: f.write(b"3"), 3)  # without keep_previous: the old one goes now
+    assert [entry[0] for entry in store.files()] == [3]
+
+
 def _file(host, reader, commit_id, rank, world, parts):
     sections = [("shared", 1)] + [(p, 1) for p in parts]
     manifest = {"world": world, "rank": rank, "shard": 2, "sections": sections}
