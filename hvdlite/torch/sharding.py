@@ -29,7 +29,9 @@ of the model). Checkpoints: ``consolidate_state_dict(to=r)`` on every rank
 gathers the whole state on rank r, whose ``state_dict()`` then returns it in the unsharded
 layout (loadable by any rank count, sharded or not, either stage); ``load_state_dict``
 takes such a dict on every rank (each keeps its part), and ``broadcast_optimizer_state``
-sends the root's whole state.
+sends the root's whole state. Elastic commits keep each rank's part as it holds it
+(``local_state_dict``) and a new world of any size takes its share of the old world's
+parts (``load_local_state_dicts``): see hvdlite/torch/sharded_commit.py.
 """
 import contextlib
 
@@ -298,7 +300,7 @@ class _ShardedOptimizer:
                 generator can hand them over one by one).
 
         Raises:
-            RuntimeError: the parts do not cover every element of this rank's share of a
+            RuntimeError: the parts cover only some elements of this rank's share of a
                 parameter that has state.
         """
         state, filled, param_groups = {}, {}, None
@@ -323,8 +325,13 @@ class _ShardedOptimizer:
                             value[low - part_start:high - part_start])
                 if high > low:
                     filled[index] = filled.get(index, 0) + high - low
-        short = [index for index in state
-                 if filled.get(index, 0) != self._span[index][1] - self._span[index][0]]
+        short = []
+        for index in list(state):
+            wanted, got = self._span[index][1] - self._span[index][0], filled.get(index, 0)
+            if wanted and not got:  # no part with state covers it: it has none
+                del state[index]
+            elif got != wanted:
+                short.append(index)
         if short:
             raise RuntimeError(
                 f"DistributedOptimizer(shard={self.shard}): the saved parts do not cover this "
