@@ -51,7 +51,7 @@ class TorchState(State):
         self.optimizer = optimizer
         self._shard = sharded_commit.stage_of(optimizer)
         self._copies = sharded_commit.Copies() if self._shard else None
-        self._parts = None  # while a sharded commit is written: {rank: part bytes}
+        self._parts = None  # while a sharded commit is written: its optimizer sections
         self._keep_values(kwargs)
         self.save()
 
@@ -68,9 +68,10 @@ class TorchState(State):
 
     def _serialize(self, f):
         if self._shard:
-            parts = self._parts or {runtime.rank(): sharded_commit.part_bytes(self.optimizer)}
-            sharded_commit.write(f, self._shared_bytes(), parts, runtime.size(),
-                                 runtime.rank(), self._shard)
+            parts = self._parts or [(runtime.rank(),
+                                     sharded_commit.part_writer(self.optimizer))]
+            sharded_commit.write(f, [(sharded_commit.SHARED, self._write_shared)] + parts,
+                                 runtime.size(), runtime.rank(), self._shard)
             return
         torch.save({
             "model": self.model.state_dict() if self.model is not None else None,
@@ -78,14 +79,11 @@ class TorchState(State):
             "values": self._values(),
         }, f)
 
-    def _shared_bytes(self):
+    def _write_shared(self, f):
         """What every rank of a sharded job holds whole: the model, the values and the
         commit id."""
-        buffer = io.BytesIO()
         torch.save({"commit_id": self._commit_id, "values": self._values(),
-                    "model": self.model.state_dict() if self.model is not None else None},
-                   buffer)
-        return buffer.getbuffer()
+                    "model": self.model.state_dict() if self.model is not None else None}, f)
 
     def _load_shared(self, data):
         saved = torch.load(io.BytesIO(data), weights_only=False)
@@ -123,8 +121,7 @@ class TorchState(State):
         if not self._shard or self._store is None:
             super()._keep()
             return
-        own = sharded_commit.part_bytes(self.optimizer)
-        self._parts = {runtime.rank(): own, **self._copies.exchange(own)}
+        self._parts = self._copies.sections(self.optimizer)
         try:
             self._store.write(self._write, self._commit_id, keep_previous=True)
         finally:
@@ -146,7 +143,11 @@ class TorchState(State):
         if not self._shard:
             super().sync(root_rank)
             return
-        shared = self._shared_bytes() if runtime.rank() == root_rank else None
+        shared = None
+        if runtime.rank() == root_rank:
+            shared = io.BytesIO()
+            self._write_shared(shared)
+            shared = shared.getbuffer()
         self._load_shared(objects.broadcast_bytes(shared, root_rank, "hvdlite.elastic.sync"))
         self._keep()
 

@@ -9,8 +9,8 @@ alone is not the state. What a commit keeps (see docs/elastic.md for the figures
   (``local_state_dict()``: its entries and the elements they cover). A killed process's
   file stays in tmpfs, so on one host every part outlives any number of deaths.
 * **A copy on another host.** When the world spans several hosts, each rank also sends
-  its part to its *holder*: the next rank round the ring that lives on another host
-  (one alltoall of a part's bytes per commit). The loss of any one host then leaves each
+  its part to its *holder* on the next host (``holders``; one alltoall of a part's
+  bytes per commit). The loss of any one host then leaves each
   part in its own file or in its holder's. On one host nothing is copied.
 * **Whole only once everyone wrote.** A rank keeps its previous file until every rank
   has written the new one (one small allreduce): a death halfway through a commit leaves
@@ -23,10 +23,10 @@ rank keeps the elements of its new share (``load_local_state_dicts``): the optim
 re-sharded for the new world. When some part of every commit is gone (more hosts lost
 than one copy covers) the new world stops with an error that names the missing parts.
 
-File layout, after the commit id that ``State`` writes: ``MAGIC``, the manifest's length
-and the pickled manifest (``world``, ``rank``, ``shard`` and ``sections``: each a key,
-"shared" or an old rank, and its length), then the sections' bytes in that order, each
-a ``torch.save`` blob.
+File layout, after the commit id that ``State`` writes: ``MAGIC``, the sections' bytes
+(each a ``torch.save`` blob, written straight into the file), then the pickled manifest
+(``world``, ``rank``, ``shard`` and ``sections``: each a key, "shared" or an old rank,
+and its length, in the file's order) and, last, the manifest's length.
 """
 import collections
 import io
@@ -73,25 +73,36 @@ def host_name():
 
 
 def holders(hosts):
-    """Per rank, the rank that keeps a copy of its part: the next one round the ring on
-    another host; None for every rank when all are on one host.
+    """Per rank, the rank that keeps a copy of its part: on the next host round the ring of
+    hosts (in the order of their first rank), the rank with the same place among that
+    host's ranks (modulo their number), so that equal hosts each keep one copy per rank;
+    None for every rank when all are on one host.
 
     Args:
         hosts: each rank's host name, in rank order.
     """
-    size = len(hosts)
+    ranks_on = {}
+    for rank, host in enumerate(hosts):
+        ranks_on.setdefault(host, []).append(rank)
+    order = list(ranks_on)
+    if len(order) < 2:
+        return [None] * len(hosts)
     out = []
-    for rank in range(size):
-        others = [(rank + k) % size for k in range(1, size)
-                  if hosts[(rank + k) % size] != hosts[rank]]
-        out.append(others[0] if others else None)
+    for rank, host in enumerate(hosts):
+        there = ranks_on[order[(order.index(host) + 1) % len(order)]]
+        out.append(there[ranks_on[host].index(rank) % len(there)])
     return out
+
+
+def part_writer(optimizer):
+    """``writer(file)`` that serializes this rank's part of the optimizer state into it."""
+    return lambda f: torch.save(optimizer.local_state_dict(), f)
 
 
 def part_bytes(optimizer):
     """This rank's part of the optimizer state, serialized."""
     buffer = io.BytesIO()
-    torch.save(optimizer.local_state_dict(), buffer)
+    part_writer(optimizer)(buffer)
     return buffer.getvalue()
 
 
@@ -102,17 +113,21 @@ class Copies:
     def __init__(self):
         self._holders = None
 
-    def exchange(self, own):
-        """Returns {old rank: part bytes} of the parts this rank keeps for others.
-
-        Args:
-            own: this rank's part, serialized.
-        """
+    def sections(self, optimizer):
+        """Returns this commit's optimizer sections of this rank, as ``write`` takes them:
+        its own part (serialized straight into the file when it goes nowhere else) and
+        the parts it keeps for others."""
         if self._holders is None:
             hosts = objects.allgather_object(host_name(), name="hvdlite.elastic.hosts")
             self._holders = holders(hosts)
+        me = core.rank()
         if not any(h is not None for h in self._holders):
-            return {}
+            return [(me, part_writer(optimizer))]
+        own = part_bytes(optimizer)
+        return sorted({me: own, **self._exchange(own)}.items())
+
+    def _exchange(self, own):
+        """Sends ``own`` to this rank's holder; returns {old rank: bytes} received."""
         size, me = core.size(), core.rank()
         splits = [0] * size
         splits[self._holders[me]] = len(own)
@@ -126,22 +141,27 @@ class Copies:
         return kept
 
 
-def write(f, shared, parts, world, rank, stage):
-    """Writes a commit's sections into the binary file ``f``.
+def write(f, sections, world, rank, stage):
+    """Writes a commit's sections into the binary file ``f``, each straight into it.
 
     Args:
-        shared: the model and values, serialized.
-        parts: {old rank: part bytes}, this rank's own among them.
+        sections: (key, payload) pairs: the shared section first (key ``SHARED``), then
+            the parts (key: the old rank); a payload is bytes, or ``writer(file)``.
         world, rank, stage: the world's size, this rank, the sharding stage.
     """
-    sections = [(SHARED, shared)] + sorted(parts.items())
-    manifest = pickle.dumps({"world": world, "rank": rank, "shard": stage,
-                             "sections": [(key, len(data)) for key, data in sections]})
     f.write(MAGIC)
-    f.write(_LENGTH.pack(len(manifest)))
+    lengths = []
+    for key, payload in sections:
+        start = f.tell()
+        if callable(payload):
+            payload(f)
+        else:
+            f.write(payload)
+        lengths.append((key, f.tell() - start))
+    manifest = pickle.dumps({"world": world, "rank": rank, "shard": stage,
+                             "sections": lengths})
     f.write(manifest)
-    for _, data in sections:
-        f.write(data)
+    f.write(_LENGTH.pack(len(manifest)))
 
 
 def is_sectioned(data):
@@ -152,10 +172,9 @@ def is_sectioned(data):
 def parse(data):
     """Returns (manifest, {key: memoryview}) of a commit written by ``write``."""
     view = memoryview(data).cast("B")
-    (length,) = _LENGTH.unpack_from(view, len(MAGIC))
-    start = len(MAGIC) + _LENGTH.size
-    manifest = pickle.loads(view[start:start + length])
-    offset, sections = start + length, {}
+    (length,) = _LENGTH.unpack_from(view, len(view) - _LENGTH.size)
+    manifest = pickle.loads(view[len(view) - _LENGTH.size - length:len(view) - _LENGTH.size])
+    offset, sections = len(MAGIC), {}
     for key, size in manifest["sections"]:
         sections[key] = view[offset:offset + size]
         offset += size
@@ -167,14 +186,15 @@ def read_manifest(path):
     is not a sharded commit (or is gone)."""
     try:
         with open(path, "rb") as f:
-            head = f.read(COMMIT_HEADER.size + len(MAGIC) + _LENGTH.size)
-            if head[COMMIT_HEADER.size:COMMIT_HEADER.size + len(MAGIC)] != MAGIC:
+            if f.read(COMMIT_HEADER.size + len(MAGIC))[COMMIT_HEADER.size:] != MAGIC:
                 return None
-            (length,) = _LENGTH.unpack_from(head, COMMIT_HEADER.size + len(MAGIC))
+            f.seek(-_LENGTH.size, io.SEEK_END)
+            (length,) = _LENGTH.unpack(f.read(_LENGTH.size))
+            f.seek(-_LENGTH.size - length, io.SEEK_END)
             manifest = pickle.loads(f.read(length))
     except (OSError, EOFError, pickle.UnpicklingError, struct.error):
         return None
-    return manifest, len(head) + length
+    return manifest, COMMIT_HEADER.size + len(MAGIC)
 
 
 def read_section(path, start, manifest, key):

@@ -21,12 +21,13 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("native")]
 
 # -- no job ------------------------------------------------------------------------------
 
-def test_each_part_is_copied_to_the_next_rank_on_another_host():
+def test_each_part_is_copied_to_a_rank_on_the_next_host():
     from hvdlite.torch.sharded_commit import holders
 
     assert holders(["a", "a", "a"]) == [None, None, None]
-    assert holders(["a", "b", "a"]) == [1, 2, 1]
-    assert holders(["a", "a", "b", "b"]) == [2, 2, 0, 0]
+    assert holders(["a", "b", "a"]) == [1, 0, 1]
+    assert holders(["a", "a", "b", "b"]) == [2, 3, 0, 1]  # one copy each
+    assert holders(["a", "b", "c", "a", "b", "c"]) == [1, 2, 0, 4, 5, 3]
 
 
 def test_a_kept_previous_commit_outlives_the_new_one_until_dropped(tmp_path):
@@ -59,13 +60,13 @@ def _listings(files, ranks):
 def test_the_new_world_takes_the_newest_whole_commit_and_names_what_is_missing():
     from hvdlite.torch.sharded_commit import plan_handover
 
-    # Commit 5 of 3 ranks on two hosts (copies 0->1, 1->2, 2->1); h1 (rank 1's) is lost:
-    # part 1 comes from rank 2's copy.
-    files = [_file("h0", 0, 5, 0, 3, [0]), _file("h0", 0, 5, 2, 3, [1, 2]),
-             _file("h0", 1, 5, 0, 3, [0]), _file("h0", 1, 5, 2, 3, [1, 2])]
+    # Commit 5 of 3 ranks on two hosts (copies 0->1, 1->0, 2->1); h1 (rank 1's) is lost:
+    # part 1 comes from rank 0's copy.
+    files = [_file("h0", 0, 5, 0, 3, [0, 1]), _file("h0", 0, 5, 2, 3, [2]),
+             _file("h0", 1, 5, 0, 3, [0, 1]), _file("h0", 1, 5, 2, 3, [2])]
     plan = plan_handover(_listings(files, 2))
     assert plan.commit_id == 5 and plan.world == 3 and not plan.skipped
-    assert [s.path for s in plan.parts] == ["/s/c5-r0", "/s/c5-r2", "/s/c5-r2"]
+    assert [s.path for s in plan.parts] == ["/s/c5-r0", "/s/c5-r0", "/s/c5-r2"]
     assert {s.reader for s in plan.parts} == {0}  # the first rank that sees the file
 
     # Commit 6 lacks rank 2's part (it died writing it): commit 5, whole, is taken.
@@ -171,15 +172,15 @@ print("HVDLITE_RESULT", json.dumps({"failures": failures}), flush=True)
 RESHARD = PRELUDE + r'''
 lost = sys.argv[2]
 for stage in (1, 2):
-    # Both copies of rank 1's part gone (its own file and its holder's, rank 2's, which
-    # had its own part too): refused, by name.
+    # Both copies of rank 1's part gone (its own file and its holder's, rank 0's, which
+    # had rank 0's own part too): refused, by name.
     world(stage, lost, 1)
     model, opt = make(stage, 7)
     try:
         hvd.elastic.TorchState(model, opt, step=0)._enter_world()
         failures.append(f"stage {stage}: a commit without a part was taken")
     except RuntimeError as e:
-        if "parts of old rank(s) [1, 2] missing" not in str(e):
+        if "parts of old rank(s) [0, 1] missing" not in str(e):
             failures.append(f"stage {stage}: {e}")
     # One copy of it left (host h1 lost): the commit, re-sharded for 2 ranks.
     world(stage, base, 1)
@@ -220,7 +221,7 @@ def test_a_commit_restores_bit_for_bit_and_reshards_from_3_to_2_ranks_after_a_ho
         for name in files[stage]:
             if name.endswith("-r1.state"):  # host h1
                 os.remove(base / f"hvdlite-elastic-s{stage}" / name)
-            if not name.endswith("-r0.state"):  # h1, and rank 2 that kept h1's copy
+            if not name.endswith("-r2.state"):  # h1, and rank 0 that kept h1's copy
                 os.remove(lost / f"hvdlite-elastic-s{stage}" / name)
     _failures(run_job(2, RESHARD, args=[base, lost], timeout=120), 2)
     # The new world's commit replaced the old world's files.
