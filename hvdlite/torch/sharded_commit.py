@@ -108,7 +108,7 @@ def part_bytes(optimizer):
 
 class Copies:
     """Sends each rank's part to its holder at a commit (collective: every rank calls
-    ``exchange`` at the same commit). The world's hosts are asked once."""
+    ``sections`` at the same commit). The world's hosts are asked once."""
 
     def __init__(self):
         self._holders = None
@@ -116,29 +116,40 @@ class Copies:
     def sections(self, optimizer):
         """Returns this commit's optimizer sections of this rank, as ``write`` takes them:
         its own part (serialized straight into the file when it goes nowhere else) and
-        the parts it keeps for others."""
+        the parts it keeps for others (their exchange is on the wire while ``write``
+        serializes the model)."""
         if self._holders is None:
             hosts = objects.allgather_object(host_name(), name="hvdlite.elastic.hosts")
             self._holders = holders(hosts)
         me = core.rank()
         if not any(h is not None for h in self._holders):
             return [(me, part_writer(optimizer))]
-        own = part_bytes(optimizer)
-        return sorted({me: own, **self._exchange(own)}.items())
-
-    def _exchange(self, own):
-        """Sends ``own`` to this rank's holder; returns {old rank: bytes} received."""
-        size, me = core.size(), core.rank()
-        splits = [0] * size
+        buffer = io.BytesIO()
+        part_writer(optimizer)(buffer)
+        own = buffer.getbuffer()
+        splits = [0] * core.size()
         splits[self._holders[me]] = len(own)
-        received, counts = ops.alltoall(np.frombuffer(own, dtype=np.uint8).copy(), splits,
-                                        name="hvdlite.elastic.copies")
-        kept, offset = {}, 0
-        for rank, count in enumerate(counts.tolist()):
-            if count:
-                kept[rank] = received[offset:offset + count].tobytes()
-            offset += count
-        return kept
+        handle = ops.alltoall_async(np.frombuffer(own, dtype=np.uint8), splits,
+                                    name="hvdlite.elastic.copies")
+        received = []  # (bytes, offsets by sender), once the exchange has ended
+
+        def wait():
+            if not received:
+                data, counts = ops.synchronize(handle)
+                received.append((data, np.concatenate([[0], np.cumsum(counts)]).tolist()))
+            return received[0]
+
+        def copy_of(rank):
+            def write_copy(f):
+                data, offsets = wait()
+                f.write(data[offsets[rank]:offsets[rank + 1]])
+            return write_copy
+
+        senders = [rank for rank, holder in enumerate(self._holders) if holder == me]
+        if not senders:  # nothing to keep: the exchange still ends before the commit does
+            wait()
+        return sorted([(me, own)] + [(rank, copy_of(rank)) for rank in senders],
+                      key=lambda section: section[0])
 
 
 def write(f, sections, world, rank, stage):
