@@ -145,6 +145,19 @@ def world(stage, directory, generation):
 '''
 
 COMMIT = PRELUDE + r'''
+# Outside an elastic job (plain hvdliterun): the commit stays in process memory.
+model, opt = make(2, 100 + rank)
+state = hvd.elastic.TorchState(model, opt)
+state._enter_world()
+train(model, opt, 2, 0)
+state.commit()
+committed = whole(model, opt)
+train(model, opt, 1, 2)
+state.restore()
+back = whole(model, opt)
+if rank == 0:
+    failures += [f"in memory, restore: {d}" for d in differences(back, committed)]
+
 for stage in (1, 2):
     world(stage, base, 0)
     model, opt = make(stage, 100 + rank)  # different on each rank: the sync must fix it
