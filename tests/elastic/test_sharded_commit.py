@@ -30,6 +30,19 @@ def test_each_part_is_copied_to_a_rank_on_the_next_host():
     assert holders(["a", "b", "c", "a", "b", "c"]) == [1, 2, 0, 4, 5, 3]
 
 
+def test_what_a_commit_cannot_keep_is_refused_by_name():
+    from types import SimpleNamespace
+
+    from hvdlite.torch.sharded_commit import stage_of
+
+    everyone = SimpleNamespace(process_set_id=0)
+    assert stage_of(None) == 0 and stage_of(SimpleNamespace(shard=2, process_set=everyone)) == 2
+    with pytest.raises(ValueError, match="shard=1 and shard=2; this one has shard=3"):
+        stage_of(SimpleNamespace(shard=3, process_set=everyone))
+    with pytest.raises(ValueError, match="over the global process set"):
+        stage_of(SimpleNamespace(shard=1, process_set=SimpleNamespace(process_set_id=1)))
+
+
 def test_a_kept_previous_commit_outlives_the_new_one_until_dropped(tmp_path):
     from hvdlite.elastic.store import CommitStore
 
