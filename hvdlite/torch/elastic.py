@@ -106,7 +106,7 @@ class TorchState(State):
             self._load_shared(sections[sharded_commit.SHARED])
             # This world's own commit (restore): its own part covers its share.
             self.optimizer.load_local_state_dicts(
-                torch.load(io.BytesIO(sections[key]), weights_only=False)
+                sharded_commit.load_part(sections[key])
                 for key, _ in manifest["sections"] if key != sharded_commit.SHARED)
             return
         # Our own bytes from this job, not a file of unknown origin: full unpickling.

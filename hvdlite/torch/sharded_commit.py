@@ -94,6 +94,13 @@ def holders(hosts):
     return out
 
 
+def load_part(data):
+    """A part serialized by ``part_writer``, on the CPU (an old rank's GPU may not be this
+    rank's; ``load_local_state_dicts`` moves its share to the parameters' device)."""
+    # Our own bytes from this job, not a file of unknown origin: full unpickling.
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
 def part_writer(optimizer):
     """``writer(file)`` that serializes this rank's part of the optimizer state into it."""
     return lambda f: torch.save(optimizer.local_state_dict(), f)
@@ -314,7 +321,7 @@ def hand_over(store, optimizer, load_shared):
         for old_rank, source in enumerate(plan.parts):
             data = objects.broadcast_bytes(read(source, old_rank), source.reader,
                                            "hvdlite.elastic.handover.part")
-            yield torch.load(io.BytesIO(data), weights_only=False)
+            yield load_part(data)
 
     optimizer.load_local_state_dicts(parts())
     return plan.commit_id
