@@ -116,7 +116,8 @@ def train(state):
                       pset_sum=pset_sum)
             sampler.record_batch(batch, len(mine))
             state.step += 1
-            if RANK == 0 and state.step == args.grow_at and args.grow_file and GEN == args.grow_world:
+            if (RANK == 0 and state.step == args.grow_at and args.grow_file
+                    and GEN == args.grow_world):
                 with open(args.grow_file, "w") as f:
                     f.write(args.grow_hosts + "\n")
                 time.sleep(2.0)  # the driver reads the discovery script every second
