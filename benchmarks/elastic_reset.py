@@ -8,7 +8,8 @@ world prints one JSON line: death_to_resume_s (the kill to the first step of the
 world), init_s (the kill to hvd.init done in the new world: process start, imports, MPI),
 handover_s (finding the newest commit, reading it, broadcasting and loading it, and the
 new world's own first save), and commit_s (median of the first world's commits). The
-state is the weights plus SGD momentum, so about twice --mb.
+state is the weights plus SGD momentum, so about twice --mb. With --shard 1 or 2 the
+optimizer is sharded (one weight matrix: stage 1 gives it to one rank, stage 2 splits it).
 """
 import argparse
 import json
@@ -25,6 +26,7 @@ from hvdlite.elastic import protocol
 parser = argparse.ArgumentParser()
 parser.add_argument("--mb", type=float, default=4.0, help="model size (float32 weights)")
 parser.add_argument("--steps", type=int, default=5)
+parser.add_argument("--shard", type=int, default=0, help="DistributedOptimizer(shard=...)")
 parser.add_argument("--stamp", default="/tmp/hvdlite-elastic-reset-kill.txt")
 args = parser.parse_args()
 
@@ -35,7 +37,8 @@ width = 1024
 rows = max(1, int(args.mb * 1024 * 1024 / 4 / width))
 model = torch.nn.Linear(width, rows, bias=False)
 optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                                     named_parameters=model.named_parameters())
+                                     named_parameters=model.named_parameters(),
+                                     shard=args.shard)
 state = hvd.elastic.TorchState(model, optimizer, step=0)
 first = protocol.generation() == 0
 entered = []

@@ -23,8 +23,8 @@ from hvdlite.elastic import protocol
 from hvdlite.elastic.store import CommitStore
 from hvdlite.errors import HorovodInternalError, HostsUpdatedInterrupt, MismatchError
 
-# A serialized state: the commit id, then the subclass's bytes.
-_HEADER = struct.Struct("<q")
+# A serialized state: the commit id, then the subclass's bytes (a commit file too).
+COMMIT_HEADER = struct.Struct("<q")
 
 
 class State:
@@ -137,7 +137,7 @@ class State:
         raise NotImplementedError
 
     def _write(self, f):
-        f.write(_HEADER.pack(self._commit_id))
+        f.write(COMMIT_HEADER.pack(self._commit_id))
         self._serialize(f)
 
     def _blob(self):
@@ -147,8 +147,8 @@ class State:
 
     def _load_blob(self, blob):
         view = memoryview(blob).cast("B")
-        (self._commit_id,) = _HEADER.unpack_from(view)
-        self._deserialize(view[_HEADER.size:])
+        (self._commit_id,) = COMMIT_HEADER.unpack_from(view)
+        self._deserialize(view[COMMIT_HEADER.size:])
 
     # -- worlds (called by run) ----------------------------------------------------------
 

@@ -28,13 +28,17 @@ class CommitStore:
         self.generation = generation
         self.rank = rank
         self.path = None  # this rank's newest commit file
+        self._previous = None  # the file before it, while write(keep_previous=True) keeps it
 
-    def write(self, writer, commit_id):
+    def write(self, writer, commit_id, keep_previous=False):
         """Writes commit ``commit_id`` and drops this rank's previous file.
 
         Args:
             writer: ``writer(file)`` writes the serialized state into a binary file.
             commit_id: the commit's id.
+            keep_previous: keep the previous file until ``drop_previous`` (a commit that
+                is whole only once every rank has written its part: the previous one must
+                outlive a write that another rank's death leaves unfinished).
         """
         os.makedirs(self.directory, exist_ok=True)
         name = f"c{commit_id:012d}-g{self.generation}-r{self.rank}.state"
@@ -45,6 +49,16 @@ class CommitStore:
         os.replace(tmp, path)
         previous, self.path = self.path, path
         if previous and previous != path:
+            if keep_previous:
+                self.drop_previous()  # one kept file at most
+                self._previous = previous
+            else:
+                _remove(previous)
+
+    def drop_previous(self):
+        """Removes the file ``write(..., keep_previous=True)`` kept, if any."""
+        previous, self._previous = self._previous, None
+        if previous and previous != self.path:
             _remove(previous)
 
     def read_own(self):
@@ -63,6 +77,15 @@ class CommitStore:
                 best = (int(match.group(1)), os.path.join(self.directory, name))
         return best
 
+    def files(self):
+        """Returns [(commit id, generation, rank, path)] of every commit file on this host."""
+        found = []
+        for name in _listdir(self.directory):
+            match = _NAME.match(name)
+            if match:
+                found.append((*map(int, match.groups()), os.path.join(self.directory, name)))
+        return sorted(found)
+
     def drop_older_generations(self):
         """Removes the files of earlier worlds and of writes cut short, on this host.
 
@@ -75,6 +98,7 @@ class CommitStore:
 
     def remove_own(self):
         """Removes this rank's file, and the directory once it is empty (job finished)."""
+        self.drop_previous()
         if self.path is not None:
             _remove(self.path)
             self.path = None

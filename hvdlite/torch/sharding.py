@@ -29,7 +29,9 @@ of the model). Checkpoints: ``consolidate_state_dict(to=r)`` on every rank
 gathers the whole state on rank r, whose ``state_dict()`` then returns it in the unsharded
 layout (loadable by any rank count, sharded or not, either stage); ``load_state_dict``
 takes such a dict on every rank (each keeps its part), and ``broadcast_optimizer_state``
-sends the root's whole state.
+sends the root's whole state. Elastic commits keep each rank's part as it holds it
+(``local_state_dict``) and a new world of any size takes its share of the old world's
+parts (``load_local_state_dicts``): see hvdlite/torch/sharded_commit.py.
 """
 import contextlib
 
@@ -269,6 +271,81 @@ class _ShardedOptimizer:
             self._hvd_base.load_state_dict(self, {"state": state,
                                                   "param_groups": state_dict["param_groups"]})
         self._full_state = state_dict
+
+    def local_state_dict(self):
+        """This rank's part of the state, as it holds it (no communication): what an
+        elastic commit keeps (see hvdlite/torch/sharded_commit.py).
+
+        Returns:
+            ``{"state", "param_groups"}`` as ``state_dict()`` lays them out, with only this
+            rank's entries (a per-element entry holds this rank's elements, flattened), and
+            ``"spans"``: per parameter index, the elements ``[start, stop)`` of the
+            flattened parameter those entries cover.
+        """
+        with self._as_stepped():
+            local = self._hvd_base.state_dict(self)
+        return {"state": {index: {key: value.reshape(-1) if _per_element(value) else value
+                                  for key, value in entries.items()}
+                          for index, entries in local["state"].items()},
+                "param_groups": local["param_groups"],
+                "spans": {index: self._span[index] for index in local["state"]}}
+
+    def load_local_state_dicts(self, parts):
+        """Loads this rank's part of a state saved as ``local_state_dict()`` parts by the
+        ranks of any world, either stage: each part's elements that fall in this rank's
+        pieces (or parameters) are copied in, one part at a time.
+
+        Args:
+            parts: an iterable of ``local_state_dict()`` results (consumed once, so a
+                generator can hand them over one by one).
+
+        Raises:
+            RuntimeError: the parts cover only some elements of this rank's share of a
+                parameter that has state.
+        """
+        state, filled, param_groups = {}, {}, None
+        for part in parts:
+            param_groups = part["param_groups"]
+            for index, entries in part["state"].items():
+                mine = self._stepped[index]
+                if mine is None:
+                    continue
+                start, stop = self._span[index]
+                part_start, part_stop = part["spans"][index]
+                low, high = max(start, part_start), min(stop, part_stop)
+                target = state.setdefault(index, {})
+                for key, value in entries.items():
+                    if not _per_element(value):
+                        target.setdefault(key, value)
+                        continue
+                    if key not in target:
+                        target[key] = torch.empty(stop - start, dtype=value.dtype)
+                    if high > low:
+                        target[key][low - start:high - start].copy_(
+                            value[low - part_start:high - part_start])
+                if high > low:
+                    filled[index] = filled.get(index, 0) + high - low
+        short = []
+        for index in list(state):
+            wanted, got = self._span[index][1] - self._span[index][0], filled.get(index, 0)
+            if wanted and not got:  # no part with state covers it: it has none
+                del state[index]
+            elif got != wanted:
+                short.append(index)
+        if short:
+            raise RuntimeError(
+                f"DistributedOptimizer(shard={self.shard}): the saved parts do not cover this "
+                f"rank's share of parameter(s) {short}")
+        for index, entries in state.items():
+            shape = self._stepped[index].shape
+            for key, value in entries.items():
+                if _per_element(value):
+                    entries[key] = value.view(shape)
+        with self._as_stepped():
+            self._hvd_base.load_state_dict(
+                self, {"state": state, "param_groups": param_groups
+                       or self._hvd_base.state_dict(self)["param_groups"]})
+        self._full_state = None
 
     def _hvd_broadcast_state(self, root_rank, process_set):
         """broadcast_optimizer_state for a sharded optimizer: the root's whole state (one

@@ -104,3 +104,29 @@ def check(log_dir, samples, epochs):
             f"({remaining} samples over {size} ranks); counts {dict(counts)}"
     done = [d for r in worlds[began[-1]].values() for d in _events(r, "done")]
     return {"worlds": [starts[g]["size"] for g in began], "starts": starts, "done": done}
+
+
+def committed_batches(log_dir, summary):
+    """The committed steps' batches, in step order: per step, each rank's sample indices
+    (rank order) in the world that trained it for good; for a one-process replay.
+
+    Args:
+        summary: ``check``'s result for the same records.
+    """
+    worlds = load(log_dir)
+    starts = summary["starts"]
+    began = sorted(starts)
+    batches = []
+    for gen, later in zip(began, began[1:] + [None]):
+        begin = starts[gen]["step"]
+        end = starts[later]["step"] if later is not None else None
+        per_rank = []
+        for rank in range(starts[gen]["size"]):
+            trained = {t["step"]: t["indices"] for t in _events(worlds[gen][rank], "trained")}
+            per_rank.append(trained)
+        stop = end if end is not None else max(per_rank[0]) + 1
+        for step in range(begin, stop):
+            missing = [rank for rank, trained in enumerate(per_rank) if step not in trained]
+            assert not missing, f"world {gen}: ranks {missing} did not record step {step}"
+            batches.append([trained[step] for trained in per_rank])
+    return batches

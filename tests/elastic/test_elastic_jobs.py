@@ -160,6 +160,57 @@ def test_below_min_np_then_a_host_joins_the_job_goes_on_from_the_last_commit(tmp
     assert time.monotonic() - started < 150
 
 
+# -- a sharded optimizer -----------------------------------------------------------------
+
+def _replay(log_dir, summary, weights):
+    """The final weights of one process that trains the committed steps' whole batches
+    (the ranks' mean losses averaged, as the ranks' averaged gradients), from world 0's
+    first weights, with the script's model, data and Adam."""
+    import torch
+    import torch.nn.functional as F
+
+    data = torch.randn(SAMPLES, 8, generator=torch.Generator().manual_seed(7))
+    target = (data.sum(dim=1) > 0).long()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    model.load_state_dict(torch.load(weights / "initial.pt"))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    batches = history.committed_batches(log_dir, summary)
+    for per_rank in batches:
+        optimizer.zero_grad()
+        loss = sum(F.cross_entropy(model(data[i]), target[i]) for i in per_rank) / len(per_rank)
+        loss.backward()
+        optimizer.step()
+    return model.state_dict(), len(batches)
+
+
+def test_a_sharded_optimizer_rolls_back_and_reshards_3_to_2_to_3_bit_for_bit(tmp_path):
+    # shard=2 (element-wise pieces: every rank's share changes with the world's size); a
+    # rank killed with the gradients in flight (3 -> 2), then a slot added (2 -> 3). Stage 1,
+    # and a death halfway through a commit, are in test_sharded_commit.py (one job costs
+    # some 30-50 s here).
+    import torch
+
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    script, hosts_file = _discovery_script(tmp_path, "localhost:3")
+    # The killed rank's slot is out for good: a 4th slot in the list brings 3 back.
+    extra = ["--shard", 2, "--weights", weights, "--grow-file", hosts_file, "--grow-at", 9,
+             "--grow-world", 1, "--grow-hosts", "localhost:4"]
+    result, log_dir = _train(tmp_path, 3, ["--min-np", "2", "--max-np", "3",
+                                           "--host-discovery-script", script],
+                             kills=["0:2:5:allreduce"], extra=extra)
+    # history.check: each new world starts from the last commit's digest (the weights and
+    # the whole optimizer state, consolidated), no committed step repeated or skipped.
+    summary = _assert_finished(result, log_dir, [3, 2, 3])
+    assert [summary["starts"][g]["step"] for g in (1, 2)] == [5, 9], summary["starts"]
+    want, steps = _replay(log_dir, summary, weights)
+    assert steps == summary["done"][0]["step"], (steps, summary["done"])
+    got = torch.load(weights / "final.pt")
+    for name, value in want.items():
+        diff = (got[name] - value).abs().max().item()
+        assert diff < 1e-5, f"{name}: the job's final weights differ from the replay's by {diff}"
+
+
 # -- Keras and TensorFlow --------------------------------------------------------------
 
 def needs_keras(test):

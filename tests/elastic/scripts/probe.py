@@ -74,7 +74,7 @@ class Probe:
         probe = self
         write = store_module.CommitStore.write
 
-        def write_or_die(store, writer, commit_id):
+        def write_or_die(store, writer, commit_id, **kwargs):
             if probe.ordered("commit", probe.step_now):  # half a file, then death
                 os.makedirs(store.directory, exist_ok=True)
                 blob = io.BytesIO()
@@ -82,7 +82,7 @@ class Probe:
                 with open(os.path.join(store.directory, f".tmp-{os.getpid()}-half"), "wb") as f:
                     f.write(blob.getbuffer()[:len(blob.getbuffer()) // 2])
                 probe.kill_here("commit", probe.step_now)
-            write(store, writer, commit_id)
+            write(store, writer, commit_id, **kwargs)
 
         broadcast_bytes = objects_module.broadcast_bytes
 

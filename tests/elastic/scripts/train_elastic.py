@@ -1,13 +1,15 @@
 """An elastic training job (PyTorch) that records what the tests check, and dies where told.
 
     train_elastic.py LOG_DIR [--kill WORLD:RANK:STEP:WHERE ...] [--grow-file F --grow-at S]
-                     [--process-set evens|fixed]
+                     [--process-set evens|fixed] [--shard 1|2] [--weights DIR]
 
 The records and the kill orders are probe.py's. WHERE is, besides probe's, backward (in
 the middle of the backward pass) or allreduce (gradients in flight on the others).
 With --process-set each step also sums the members' ranks over a process set made at
 the start of each world: ``evens`` (the even ranks of that world) or ``fixed`` ([0, 2],
-whatever the world's size).
+whatever the world's size). With --shard the optimizer is sharded (its digest is of the
+consolidated state); with --weights rank 0 saves the model's weights there when the
+first world starts (initial.pt) and when training ends (final.pt), for a replay.
 """
 import argparse
 import hashlib
@@ -33,6 +35,9 @@ parser.add_argument("--grow-hosts", default="localhost:3")
 parser.add_argument("--death-note", help="a victim creates this file before it dies")
 parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step")
 parser.add_argument("--process-set", choices=["evens", "fixed"])
+parser.add_argument("--shard", type=int, default=0)
+parser.add_argument("--grow-world", type=int, default=0, help="the world --grow-at counts in")
+parser.add_argument("--weights")
 args = parser.parse_args()
 
 hvd.init()
@@ -47,11 +52,19 @@ if args.process_set:  # made anew in every world, as every line of the script
 
 
 def digest(model, optimizer):
+    if args.shard:  # the whole state, gathered on rank 0 (collective: every rank calls it)
+        optimizer.consolidate_state_dict(to=0)
+        whole = digest_of(model, optimizer.state_dict()) if RANK == 0 else None
+        return hvd.broadcast_object(whole, 0, name="test.digest")
+    return digest_of(model, optimizer.state_dict())
+
+
+def digest_of(model, optimizer_state):
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         h.update(name.encode())
         h.update(tensor.detach().numpy().tobytes())
-    for index, per_param in sorted(optimizer.state_dict()["state"].items()):
+    for index, per_param in sorted(optimizer_state["state"].items()):
         for key, value in sorted(per_param.items()):
             h.update(f"{index}.{key}".encode())
             h.update(value.numpy().tobytes() if torch.is_tensor(value) else repr(value).encode())
@@ -65,7 +78,8 @@ data = torch.randn(args.samples, 8, generator=torch.Generator().manual_seed(7))
 target = (data.sum(dim=1) > 0).long()
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
 optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                     shard=args.shard)
 sampler = hvd.elastic.ElasticSampler(range(args.samples), shuffle=True, seed=3)
 state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, step=0)
 resets = []
@@ -78,6 +92,8 @@ def train(state):
               commit=state.commit_id, epoch=state.epoch, processed=sampler.processed_num,
               resets=list(resets), digest=digest(model, optimizer), time=time.time(),
               pset=pset.ranks if pset else None)
+    if args.weights and RANK == 0 and GEN == 0:
+        torch.save(model.state_dict(), os.path.join(args.weights, "initial.pt"))
     while state.epoch < args.epochs:
         indices = list(sampler)  # this rank's share of the epoch's unprocessed samples
         for batch in range(-(-len(indices) // args.batch)):
@@ -100,7 +116,8 @@ def train(state):
                       pset_sum=pset_sum)
             sampler.record_batch(batch, len(mine))
             state.step += 1
-            if RANK == 0 and state.step == args.grow_at and args.grow_file and GEN == 0:
+            if (RANK == 0 and state.step == args.grow_at and args.grow_file
+                    and GEN == args.grow_world):
                 with open(args.grow_file, "w") as f:
                     f.write(args.grow_hosts + "\n")
                 time.sleep(2.0)  # the driver reads the discovery script every second
@@ -112,5 +129,7 @@ def train(state):
 
 
 final = train(state)
+if args.weights and RANK == 0:
+    torch.save(model.state_dict(), os.path.join(args.weights, "final.pt"))
 probe.log("done", size=hvd.size(), step=state.step, digest=final)
 print("HVDLITE_RESULT", json.dumps({"digest": final, "size": hvd.size()}), flush=True)
