@@ -33,6 +33,14 @@ def _events(records, ev):
     return [r for r in records if r["ev"] == ev]
 
 
+def _batch(records, step):
+    """The "batch" record of ``step`` (logged before the step's forward): what a rank that
+    died after its gradients went out, before it logged "trained", trained."""
+    found = [r for r in _events(records, "batch") if r["step"] == step]
+    assert found, f"no batch record of step {step}"
+    return found[-1]
+
+
 def check(log_dir, samples, epochs):
     """Asserts the properties above; returns a summary dict for the test's own checks."""
     worlds = load(log_dir)
@@ -83,6 +91,8 @@ def check(log_dir, samples, epochs):
                 # step has not recorded the last committed step.
                 assert got == want or got == want[:-1], \
                     f"world {gen} rank {rank}: trained steps {got}, expected {want}"
+                if got != want:  # the last one: its gradients of that step were in the commit
+                    trained.append(_batch(records, want[-1]))
             else:
                 assert got == list(range(begin, begin + len(got))), \
                     f"world {gen} rank {rank}: trained steps {got} are not consecutive from {begin}"
@@ -122,7 +132,10 @@ def committed_batches(log_dir, summary):
         end = starts[later]["step"] if later is not None else None
         per_rank = []
         for rank in range(starts[gen]["size"]):
-            trained = {t["step"]: t["indices"] for t in _events(worlds[gen][rank], "trained")}
+            records = worlds[gen][rank]
+            trained = {t["step"]: t["indices"] for t in _events(records, "trained")}
+            if end is not None and end > begin and end - 1 not in trained:
+                trained[end - 1] = _batch(records, end - 1)["indices"]  # died after it
             per_rank.append(trained)
         stop = end if end is not None else max(per_rank[0]) + 1
         for step in range(begin, stop):

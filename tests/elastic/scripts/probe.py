@@ -2,6 +2,8 @@
 
 Each rank appends JSON lines to LOG_DIR/g<world>-r<rank>.jsonl (history.py reads them):
   {"ev": "start", ...}    after the world's state was handed over (before any step)
+  {"ev": "batch", ...}    (train_elastic.py) before each step's forward: the step and
+                          the sample indices this rank is about to train on
   {"ev": "trained", ...}  after each optimizer step: the step and the sample indices
                           this rank trained on
   {"ev": "saved", ...}    after each save reached host memory: the step count and a

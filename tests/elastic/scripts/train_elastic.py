@@ -99,6 +99,8 @@ def train(state):
         for batch in range(-(-len(indices) // args.batch)):
             probe.step_now = state.step
             mine = indices[batch * args.batch:(batch + 1) * args.batch]
+            # Before the step: a rank may die once its gradients are out, before "trained".
+            probe.log("batch", step=state.step, epoch=state.epoch, indices=mine)
             optimizer.zero_grad()
             hidden = model[1](model[0](data[mine]))
             if probe.ordered("backward", state.step):
