@@ -308,11 +308,16 @@ class ShardedModule(torch.nn.Module):
 
     def _hook_after_forward(self, block):
         def hook(module, inputs, output):
+            backward = False
             if torch.is_grad_enabled():
                 for tensor in _tensors(output):
                     if tensor.requires_grad:
                         tensor.register_hook(self._hook_before_backward(block))
-            self._free(block)
+                        backward = True
+            # The block that ran last in the previous forward is the first that backward
+            # needs: it stays.
+            if not (backward and self._last_order and block is self._last_order[-1]):
+                self._free(block)
         return hook
 
     def _hook_before_backward(self, block):
