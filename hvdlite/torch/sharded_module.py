@@ -69,6 +69,7 @@ class _Group:
         self.numel = sum(numel for _, _, numel, _ in params)
         self.bounds = sharding.piece_bounds(self.numel, size)
         self.low, self.high = self.bounds[rank], self.bounds[rank + 1]
+        self.requires_grad = True     # set by the module, as its parameters'
         self.piece = None             # set by the module: an nn.Parameter
         self.full = None              # set by the module: a flat leaf of numel elements
 
@@ -197,41 +198,45 @@ class ShardedModule(torch.nn.Module):
                                      f"{'0-dimensional' if p.dim() == 0 else 'not contiguous'}")
                 slots[owner[p]].append((m, attribute, p))
                 names[p].append(f"{prefix}.{attribute}" if prefix else attribute)
-        handles = []
+        owner.clear()
+        # Block by block, each block's parameters let go once cut, so that the model's
+        # parameters and their flat copies are never all held twice.
         for block in self._blocks:
             kinds = {}  # (dtype, requires_grad) -> parameters in order, each once
-            for _, _, p in slots[block]:
+            block_slots = slots.pop(block, [])
+            for _, _, p in block_slots:
                 kinds.setdefault((p.dtype, p.requires_grad), dict())[p] = None
+            handles = []
             for (dtype, requires_grad), params in kinds.items():
                 offsets, layout, offset = {}, [], 0
                 for p in params:
                     offsets[p] = offset
-                    layout.append((names[p], offset, p.numel(), p.shape))
+                    layout.append((names.pop(p), offset, p.numel(), p.shape))
                     offset += p.numel()
                 group = _Group(block, layout, [(m, a, offsets[p], p.numel(), p.shape)
-                                               for m, a, p in slots[block] if p in offsets],
+                                               for m, a, p in block_slots if p in offsets],
                                self._size, self._rank)
+                group.requires_grad = requires_grad
                 with torch.no_grad():
-                    flat = torch.cat([p.detach().reshape(-1) for p in params])
-                group.full = flat.requires_grad_(requires_grad)
+                    group.full = torch.cat([p.detach().reshape(-1) for p in params])
                 if broadcast_from is not None and self._size > 1:
                     handles.append(mpi_ops.broadcast_async_(
-                        flat, broadcast_from, name=f"{self._name}.init.{block.name}."
+                        group.full, broadcast_from, name=f"{self._name}.init.{block.name}."
                         f"{len(block.groups)}", process_set=self.process_set))
                 block.groups.append(group)
-            for m, attribute, _ in slots[block]:
+            for handle in handles:
+                mpi_ops.synchronize(handle)
+            for m, attribute, _ in block_slots:
                 del m._parameters[attribute]
-        for handle in handles:
-            mpi_ops.synchronize(handle)
-        for block in self._blocks:
+            kinds = block_slots = params = p = None
             for group in block.groups:
-                group.piece = torch.nn.Parameter(
-                    group.full.detach()[group.low:group.high].clone(),
-                    requires_grad=group.full.requires_grad)
+                group.piece = torch.nn.Parameter(group.full[group.low:group.high].clone(),
+                                                 requires_grad=group.requires_grad)
                 group.piece._hvd_shard_group = group
+                group.full.requires_grad_(group.requires_grad)
                 group.release()
                 group.placeholders()
-                if group.full.requires_grad:
+                if group.requires_grad:
                     group.full.register_post_accumulate_grad_hook(self._hook_gradient(group))
         self._blocks = [block for block in self._blocks if block.groups]
 
