@@ -128,7 +128,9 @@ class ShardedModule(torch.nn.Module):
         module: the ``nn.Module`` (on CPU; its parameters contiguous).
         blocks: the submodules whose parameters are gathered together (each parameter
             goes to the first block that contains it; the rest to one block of the
-            root); None: each direct child that has parameters.
+            root); None: each direct child that has parameters (the children of a
+            ModuleList or ModuleDict). A block must run through its own ``forward``
+            (its hooks gather it), not only through its submodules.
         process_set: the ranks that share the parameters.
         broadcast_from: the rank whose parameters every rank starts from (one broadcast
             per block at construction); None if they are equal already.
@@ -163,8 +165,7 @@ class ShardedModule(torch.nn.Module):
     def _make_blocks(self, module, blocks):
         names = {m: name for name, m in module.named_modules(remove_duplicate=False)}
         if blocks is None:
-            blocks = [child for child in module.children()
-                      if next(child.parameters(), None) is not None]
+            blocks = list(_default_blocks(module))
         chosen = []
         for block in blocks:
             if block not in names:
@@ -462,6 +463,16 @@ class ShardedModule(torch.nn.Module):
         buffers = {k: v for k, v in state_dict.items() if k in self._keys and k not in params}
         self.module.load_state_dict(buffers, strict=False)
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _default_blocks(module):
+    """The direct children that have parameters; a ModuleList's or ModuleDict's children
+    instead of the container (which has no forward of its own to hook)."""
+    for child in module.children():
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            yield from _default_blocks(child)
+        elif next(child.parameters(), None) is not None:
+            yield child
 
 
 def _after(order, block):
