@@ -363,6 +363,12 @@ class ShardedModule(torch.nn.Module):
         block.ready = []
         for group, _ in grads:
             group.full.grad = None
+        # A handle holds its input until waited on: the reduce-scatters that have ended
+        # are taken now, so that the full gradients of the earlier blocks go.
+        for other in self._blocks:
+            if other is not block and other.reduction is not None \
+                    and mpi_ops.poll(other.reduction[0]):
+                self._take(other)
 
     def _take(self, block):
         """Adds the block's last reduce-scatter to its pieces' ``.grad``."""
