@@ -48,6 +48,13 @@ def sharded_pair(make, **options):
     return plain, a, sm, b
 
 
+def even_batch(step):
+    """12 rows, this rank's share: the same whole batch at 2 and 3 ranks."""
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(12, 7, generator=g, dtype=torch.float64)
+    return x[rank::size], x[rank::size].sum(1, keepdim=True).sin()
+
+
 def same_parameters(label, sm, want, tol=1e-10):
     got = sm.state_dict()  # gathered on every rank
     check(f"{label}: keys", list(got) == list(want.state_dict()), str(list(got)))
@@ -157,14 +164,23 @@ SAVE3 = r'''
 plain, a, sm, b = adam
 saved = sm.state_dict(to=size - 1)
 check("state_dict(to=last) only there", (len(saved) > 0) == (rank == size - 1), str(len(saved)))
+b.consolidate_state_dict(to=size - 1)
 if rank == size - 1:
-    torch.save({"sharded": saved, "plain": plain.state_dict()}, os.environ["SAVE"])
+    torch.save({"sharded": saved, "plain": plain.state_dict(), "optimizer": b.state_dict()},
+               os.environ["SAVE"])
+# Then 3 more steps on a batch that splits evenly at 2 and 3 ranks: what the resumed job
+# must reach.
+train(sm, b, 3, first=20, data=even_batch)
+after = sm.state_dict(to=size - 1)
+if rank == size - 1:
+    torch.save(after, os.environ["SAVE"] + ".after")
 '''
 
 LOAD3 = r'''
 # A checkpoint from another rank count: loaded into a ShardedModule (each rank keeps its
 # pieces) it gives back the same whole parameters, and trains on as the plain model does.
-ckpt = torch.load(os.environ["LOAD"])["sharded"]
+saved = torch.load(os.environ["LOAD"])
+ckpt = saved["sharded"]
 plain, sm = model(), hvd.ShardedModule(model())
 plain.load_state_dict(ckpt)
 sm.load_state_dict(ckpt)
@@ -177,6 +193,17 @@ b = hvd.DistributedOptimizer(torch.optim.Adam(sm.parameters(), lr=0.01),
 train(plain, a, 3, first=10)
 train(sm, b, 3, first=10)
 same_parameters("resumed", sm, plain)
+
+# The optimizer's state from 3 ranks too: this job goes on where that one did.
+sm = hvd.ShardedModule(model())
+sm.load_state_dict(ckpt)
+b = hvd.DistributedOptimizer(torch.optim.Adam(sm.parameters(), lr=0.01),
+                             named_parameters=sm.named_parameters(), shard=3)
+b.load_state_dict(copy.deepcopy(saved["optimizer"]))
+train(sm, b, 3, first=20, data=even_batch)
+want = torch.load(os.environ["LOAD"] + ".after")
+for name, value in sm.state_dict().items():
+    close(f"optimizer resumed {name}", value, want[name])
 '''
 
 
