@@ -122,7 +122,9 @@ class ShardedModule(torch.nn.Module):
     parameter, gathered block by block when the forward or backward needs it.
 
     Train with ``hvd.DistributedOptimizer(opt, named_parameters=sharded.named_parameters(),
-    shard=3)``, ``opt`` built on ``sharded.parameters()`` (the pieces).
+    shard=3)``, ``opt`` built on ``sharded.parameters()`` (the pieces). Its hooks run on
+    the thread that runs forward and backward; they only enqueue and wait, as the
+    optimizer's do.
 
     Args:
         module: the ``nn.Module`` (on CPU; its parameters contiguous).
