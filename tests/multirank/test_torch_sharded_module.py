@@ -18,7 +18,7 @@ import torch
 from harness import assert_ok, describe, run_job
 from test_torch_sharding import PRELUDE
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("native")]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("native")]
 
 BLOCK_ELEMENTS = [7 * 13 + 13, 13 * 9, 9 + 9, 9 + 1]
 
@@ -208,7 +208,7 @@ for name, value in sm.state_dict().items():
 
 
 def _run(np_, script, env, least):
-    result = run_job(np_, script, env=env, timeout=180)
+    result = run_job(np_, script, env=env, timeout=120)
     assert_ok(result)
     outcomes = [result.result(r) for r in range(np_)]
     problems = [f"rank {r}: {f}" for r, o in enumerate(outcomes) for f in o["failures"]]
