@@ -306,8 +306,8 @@ def summarize(np_, figures):
             versus = (f", {statistics.median(speeds) / statistics.median(base):.2f}x "
                       "unsharded")
         print(f"  {config:9s} peak {median('peak_mib'):6.0f} MiB (built "
-              f"{median('built_mib'):5.0f}, training {median('train_peak_mib'):6.0f})  state {median('state_mib'):6.0f} "
-              f"MiB  grads {median('grads_mib'):6.0f} MiB  samples/s "
+              f"{median('built_mib'):5.0f}, training {median('train_peak_mib'):6.0f})  "
+              f"state {median('state_mib'):6.0f} MiB  grads {median('grads_mib'):6.0f} MiB  samples/s "
               f"{spread(speeds, '{:.1f}')}{versus}", flush=True)
 
 
