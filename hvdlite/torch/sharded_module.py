@@ -32,7 +32,7 @@ results are added to the pieces' ``.grad`` when the optimizer synchronizes (or w
 block's next pass starts one), so ``backward_passes_per_step`` accumulates in the pieces.
 
 Prefetch. Each forward records the order in which blocks ran. In forward, while a block
-computes, the allgather of the block that followed it in the previous forward is
+computes, the gather of the block that followed it in the previous forward is
 already on the wire (nothing is prefetched in the first forward). In backward, while a
 block computes, the block before it in this step's forward is gathered: backward visits
 blocks in the reverse of forward's order, which is known from the forward just run.
