@@ -104,7 +104,13 @@ with torch.no_grad():
     sm(batch(0)[0])
 check("released after a forward without gradients", sm.gathered_bytes() == 0,
       str(sm.gathered_bytes()))
+# Prefetch: while the first block computes, the second one's gather is on its way.
+seen = []
+hook = sm.module[0].register_forward_hook(
+    lambda *_: seen.append(sm._blocks[1].gather is not None or sm._blocks[1].gathered))
 loss = torch.nn.functional.mse_loss(sm(batch(0)[0]), batch(0)[1])
+hook.remove()
+check("the next block prefetched in forward", seen == [True], str(seen))
 check("after forward: the last block at most", sm.gathered_bytes() <= 80, str(sm.gathered_bytes()))
 b.zero_grad()
 loss.backward()
