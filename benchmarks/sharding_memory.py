@@ -9,11 +9,17 @@ the same batch per rank, one compute thread per rank, in these configurations:
   unsharded  hvd.DistributedOptimizer(Adam)
   shard=1    ... shard=1 (optimizer state sharded)
   shard=2    ... shard=2 (gradients sharded too)
+  shard=3    hvd.ShardedModule(model) (each Linear a block) with ... shard=3 (parameters
+             sharded too)
   ZeRO       torch's ZeroRedundancyOptimizer(Adam) under DistributedDataParallel on gloo
              (torch.distributed's own stage 1), where it runs
+  FSDP       torch's fully_shard (FSDP2) on each Linear and the model, on gloo
+             (torch.distributed's own stage 3), where it runs
 
 Each rank reports its peak resident memory (``ru_maxrss``: the whole process, torch's
-own ~0.3 GiB included; also the peak once the model is built, before any collective),
+own ~0.3 GiB included; also the peak once the model is built, before any collective,
+and the peak while training: VmHWM, reset once the model is wrapped, which leaves out
+the whole model that every configuration builds first),
 the bytes it holds of optimizer state and of gradients just
 before the update (after ``synchronize()``; for ZeRO, DDP's gradients), and its
 samples/s over the timed steps (after one warm-up step). A job's samples/s is the sum
@@ -22,7 +28,8 @@ of its ranks'. The configurations run in rounds, rotated by one each round
 gives each figure's median over the rounds, and the throughput of each against the
 unsharded optimizer of the same rank count.
 
-Target of issue 34: shard=1 and shard=2 within 10% of the unsharded samples/s.
+Target of issue 34: shard=1 and shard=2 within 10% of the unsharded samples/s, shard=3
+within 25%.
 
 ``--collectives`` times instead the collectives a step runs on a buffer of the model's
 size, at each rank count: the allreduce of shard=0 (and shard=1), and the reduce-scatter
@@ -43,14 +50,34 @@ from train_throughput import build  # the same MLP (args.layers) and synthetic b
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = "SHARDING "
-CONFIGS = {"unsharded": 0, "shard=1": 1, "shard=2": 2, "ZeRO": None}
+CONFIGS = {"unsharded": 0, "shard=1": 1, "shard=2": 2, "shard=3": 3, "ZeRO": None,
+           "FSDP": None}
+TORCH_CONFIGS = ("ZeRO", "FSDP")  # run by torch.distributed on gloo
 MIB = 1 << 20
 
 
 def tensor_bytes(values):
     import torch
 
+    values = [getattr(v, "to_local", lambda v=v: v)() for v in values]  # FSDP's DTensors
     return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
+def reset_peak():
+    """Starts the process's peak resident memory (VmHWM) afresh (Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_since_reset():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def held_state(opt):
@@ -67,17 +94,27 @@ def worker(args):
     model, x, y = build(args)
     built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     params = sum(p.numel() for p in model.parameters())
-    if args.worker == "ZeRO":
+    if args.worker in TORCH_CONFIGS:
         import torch.distributed as dist
-        from torch.distributed.optim import ZeroRedundancyOptimizer
 
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group("gloo", rank=rank, world_size=size)
-        net = torch.nn.parallel.DistributedDataParallel(model)
-        opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam,
-                                      lr=1e-4)
+        if args.worker == "ZeRO":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            net = torch.nn.parallel.DistributedDataParallel(model)
+            opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam,
+                                          lr=1e-4)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer)
+            net = fully_shard(model)
+            opt = torch.optim.Adam(net.parameters(), lr=1e-4)
         barrier, grads_after = dist.barrier, lambda: tensor_bytes(
-            p.grad for p in model.parameters())
+            p.grad for p in net.parameters())
 
         def step():
             opt.zero_grad()
@@ -88,22 +125,27 @@ def worker(args):
 
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
-        opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4),
-                                       named_parameters=model.named_parameters(),
+        net = hvd.ShardedModule(model) if args.worker == "shard=3" else model
+        opt = hvd.DistributedOptimizer(torch.optim.Adam(net.parameters(), lr=1e-4),
+                                       named_parameters=net.named_parameters(),
                                        shard=CONFIGS[args.worker])
-        barrier, net = hvd.barrier, model
+        del model
+        barrier = hvd.barrier
 
         def step():
             opt.zero_grad()
             F.cross_entropy(net(x), y).backward()
             opt.synchronize()
-            # Stage 2 holds its pieces' gradients (the parameters' are None by now).
+            # Stage 2 holds its pieces' gradients (the parameters' are None by now);
+            # stage 3's parameters are the pieces.
             pieces = [s.grad for s in opt._stepped] if getattr(opt, "shard", 0) == 2 else []
-            return tensor_bytes([p.grad for p in model.parameters()] + pieces)
+            return tensor_bytes([p.grad for p in net.parameters()] + pieces)
+
+    reset_peak()
 
     def train_step():
         grads = step()
-        if args.worker == "ZeRO":
+        if args.worker in TORCH_CONFIGS:
             opt.step()
         else:
             with opt.skip_synchronize():
@@ -120,7 +162,7 @@ def worker(args):
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     print(RESULT + json.dumps({
         "rank": rank, "size": size, "params": params, "peak_mib": peak / MIB,
-        "built_mib": built / MIB,
+        "built_mib": built / MIB, "train_peak_mib": peak_since_reset() / MIB,
         "state_mib": held_state(opt) / MIB, "grads_mib": grads / MIB,
         "samples_per_s": args.steps * args.batch / elapsed}), flush=True)
 
@@ -177,7 +219,7 @@ def run_config(config, np_, args):
     command = [sys.executable, os.path.abspath(__file__), "--worker", config,
                "--layers", args.layers, "--batch", str(args.batch), "--steps", str(args.steps)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    if config == "ZeRO":
+    if config in TORCH_CONFIGS:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         procs = [subprocess.Popen(command, env=dict(env, RANK=str(r), WORLD_SIZE=str(np_)),
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -204,7 +246,9 @@ def main():
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--layers", default="2048-4096-4096-4096-4096-4096-4096-2048")
-    parser.add_argument("--no-zero", action="store_true", help="leave ZeRO out")
+    parser.add_argument("--no-zero", action="store_true", help="leave ZeRO and FSDP out")
+    parser.add_argument("--only", nargs="+", choices=list(CONFIGS),
+                        help="run these configurations only")
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--collectives", action="store_true",
                         help="time the collectives of a step instead (see above)")
@@ -228,7 +272,8 @@ def main():
             print("\n".join(line.split(":", 1)[1] for line in done.stdout.splitlines()
                             if " MiB " in line), flush=True)
         return 0
-    configs = [c for c in CONFIGS if not (args.no_zero and c == "ZeRO")]
+    configs = [c for c in (args.only or CONFIGS)
+               if not (args.no_zero and c in TORCH_CONFIGS)]
     for np_ in args.np:
         figures = {c: [] for c in configs}  # config -> one list of rank reports per round
         for round_ in range(args.rounds):
@@ -239,7 +284,8 @@ def main():
                 figures[config].append(reports)
                 print(f"  np {np_} round {round_} {config}: "
                       f"samples/s {sum(r['samples_per_s'] for r in reports):.1f}, peak MiB "
-                      + " ".join(f"{r['peak_mib']:.0f}" for r in reports), flush=True)
+                      + " ".join(f"{r['peak_mib']:.0f}" for r in reports) + ", training "
+                      + " ".join(f"{r['train_peak_mib']:.0f}" for r in reports), flush=True)
         summarize(np_, figures)
 
 
@@ -260,8 +306,8 @@ def summarize(np_, figures):
             versus = (f", {statistics.median(speeds) / statistics.median(base):.2f}x "
                       "unsharded")
         print(f"  {config:9s} peak {median('peak_mib'):6.0f} MiB (built "
-              f"{median('built_mib'):5.0f})  state {median('state_mib'):6.0f} "
-              f"MiB  grads {median('grads_mib'):6.0f} MiB  samples/s "
+              f"{median('built_mib'):5.0f}, training {median('train_peak_mib'):6.0f})  "
+              f"state {median('state_mib'):6.0f} MiB  grads {median('grads_mib'):6.0f} MiB  samples/s "
               f"{spread(speeds, '{:.1f}')}{versus}", flush=True)
 
 

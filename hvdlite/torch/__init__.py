@@ -36,6 +36,7 @@ from hvdlite.torch.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSe
                                    synchronize)
 from hvdlite.torch.optimizer import DistributedOptimizer
 from hvdlite.torch.layerwise import LAMB, LARS
+from hvdlite.torch.sharded_module import ShardedModule
 from hvdlite.torch.sync_batch_norm import SyncBatchNorm
 from hvdlite.torch import elastic  # noqa: E402 - hvd.elastic.run, TorchState, ElasticSampler
 

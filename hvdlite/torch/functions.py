@@ -21,6 +21,9 @@ def broadcast_parameters(params, root_rank, process_set=mpi_ops.global_process_s
         root_rank: the rank whose values everyone receives.
         process_set: the ProcessSet whose members take part (this rank must be one).
 
+    The pieces of an ``hvd.ShardedModule`` are left as they are: they are one model
+    spread over the ranks (made equal at its construction), not copies of one.
+
     Raises:
         ValueError: ``params`` is neither a mapping nor an iterable.
         InvalidArgumentError, HorovodInternalError: as for ``broadcast_``.
@@ -34,6 +37,8 @@ def broadcast_parameters(params, root_rank, process_set=mpi_ops.global_process_s
             raise ValueError(f"invalid params of type {type(params).__name__}") from None
     handles = []
     for name, p in items:
+        if getattr(p, "_hvd_shard_group", None) is not None:  # a ShardedModule's piece
+            continue
         label = None if name is None else f"broadcast.{name}"
         with torch.no_grad():
             handles.append(mpi_ops.broadcast_async_(p.data if isinstance(p, torch.nn.Parameter)

@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from hvdlite import _checks, process_sets, runtime
-from hvdlite.torch import mpi_ops, parameters, reduction, sharding
+from hvdlite.torch import mpi_ops, parameters, reduction, sharded_module, sharding
 from hvdlite.torch.adasum import _DistributedAdasumOptimizer
 from hvdlite.torch.compression import Compression
 
@@ -342,7 +342,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             checkpoints go through ``consolidate_state_dict``). 2: the gradients too:
             reduce-scattered during backward (in buckets, or the ``groups``), each rank
             steps its contiguous piece of every bucket; the parameters' ``.grad`` are
-            None after ``synchronize()``/``step()``.
+            None after ``synchronize()``/``step()``. 3: the parameters too: ``optimizer``
+            is built on the pieces of an ``hvd.ShardedModule``
+            (``hvdlite.torch.sharded_module``), which gathers the parameters and
+            reduce-scatters the gradients; the optimizer steps the pieces.
 
     Returns:
         The distributed optimizer.
@@ -355,15 +358,18 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if getattr(optimizer, "_hvd_base", None) is not None:
         raise ValueError("the optimizer is already a DistributedOptimizer")
     mixins = [_DistributedAdasumOptimizer if op == mpi_ops.Adasum else _DistributedOptimizer]
-    if shard not in (0, 1, 2):
+    if shard not in (0, 1, 2, 3):
         raise ValueError(f"shard={shard!r}: 1 shards the optimizer state, 2 also the "
-                         "gradients; 0 turns sharding off")
+                         "gradients, 3 also the parameters (with hvd.ShardedModule); 0 turns "
+                         "sharding off")
     if shard:
         if op == mpi_ops.Adasum:
             raise ValueError(f"shard={shard} cannot go with op=Adasum")
         mixins.append(sharding._ShardedOptimizer)
     if shard == 2:
         mixins.append(sharding._ShardedGradients)
+    if shard == 3:
+        mixins.append(sharded_module._ShardedParameters)
     methods = {k: v for mixin in mixins for k, v in mixin.__dict__.items()
                if not k.startswith("__")}
     cls = type(base.__name__, (base,), {**methods, "_hvd_base": base,
