@@ -53,7 +53,7 @@ import itertools
 import torch
 
 from hvdlite import process_sets
-from hvdlite.torch import mpi_ops, reduction, sharding
+from hvdlite.torch import mpi_ops, sharding
 from hvdlite.torch.compression import Compression
 
 # Names the collectives of each ShardedModule apart: every rank builds its modules in the
@@ -517,15 +517,7 @@ class _ShardedParameters:
     its group's flat buffer (the ranks' parts end to end)."""
 
     def _split_parameters(self, groups):
-        whole = tuple(getattr(torch.optim, name)
-                      for name in sharding._WHOLE_PARAMETER_OPTIMIZERS
-                      if hasattr(torch.optim, name))
-        if isinstance(self, whole):
-            raise ValueError(f"shard=3 steps pieces of parameters; {self._hvd_base.__name__} "
-                             "needs them whole (use shard=1)")
-        if not isinstance(self._reducer, reduction.CompressedAllreduce):
-            raise ValueError(f"shard=3 reduce-scatters the gradients; {self._reducer!r} "
-                             "changes the allreduce itself (use shard=1)")
+        self._refuse_unless_stepped_in_pieces(3)
         if self._reducer.compression is not Compression.none:
             raise ValueError("shard=3: the ShardedModule reduces the gradients; pass "
                              "compression to ShardedModule(..., compression=...)")

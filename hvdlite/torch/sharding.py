@@ -140,6 +140,18 @@ class _ShardedOptimizer:
             self._gathers.append((f"shard.parameters.{self._parameter_names[unit[0]]}",
                                   by_rank))
 
+    def _refuse_unless_stepped_in_pieces(self, stage):
+        """Raises ValueError for what stages 2 and 3 cannot do: an optimizer that needs
+        whole parameters, a reducer that is not a plain (compressed) allreduce."""
+        whole = tuple(getattr(torch.optim, name) for name in _WHOLE_PARAMETER_OPTIMIZERS
+                      if hasattr(torch.optim, name))
+        if isinstance(self, whole):
+            raise ValueError(f"shard={stage} steps pieces of parameters; "
+                             f"{self._hvd_base.__name__} needs them whole (use shard=1)")
+        if not isinstance(self._reducer, reduction.CompressedAllreduce):
+            raise ValueError(f"shard={stage} reduce-scatters the gradients; {self._reducer!r} "
+                             "changes the allreduce itself (use shard=1)")
+
     def owns(self, parameter):
         """Whether this rank steps (some elements of) ``parameter`` and holds their state."""
         start, stop = self._span[self._index(parameter)]
@@ -368,14 +380,7 @@ class _ShardedGradients:
 
     def _split_parameters(self, groups):
         """Stage 2: buckets cut element-wise, each rank a contiguous piece of each."""
-        whole = tuple(getattr(torch.optim, name) for name in _WHOLE_PARAMETER_OPTIMIZERS
-                      if hasattr(torch.optim, name))
-        if isinstance(self, whole):
-            raise ValueError(f"shard=2 steps pieces of parameters; {self._hvd_base.__name__} "
-                             "needs them whole (use shard=1)")
-        if not isinstance(self._reducer, reduction.CompressedAllreduce):
-            raise ValueError(f"shard=2 reduce-scatters the gradients; {self._reducer!r} "
-                             "changes the allreduce itself (use shard=1)")
+        self._refuse_unless_stepped_in_pieces(2)
         for p in self._requires_update:
             if p.dim() == 0 or not p.is_contiguous():
                 raise ValueError(f"shard=2 cuts parameters into flat pieces; parameter "

@@ -244,16 +244,20 @@ def assert_ok(result):
     return result
 
 
-def assert_checks_pass(np, script, *, min_checks, timeout=240):
+def assert_checks_pass(np, script, *, min_checks, timeout=240, env=None):
     """Runs a rank script that ends with ``HVDLITE_RESULT {"failures": [...], "checks":
     n, ...}`` (``torch_scripts/checks.py``) and fails unless every rank ran at least
-    ``min_checks`` checks and none failed. Returns the ranks' result objects."""
-    result = assert_ok(run_job(np, script, timeout=timeout))
+    ``min_checks`` checks and none failed. Returns the ranks' result objects.
+
+    ``env``: as ``run_job``'s."""
+    result = assert_ok(run_job(np, script, timeout=timeout, env=env))
     bodies = [result.result(rank) for rank in range(np)]
+    problems = [f"rank {rank}: {f}" for rank, body in enumerate(bodies)
+                for f in body["failures"]]
+    assert not problems, "\n".join(problems) + "\n" + describe(result)
     for rank, body in enumerate(bodies):
         assert body["checks"] >= min_checks, f"rank {rank}: {body['checks']} checks\n" + \
             describe(result)
-        assert body["failures"] == [], f"rank {rank}: {body['failures']}\n" + describe(result)
     return bodies
 
 

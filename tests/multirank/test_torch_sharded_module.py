@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from harness import assert_ok, describe, run_job
+from harness import assert_checks_pass
 from test_torch_sharding import PRELUDE
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("native")]
@@ -213,22 +213,12 @@ for name, value in sm.state_dict().items():
 '''
 
 
-def _run(np_, script, env, least):
-    result = run_job(np_, script, env=env, timeout=120)
-    assert_ok(result)
-    outcomes = [result.result(r) for r in range(np_)]
-    problems = [f"rank {r}: {f}" for r, o in enumerate(outcomes) for f in o["failures"]]
-    assert not problems, "\n".join(problems) + "\n" + describe(result)
-    assert all(o["checks"] >= least for o in outcomes), outcomes
-    return outcomes
-
-
 def test_stage3_at_three_ranks_then_two_resuming_its_checkpoint(tmp_path):
     checkpoint = tmp_path / "stage3.pt"
-    three = _run(3, STAGE3 + SAVE3 + "report(pieces=pieces)\n", {"SAVE": str(checkpoint)},
-                 least=190)
-    two = _run(2, STAGE3 + LOAD3 + "report(pieces=pieces)\n", {"LOAD": str(checkpoint)},
-               least=190)
+    three = assert_checks_pass(3, STAGE3 + SAVE3 + "report(pieces=pieces)\n", min_checks=190,
+                               env={"SAVE": str(checkpoint)}, timeout=120)
+    two = assert_checks_pass(2, STAGE3 + LOAD3 + "report(pieces=pieces)\n", min_checks=190,
+                             env={"LOAD": str(checkpoint)}, timeout=120)
     # Each block cut in contiguous near-equal pieces (one element apart at most).
     for np_, outcomes in ((3, three), (2, two)):
         for kind in ("sgd", "adam"):

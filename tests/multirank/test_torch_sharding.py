@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from harness import assert_ok, describe, run_job
+from harness import assert_checks_pass
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("native")]
 
@@ -328,19 +328,10 @@ for (name, p), *others in zip(nets[0].named_parameters(), *(n.parameters() for n
 '''
 
 
-def _run(np_, script, env, least):
-    result = run_job(np_, script, env=env, timeout=150)
-    assert_ok(result)
-    outcomes = [result.result(r) for r in range(np_)]
-    problems = [f"rank {r}: {f}" for r, o in enumerate(outcomes) for f in o["failures"]]
-    assert not problems, "\n".join(problems) + "\n" + describe(result)
-    assert all(o["checks"] >= least for o in outcomes), outcomes
-    return outcomes
-
-
 @pytest.mark.parametrize("np_", [2, 3])
 def test_sharded_training_equals_unsharded_and_state_is_split(np_, tmp_path):
-    outcomes = _run(np_, TRAINING, {"CHECKPOINT": str(tmp_path / "adam.pt")}, least=30)
+    outcomes = assert_checks_pass(np_, TRAINING, min_checks=30, timeout=150,
+                                  env={"CHECKPOINT": str(tmp_path / "adam.pt")})
     # 6 parameters of 91, 13, 65, 5, 5 and 1 elements (180): dealt out largest first to
     # the rank holding the fewest elements, no rank holds more than its share plus the
     # largest parameter.
@@ -354,17 +345,18 @@ def test_sharded_training_equals_unsharded_and_state_is_split(np_, tmp_path):
 
 def test_a_checkpoint_from_two_ranks_resumes_on_three(tmp_path):
     env = {"CHECKPOINT": str(tmp_path / "adam.pt")}
-    _run(2, TRAINING, env, least=30)
-    _run(3, RESUME, env, least=14)
+    assert_checks_pass(2, TRAINING, min_checks=30, timeout=150, env=env)
+    assert_checks_pass(3, RESUME, min_checks=14, timeout=150, env=env)
 
 
 def test_stage2_at_three_ranks_then_two_resuming_its_checkpoint(tmp_path):
     # One job per rank count: 3 ranks train (unequal pieces) and save a consolidated
     # checkpoint; 2 ranks train, then resume from it.
     checkpoint = tmp_path / "adam.pt"
-    three = _run(3, STAGE2 + "report(pieces=pieces)\n", {"SAVE": str(checkpoint)}, least=150)
-    two = _run(2, STAGE2 + RESUME2 + "report(pieces=pieces)\n", {"LOAD": str(checkpoint)},
-               least=170)
+    three = assert_checks_pass(3, STAGE2 + "report(pieces=pieces)\n", min_checks=150,
+                               timeout=150, env={"SAVE": str(checkpoint)})
+    two = assert_checks_pass(2, STAGE2 + RESUME2 + "report(pieces=pieces)\n", min_checks=170,
+                             timeout=150, env={"LOAD": str(checkpoint)})
     # 6 parameters of 91, 13, 65, 5, 5 and 1 elements in one bucket of 180, cut in
     # contiguous pieces of 180 // size (+1): some parameter lies on two ranks.
     for outcomes in (three, two):
