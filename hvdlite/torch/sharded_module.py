@@ -43,8 +43,8 @@ Wire: each block's parameters are gathered twice per step (forward and backward)
 (n-1)/n of their bytes each, and its gradients reduce-scattered once, (n-1)/n: 1.5x the
 bytes of one allreduce.
 
-Every rank must run the same blocks in each pass (as torch's FSDP requires); a block a
-rank did not run in a step gets zero gradients from it at ``synchronize()``.
+Every rank must run the same blocks in each pass (as torch's FSDP requires); with one
+pass a step, a block a rank did not run gets zero gradients from it at ``synchronize()``.
 """
 import collections
 import contextlib
@@ -194,6 +194,7 @@ class ShardedModule(torch.nn.Module):
                     raise ValueError(f"ShardedModule: a parameter is shared by blocks "
                                      f"'{first.name}' and '{block.name}'; name one block "
                                      "that contains both")
+        inside_of = {block: set(block.module.modules()) for block in self._blocks}
         slots = collections.defaultdict(list)  # block -> [(module, attribute, parameter)]
         names = collections.defaultdict(list)   # parameter -> its state-dict names
         for prefix, m in self.module.named_modules(remove_duplicate=False):
@@ -204,7 +205,13 @@ class ShardedModule(torch.nn.Module):
                     raise ValueError(f"ShardedModule cuts parameters into flat pieces; "
                                      f"'{prefix}.{attribute}' is "
                                      f"{'0-dimensional' if p.dim() == 0 else 'not contiguous'}")
-                slots[owner[p]].append((m, attribute, p))
+                block = owner[p]
+                if m not in inside_of[block]:
+                    raise ValueError(f"ShardedModule: the parameter of block '{block.name}' "
+                                     f"is also '{prefix}.{attribute}', outside that block "
+                                     "(held only while the block is gathered); name one "
+                                     "block that contains both")
+                slots[block].append((m, attribute, p))
                 names[p].append(f"{prefix}.{attribute}" if prefix else attribute)
         owner.clear()
         # Block by block, each block's parameters let go once cut, so that the model's
@@ -324,6 +331,7 @@ class ShardedModule(torch.nn.Module):
 
     def _hook_after_forward(self, block):
         def hook(module, inputs, output):
+            output = _detached_from(block, output)
             backward = False
             if torch.is_grad_enabled():
                 for tensor in _tensors(output):
@@ -334,11 +342,20 @@ class ShardedModule(torch.nn.Module):
             # needs: it stays.
             if not (backward and self._last_order and block is self._last_order[-1]):
                 self._free(block)
+            return output
         return hook
 
     def _hook_before_backward(self, block):
         def hook(grad):
             self._gather(block)
+            # The blocks after this one in forward have had their backward (or gather
+            # again when it comes); those without trained parameters have no gradient
+            # hook to release them.
+            if block in self._forward_order:
+                later = self._forward_order[self._forward_order.index(block) + 1:]
+                for done in later:
+                    if done.gathered and not done.trained:
+                        self._free(done)
             previous = _after(self._forward_order[::-1], block)
             if previous is not None:
                 self._start_gather(previous)
@@ -347,7 +364,8 @@ class ShardedModule(torch.nn.Module):
     def _hook_gradient(self, group):
         def hook(full):
             block = group.block
-            block.ready.append(group)
+            if group not in block.ready:  # once: its full.grad sums the passes it missed
+                block.ready.append(group)
             if len(block.ready) == len(block.trained):
                 self._reduce(block, [(g, g.full.grad) for g in block.ready])
                 self._free(block)
@@ -427,11 +445,12 @@ class ShardedModule(torch.nn.Module):
             An OrderedDict name -> tensor (copies; ``keep_vars`` applies to buffers).
         """
         destination = collections.OrderedDict() if destination is None else destination
+        keep = to is None or to == self._rank  # the others gather (collective), keep nothing
         values = {}
         for block in self._blocks:
             was = block.gathered
             self._gather(block)
-            for group in block.groups:
+            for group in block.groups if keep else ():
                 full = group.full.detach()
                 for names, offset, numel, shape in group.params:
                     value = full[offset:offset + numel].clone().view(shape)
@@ -439,7 +458,7 @@ class ShardedModule(torch.nn.Module):
                         values[name] = value
             if not was:
                 self._free(block)
-        if to is not None and to != self._rank:
+        if not keep:
             return destination
         buffers = self.module.state_dict(keep_vars=keep_vars)
         for key in self._keys:
@@ -448,8 +467,8 @@ class ShardedModule(torch.nn.Module):
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
         """Loads the whole parameters of an ordinary module's state dict (or of
-        ``state_dict()``, from any rank count): each rank keeps its pieces. Not
-        collective.
+        ``state_dict()``, from any rank count): each rank keeps its pieces. Called on every
+        rank (the gathered copies are dropped; no communication).
 
         Raises:
             RuntimeError: ``strict`` and keys missing or unexpected.
@@ -497,6 +516,29 @@ def _after(order, block):
         if b is block:
             return order[i + 1]
     return None
+
+
+def _detached_from(block, output):
+    """``output`` with each tensor that is a view of the block's gathered buffers (e.g. a
+    parameter returned expanded) replaced by a copy: the buffers are released after the
+    forward."""
+    buffers = {g.full.untyped_storage().data_ptr() for g in block.groups
+               if g.full.untyped_storage().nbytes()}
+
+    def copied(value):
+        if isinstance(value, torch.Tensor):
+            shares = value.device.type != "meta" and \
+                value.untyped_storage().data_ptr() in buffers
+            return value.clone() if shares else value
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+            return type(value)(*(copied(v) for v in value))
+        if isinstance(value, (tuple, list)):
+            return type(value)(copied(v) for v in value)
+        if isinstance(value, dict):
+            return type(value)((k, copied(v)) for k, v in value.items())
+        return value
+
+    return copied(output) if buffers else output
 
 
 def _tensors(output):

@@ -83,3 +83,103 @@ def test_refusals_name_the_remedy(hvd):
         hvd.ShardedModule(tied)
     with pytest.raises(RuntimeError, match="missing keys"):
         sm.load_state_dict({})
+
+
+class _Mixed(torch.nn.Module):
+    """A float64 layer and a float32 scale that the first pass does not use."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3).double()
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x, use_scale):
+        h = self.lin(x)
+        return h * self.scale.double() if use_scale else h
+
+
+class _TwoDtypes(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.block = _Mixed()
+
+    def forward(self, x, use_scale):
+        return self.block(x, use_scale)
+
+
+def test_accumulated_passes_count_a_group_once_when_another_missed_a_pass(hvd):
+    plain, net = _TwoDtypes(), _TwoDtypes()
+    sm = hvd.ShardedModule(net, blocks=[net.block])
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(sm.parameters(), lr=1.0), shard=3,
+                                   named_parameters=sm.named_parameters(),
+                                   backward_passes_per_step=2)
+    x = torch.randn(2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for use_scale in (False, True):
+        plain(x, use_scale).sum().backward()
+        sm(x, use_scale).sum().backward()
+    opt.synchronize()
+    grads = {p.dtype: p.grad for p in sm.parameters()}
+    want = torch.cat([plain.block.lin.weight.grad.flatten(), plain.block.lin.bias.grad])
+    torch.testing.assert_close(grads[torch.float64], want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(grads[torch.float32], plain.block.scale.grad)
+
+
+class _Prompt(torch.nn.Module):
+    """Learned prompt tokens: the output is a view of the parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.randn(1, 8))
+
+    def forward(self, x):
+        return self.p.expand(x.shape[0], -1)
+
+
+class _Prompted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.prompt = _Prompt()
+        self.frozen = torch.nn.Linear(8, 8).requires_grad_(False)
+        self.lin = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.lin(self.frozen(x + self.prompt(x)))
+
+
+def test_outputs_viewing_parameters_and_frozen_blocks(hvd):
+    plain, net = _Prompted(), _Prompted()
+    sm = hvd.ShardedModule(net, blocks=[net.prompt, net.frozen, net.lin])
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # the prompt's output outlives the release of its buffer
+        torch.testing.assert_close(sm(x), plain(x), rtol=0, atol=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(sm.parameters(), lr=1.0), shard=3,
+                                   named_parameters=sm.named_parameters())
+    sm(x).sum().backward()
+    plain(x).sum().backward()
+    # The frozen block has no gradient hook; its backward was over before the prompt's.
+    assert [b.name for b in sm._blocks if b.gathered] == [], sm.gathered_bytes()
+    opt.synchronize()
+    prompt, frozen, lin = sm.pieces
+    torch.testing.assert_close(prompt.grad, plain.prompt.p.grad.flatten())
+    assert frozen.grad is None
+    torch.testing.assert_close(lin.grad, torch.cat([plain.lin.weight.grad.flatten(),
+                                                    plain.lin.bias.grad]))
+
+
+def test_a_parameter_used_outside_its_block_is_refused(hvd):
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Linear(4, 4, bias=False)
+            self.mid = torch.nn.Linear(4, 4)
+            self.head = torch.nn.Linear(4, 4, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.head(self.mid(self.emb(x)))
+
+    tied = Tied()
+    with pytest.raises(ValueError, match="'emb' is also 'head.weight', outside that block"):
+        hvd.ShardedModule(tied, blocks=[tied.emb, tied.mid])
