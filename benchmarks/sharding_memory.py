@@ -2,6 +2,7 @@
 
     python benchmarks/sharding_memory.py [--np 2 3] [--rounds 2] [--steps 4]
         [--layers 2048-4096-4096-4096-4096-4096-4096-2048] [--batch 32] [--no-zero]
+        [--only CONFIG ...] [--cap MIB] [--collectives]
 
 An MLP of about 100M float32 parameters (by default) trained with Adam on synthetic data,
 the same batch per rank, one compute thread per rank, in these configurations:
@@ -30,6 +31,14 @@ unsharded optimizer of the same rank count.
 
 Target of issue 34: shard=1 and shard=2 within 10% of the unsharded samples/s, shard=3
 within 25%.
+
+``--cap MIB`` finds instead, for each configuration, the largest model of a ladder (six
+hidden layers of width 2048, 3072, ... 7168) that trains within MIB MiB per rank: each
+rank process puts itself, before it imports torch, in a memory cgroup of its own limited
+to MIB (cgroup v1 or v2; root), so that a rank that needs more is killed by the kernel.
+Every configuration builds the whole model first (before ShardedModule cuts it), so
+that is stage 3's limit here. hvdlite's configurations only: a killed gloo rank (ZeRO,
+FSDP) leaves its peers waiting.
 
 ``--collectives`` times instead the collectives a step runs on a buffer of the model's
 size, at each rank count: the allreduce of shard=0 (and shard=1), and the reduce-scatter
@@ -86,7 +95,69 @@ def held_state(opt):
     return tensor_bytes(v for state in inner.state.values() for v in state.values())
 
 
+CAP_ENV = "HVDLITE_BENCH_MEMORY_CAP"  # "MIB:TAG", set by --cap for the ranks
+WIDTHS = (2048, 3072, 4096, 5120, 6144, 7168)
+
+
+def cgroup_root():
+    """The memory cgroup hierarchy's root directory and whether it is cgroup v2."""
+    if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+        return "/sys/fs/cgroup", True
+    return "/sys/fs/cgroup/memory", False
+
+
+def join_memory_cap(value):
+    """Moves this process into a new memory cgroup limited to the MiB of ``value``."""
+    mib, tag = value.split(":", 1)
+    root, v2 = cgroup_root()
+    path = os.path.join(root, f"{tag}-{os.getpid()}")
+    os.mkdir(path)
+    limit = str(int(mib) << 20)
+    writes = [("memory.max", limit), ("memory.swap.max", "0")] if v2 else \
+        [("memory.limit_in_bytes", limit), ("memory.swappiness", "0")]
+    for name, text in writes + [("cgroup.procs", str(os.getpid()))]:
+        with open(os.path.join(path, name), "w") as f:
+            f.write(text)
+
+
+def remove_memory_cgroups(tag):
+    """Removes the cgroups of ``join_memory_cap`` for ``tag`` (their processes ended)."""
+    root, _ = cgroup_root()
+    for name in os.listdir(root):
+        if name.startswith(tag + "-"):
+            for _ in range(50):  # the killed ranks' last pages may take a moment to go
+                try:
+                    os.rmdir(os.path.join(root, name))
+                    break
+                except OSError:
+                    time.sleep(0.1)
+
+
+def largest_within_cap(config, np_, args):
+    """The ladder's widest model that trains within ``args.cap`` MiB a rank, with its
+    reports; None if even the narrowest does not."""
+    tag = f"hvdlite-cap-{os.getpid()}"
+    best = None
+    for width in WIDTHS:
+        layers = "-".join(["2048"] + [str(width)] * 6 + ["2048"])
+        trial = argparse.Namespace(**dict(vars(args), layers=layers))
+        os.environ[CAP_ENV] = f"{args.cap}:{tag}"
+        try:
+            reports = run_config(config, np_, trial, quiet=True)
+        except subprocess.TimeoutExpired:
+            reports = None
+        finally:
+            del os.environ[CAP_ENV]
+            remove_memory_cgroups(tag)
+        if reports is None:
+            break
+        best = (width, reports)
+    return best
+
+
 def worker(args):
+    if os.environ.get(CAP_ENV):
+        join_memory_cap(os.environ[CAP_ENV])
     import torch
     import torch.nn.functional as F
 
@@ -214,8 +285,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_config(config, np_, args):
-    """One job: the ranks' reports, or None if it failed (its output is printed)."""
+def run_config(config, np_, args, quiet=False):
+    """One job: the ranks' reports, or None if it failed (its output is printed unless
+    ``quiet``)."""
     command = [sys.executable, os.path.abspath(__file__), "--worker", config,
                "--layers", args.layers, "--batch", str(args.batch), "--steps", str(args.steps)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
@@ -234,7 +306,8 @@ def run_config(config, np_, args):
     reports = [json.loads(line.split(RESULT, 1)[1]) for line in output.splitlines()
                if RESULT in line]
     if failed or len(reports) != np_:
-        print(f"  {config} at {np_} ranks failed:\n{output[-3000:]}", flush=True)
+        if not quiet:
+            print(f"  {config} at {np_} ranks failed:\n{output[-3000:]}", flush=True)
         return None
     return sorted(reports, key=lambda r: r["rank"])
 
@@ -250,6 +323,8 @@ def main():
     parser.add_argument("--only", nargs="+", choices=list(CONFIGS),
                         help="run these configurations only")
     parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--cap", type=int, metavar="MIB",
+                        help="find each configuration's largest model within MIB per rank")
     parser.add_argument("--collectives", action="store_true",
                         help="time the collectives of a step instead (see above)")
     parser.add_argument("--worker", choices=list(CONFIGS) + ["collectives"],
@@ -274,6 +349,23 @@ def main():
         return 0
     configs = [c for c in (args.only or CONFIGS)
                if not (args.no_zero and c in TORCH_CONFIGS)]
+    if args.cap:
+        for np_ in args.np:
+            print(f"\n{np_} ranks, at most {args.cap} MiB per rank (a memory cgroup each): "
+                  "the widest model that trains", flush=True)
+            for config in configs:
+                if config in TORCH_CONFIGS:  # a killed gloo rank leaves its peers waiting
+                    print(f"  {config:9s} not run under a cap", flush=True)
+                    continue
+                found = largest_within_cap(config, np_, args)
+                if found is None:
+                    print(f"  {config:9s} none of the ladder", flush=True)
+                    continue
+                width, reports = found
+                print(f"  {config:9s} width {width}: {reports[0]['params'] / 1e6:6.1f}M "
+                      f"parameters, peak {max(r['peak_mib'] for r in reports):.0f} MiB, "
+                      f"samples/s {sum(r['samples_per_s'] for r in reports):.1f}", flush=True)
+        return 0
     for np_ in args.np:
         figures = {c: [] for c in configs}  # config -> one list of rank reports per round
         for round_ in range(args.rounds):
