@@ -132,6 +132,8 @@ class _ShardedOptimizer:
             mine = owner == self._shard_rank
             self._stepped.append(p if mine else None)
             self._span.append((0, p.numel()) if mine else (0, 0))
+            if not mine:  # state an optimizer made at construction (Adagrad's): not ours
+                self.state.pop(p, None)
         # One allgather per bucket of whole parameters, each rank its own.
         for unit in buckets(self._requires_update, BUCKET_BYTES):
             by_rank = [[] for _ in range(self._shard_size)]
