@@ -106,13 +106,6 @@ def part_writer(optimizer):
     return lambda f: torch.save(optimizer.local_state_dict(), f)
 
 
-def part_bytes(optimizer):
-    """This rank's part of the optimizer state, serialized."""
-    buffer = io.BytesIO()
-    part_writer(optimizer)(buffer)
-    return buffer.getvalue()
-
-
 class Copies:
     """Sends each rank's part to its holder at a commit (collective: every rank calls
     ``sections`` at the same commit). The world's hosts are asked once."""
