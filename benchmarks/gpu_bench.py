@@ -124,6 +124,7 @@ def worker_large(args):
     x = torch.rand(numel, device=dev)
     out = torch.empty_like(x)
     host = torch.empty(numel, pin_memory=(args.device == "cuda"))
+    on_host = torch.rand(numel)
     before = _paths()
 
     def allreduce():
@@ -135,15 +136,22 @@ def worker_large(args):
         return _timed(sync, lambda: (host.copy_(x, non_blocking=True),
                                      out.copy_(host, non_blocking=True)))
 
+    def host_allreduce():  # the CPU path alone, on host tensors of the same size
+        hvd.barrier()
+        return _timed(sync, lambda: hvd.allreduce_(on_host, op=hvd.Average, name="bench.host"))
+
     for _ in range(args.warmup):
         allreduce()
         staged_copy()
-    t_ar, t_copy = [], []
+    t_ar, t_copy, t_host = [], [], []
     for _ in range(args.reps):
         t_ar.append(allreduce())
         t_copy.append(staged_copy())
     after = _paths()
+    for _ in range(args.reps):
+        t_host.append(host_allreduce())
     _report(hvd, {"allreduce": _slowest(torch, hvd, t_ar), "copy": _slowest(torch, hvd, t_copy),
+                  "host": _slowest(torch, hvd, t_host),
                   "paths": {k: after[k] - before.get(k, 0) for k in after}, "size": hvd.size()})
 
 
@@ -247,6 +255,11 @@ def _ratio_part(args, title, part, np, nbytes, peer, env=None):
         print(f"  the core said: {line}")
     result = {"allreduce_s": ar, "peer_s": cp, "ratio": cp / ar, "paths": body["paths"],
               "allreduce_all_s": body["allreduce"], "peer_all_s": body["copy"]}
+    if body.get("host"):
+        host = statistics.median(body["host"])
+        print(f"  the same allreduce_ of host tensors (the CPU path alone): {host * 1e6:.1f} us  "
+              f"{nbytes / host / 1e9:8.2f} GB/s; host time / staged time {host / ar:.3f}")
+        result["host_s"] = host
     if body.get("enqueue"):
         enqueue = statistics.median(body["enqueue"])
         print(f"  of the allreduce, the caller's enqueue (Python, rank 0): {enqueue * 1e6:.1f} us")
@@ -290,6 +303,12 @@ def driver(args):
         args, f"(b) 2 ranks sharing the device: allreduce_ of {args.large_bytes // MIB} MiB "
               f"float32 vs a pinned D2H+H2D copy of it on both ranks at once ({args.reps} reps)",
         "large", 2, args.large_bytes, "pinned D2H+H2D")
+    if args.device == "cuda":
+        # The staged allreduce in one piece (no copy overlapping a reduction): what the
+        # chunk pipeline saves.
+        summary["large_one_piece"] = _ratio_part(
+            args, "(b, one piece) as (b), with HVDLITE_GPU_STAGE_CHUNK=0", "large", 2,
+            args.large_bytes, "pinned D2H+H2D", env={"HVDLITE_GPU_STAGE_CHUNK": "0"})
 
     print(f"\n(c) MLP {args.layers}, batch {args.batch} per process, {args.steps} steps: "
           f"2 ranks sharing the device (DistributedOptimizer) vs 1 process of plain torch",

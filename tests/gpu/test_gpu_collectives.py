@@ -44,9 +44,11 @@ def test_one_rank_with_gpu_operations_mpi_is_staged(native):
     assert gpu_support.stat(body, "nccl_collectives") == 0, body["info"]["stats"]
 
 
-@pytest.mark.parametrize("np", [2, 3])
-def test_ranks_sharing_a_gpu_are_staged(native, np):
-    bodies = run(np, {"HVDLITE_GPU_OPERATIONS": None})
+@pytest.mark.parametrize("np,chunk", [(2, None), (3, None), (2, "65536")])
+def test_ranks_sharing_a_gpu_are_staged(native, np, chunk):
+    # A staged allreduce goes in chunks (4 MiB by default: the 16 MiB tensor takes 5);
+    # with 64 KiB ones every tensor above that size and the fused groups are cut too.
+    bodies = run(np, {"HVDLITE_GPU_OPERATIONS": None, "HVDLITE_GPU_STAGE_CHUNK": chunk})
     if torch.cuda.device_count() < np:  # ranks share a device: NCCL cannot serve them
         for body in bodies:
             assert gpu_support.stat(body, "staged_collectives") > 0, body["info"]["stats"]

@@ -20,28 +20,128 @@ from harness import assert_ok, describe, run_job
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("native")]
 
 FAKE_CUDART = r'''
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 static int waits = 0;
 int cudaSetDevice(int d) { return d == 0 ? 0 : 101; }
 int cudaStreamCreateWithFlags(void** s, unsigned f) { *s = (void*)0x5; return 0; }
 int cudaStreamDestroy(void* s) { return 0; }
 int cudaStreamWaitEvent(void* s, void* e, unsigned f) { waits++; return 0; }
-int cudaEventCreateWithFlags(void** e, unsigned f) { *e = malloc(1); return 0; }
+int cudaEventCreateWithFlags(void** e, unsigned f) { *e = calloc(1, sizeof(long)); return 0; }
 int cudaEventDestroy(void* e) { free(e); return 0; }
-/* The core polls its stream's event before it sleeps on it: here the event is not
-   ready for two queries after each record, and never for every fifth record (the
-   wait then sleeps, in cudaEventSynchronize). */
+
+/* With FAKE_ASYNC_STREAM=US the stream is a thread of its own, as a GPU's copy engine
+   is to the host: copies run in the order given, after the caller went on, each taking
+   US microseconds; an event is done once the stream has passed where it was recorded.
+   A core that read a copy's destination before waiting for it would read stale bytes.
+   Unset, copies happen at once. */
+enum { QUEUE = 1 << 16 };
+typedef struct { void* d; const void* s; size_t n; } job;
+static job queue[QUEUE];
+static long queued, done;  /* jobs given to the stream, jobs it finished */
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t moved = PTHREAD_COND_INITIALIZER;
+static int async_us = -2;
+static void* stream_thread(void* unused) {
+  for (;;) {
+    pthread_mutex_lock(&mu);
+    while (done == queued) pthread_cond_wait(&moved, &mu);
+    job j = queue[done % QUEUE];
+    pthread_mutex_unlock(&mu);
+    if (j.n) { usleep(async_us); memmove(j.d, j.s, j.n); }
+    pthread_mutex_lock(&mu);
+    done++;
+    pthread_cond_broadcast(&moved);
+    pthread_mutex_unlock(&mu);
+  }
+  return 0;
+}
+static int async_stream(void) {
+  if (async_us == -2) {
+    const char* v = getenv("FAKE_ASYNC_STREAM");
+    async_us = v ? atoi(v) : -1;
+    pthread_t t;
+    if (async_us >= 0) pthread_create(&t, 0, stream_thread, 0);
+  }
+  return async_us >= 0;
+}
+static long give(void* d, const void* s, size_t n) {
+  pthread_mutex_lock(&mu);
+  while (queued - done >= QUEUE) pthread_cond_wait(&moved, &mu);
+  queue[queued % QUEUE] = (job){d, s, n};
+  long at = ++queued;
+  pthread_cond_broadcast(&moved);
+  pthread_mutex_unlock(&mu);
+  return at;
+}
+static void wait_until(long at) {
+  pthread_mutex_lock(&mu);
+  while (done < at) pthread_cond_wait(&moved, &mu);
+  pthread_mutex_unlock(&mu);
+}
+static int passed(long at) {
+  pthread_mutex_lock(&mu);
+  int yes = done >= at;
+  pthread_mutex_unlock(&mu);
+  return yes;
+}
+
+/* The core polls its stream's event before it sleeps on it: without the async stream
+   the event is not ready for two queries after each record, and never for every fifth
+   record (the wait then sleeps, in cudaEventSynchronize). */
 static int records, queries_left;
-int cudaEventRecord(void* e, void* s) { queries_left = ++records % 5 == 0 ? 1 << 30 : 2; return 0; }
-int cudaEventQuery(void* e) { return queries_left-- > 0 ? 600 : 0; }
-int cudaEventSynchronize(void* e) { return 0; }
-int cudaMemcpyAsync(void* d, const void* s, size_t n, int k, void* st) { memmove(d, s, n); return 0; }
-int cudaHostAlloc(void** p, size_t n, unsigned f) { *p = malloc(n); return *p ? 0 : 2; }
-int cudaFreeHost(void* p) { free(p); return 0; }
+int cudaEventRecord(void* e, void* s) {
+  if (async_stream()) { *(long*)e = give(0, 0, 0); return 0; }
+  queries_left = ++records % 5 == 0 ? 1 << 30 : 2;
+  return 0;
+}
+int cudaEventQuery(void* e) {
+  if (async_stream()) return passed(*(long*)e) ? 0 : 600;
+  return queries_left-- > 0 ? 600 : 0;
+}
+int cudaEventSynchronize(void* e) { if (async_stream()) wait_until(*(long*)e); return 0; }
+
+/* Pinned allocations, to tell a copy's direction: the order of copies down ('d', into
+   pinned memory) and up ('u'), read by fake_copy_order. */
+static char* pinned_at[64];
+static size_t pinned_bytes[64];
+static char order[1 << 16];
+static int ordered;
+static int is_pinned(const void* p) {
+  for (int i = 0; i < 64; ++i)
+    if (pinned_at[i] && (const char*)p >= pinned_at[i] && (const char*)p < pinned_at[i] + pinned_bytes[i]) return 1;
+  return 0;
+}
+int cudaMemcpyAsync(void* d, const void* s, size_t n, int k, void* st) {
+  if (ordered < (int)sizeof(order) && (is_pinned(d) != is_pinned(s))) order[ordered++] = is_pinned(d) ? 'd' : 'u';
+  if (async_stream()) give(d, s, n); else memmove(d, s, n);
+  return 0;
+}
+int fake_copy_order(char* out, int n) {
+  int k = ordered < n ? ordered : n;
+  memcpy(out, order, k);
+  ordered = 0;
+  return k;
+}
+int cudaHostAlloc(void** p, size_t n, unsigned f) {
+  *p = malloc(n);
+  for (int i = 0; *p && i < 64; ++i)
+    if (!pinned_at[i]) { pinned_at[i] = *p; pinned_bytes[i] = n; break; }
+  return *p ? 0 : 2;
+}
+/* As the real ones: freeing waits for the stream's work. */
+int cudaFreeHost(void* p) {
+  if (async_stream()) wait_until(queued);
+  for (int i = 0; i < 64; ++i)
+    if (pinned_at[i] == p) pinned_at[i] = 0;
+  free(p);
+  return 0;
+}
 int cudaMalloc(void** p, size_t n) { *p = malloc(n); return *p ? 0 : 2; }
-int cudaFree(void* p) { free(p); return 0; }
+int cudaFree(void* p) { if (async_stream()) wait_until(queued); free(p); return 0; }
 int cudaDeviceGetPCIBusId(char* b, int len, int d) {
   const char* id = getenv("FAKE_GPU_BUS");
   snprintf(b, len, "%s", id ? id : "0000:00:00.0");
@@ -160,8 +260,13 @@ def check(label, ok, detail=""):
 
 def close(label, got, want):
     got, want = np.asarray(got), np.asarray(want)
-    check(label, got.shape == want.shape and np.allclose(got, want),
-          f"got {got.tolist()} want {want.tolist()}")
+    if got.shape != want.shape:
+        check(label, False, f"shape {got.shape}, want {want.shape}")
+        return
+    wrong = np.flatnonzero(~np.isclose(got, want))
+    check(label, wrong.size == 0, f"{wrong.size} of {got.size} wrong, first at "
+          f"{wrong[:5].tolist()}: got {got.flat[wrong[:5]].tolist()} want "
+          f"{want.flat[wrong[:5]].tolist()}")
 
 
 def on_gpu(op, name, x, out=None, gather=False, **kw):
@@ -258,6 +363,53 @@ launches = ctypes.CDLL(driver).fake_launches() if driver else 0
 report(stats=hvd.stats(), batches=cudart.fake_batches(), launches=launches)
 '''
 
+PIPELINE = PRELUDE + r'''
+# Staged allreduces cut into chunks of HVDLITE_GPU_STAGE_CHUNK bytes, on a stand-in
+# stream that copies behind the caller's back (FAKE_ASYNC_STREAM): every result against
+# numpy, three rounds with new values (a chunk read before its copy landed would hold
+# the round before's bytes).
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+ranks = range(size)
+cudart = ctypes.CDLL(os.environ["HVDLITE_CUDART_LIB"])
+order = ctypes.create_string_buffer(1 << 16)
+cudart.fake_copy_order(order, len(order))
+chunk = int(os.environ["HVDLITE_GPU_STAGE_CHUNK"])
+copies = {}
+for it in range(3):
+    n = 100003  # not a multiple of the chunk
+    big = data(rank, (n,), salt=it, dtype=np.float32)
+    out = np.empty_like(big)
+    close(f"round {it}: float32 sum of {n}",
+          on_gpu(_enqueue.ALLREDUCE, f"big.{it}", big, out, reduce_op=_enqueue.Sum),
+          sum(data(r, (n,), salt=it, dtype=np.float32) for r in ranks))
+    got = cudart.fake_copy_order(order, len(order))
+    copies.setdefault("big", order.raw[:got].decode())
+    x = data(rank, (3001,), salt=it)
+    on_gpu(_enqueue.ALLREDUCE, f"inplace.{it}", x, x, reduce_op=_enqueue.Average,
+           prescale=2.0, postscale=0.25)
+    close(f"round {it}: in place, scaled average", x,
+          sum(data(r, (3001,), salt=it) for r in ranks) * 0.5 / size)
+    m = data(rank, (2500,), salt=it, dtype=np.int32) * (rank + 1)
+    close(f"round {it}: int32 max",
+          on_gpu(_enqueue.ALLREDUCE, f"max.{it}", m, np.empty_like(m), reduce_op=_enqueue.Max),
+          np.max([data(r, (2500,), salt=it, dtype=np.int32) * (r + 1) for r in ranks], axis=0))
+    # A group whose tensors straddle chunk edges, an empty one among them.
+    lengths = [1000, 1, 0, 3000, 7, 513]
+    xs = [data(rank, (k,), salt=it + i) for i, k in enumerate(lengths)]
+    outs = [np.empty_like(v) for v in xs]
+    specs = [_enqueue.TensorSpec(_enqueue.ALLREDUCE, f"group.{it}.{i}",
+                                 dtypes.native_code("float64"), v.shape, v.ctypes.data,
+                                 o.ctypes.data, _enqueue.Sum, device=0,
+                                 ready_event=EVENT.ctypes.data)
+             for i, (v, o) in enumerate(zip(xs, outs))]
+    hvd.synchronize(_enqueue.enqueue_group(specs, name=f"group.{it}", keepalive=(xs, outs)))
+    for i, (k, o) in enumerate(zip(lengths, outs)):
+        close(f"round {it}: group member {i} ({k} elements)", o,
+              sum(data(r, (k,), salt=it + i) for r in ranks))
+report(stats=hvd.stats(), copies=copies)
+'''
+
 REFUSED = PRELUDE + r'''
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
@@ -285,7 +437,8 @@ def fakes(tmp_path_factory):
         src = where / f"fake_{name}.c"
         src.write_text(source)
         lib = where / f"libfake_{name}.so"
-        subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(lib), str(src)], check=True)
+        subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-pthread", "-o", str(lib), str(src)],
+                       check=True)
         libs[name] = str(lib)
     return libs
 
@@ -336,6 +489,25 @@ def test_ranks_sharing_a_gpu_stage_every_op_through_host_memory(fakes, np_):
         assert stats["nccl_collectives"] == 0 and stats["staged_collectives"] >= 15, stats
     assert "share the GPU" in result.stderr and "staged through host memory" in result.stderr, \
         describe(result)
+
+
+@pytest.mark.parametrize("np_,chunk", [(2, 4096), (3, 4096), (2, 0)])
+def test_a_staged_allreduce_overlaps_its_copies_chunk_by_chunk(fakes, np_, chunk):
+    env = {"HVDLITE_CUDART_LIB": fakes["cudart"], "HVDLITE_NCCL_LIB": fakes["nccl"],
+           "HVDLITE_GPU_STAGE_CHUNK": str(chunk), "FAKE_ASYNC_STREAM": "100"}
+    outcomes = _outcomes(run_job(np_, PIPELINE, env=env, timeout=150), np_)
+    for r in range(np_):
+        stats = outcomes[r]["stats"]
+        assert stats["nccl_collectives"] == 0 and stats["staged_collectives"] == 12, stats
+        # The 100003 float32 (400012 bytes): one copy down and one up per chunk; with
+        # chunks, results go up before the last chunk comes down (the pipeline), with
+        # one piece (chunk 0) every copy down comes first.
+        order = outcomes[r]["copies"]["big"]
+        chunks = -(-100003 * 4 // chunk) if chunk else 1
+        assert order.count("d") == chunks and order.count("u") == chunks, order
+        if chunk:
+            assert order.index("u") < order.rindex("d"), order
+            assert order.startswith("dd") and order.endswith("u") and "ddd" not in order, order
 
 
 def test_gpu_operations_mpi_stages_even_where_nccl_could_run(fakes):

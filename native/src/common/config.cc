@@ -115,6 +115,7 @@ Status LoadConfig(Config* c) {
                              "' must be NCCL or MPI (this build has no GLOO, DDL or CCL path)");
     }
   }
+  if (!(s = ReadInt("HVDLITE_GPU_STAGE_CHUNK", 0, &c->gpu_stage_chunk)).ok()) return s;
   if (const char* h = std::getenv("HVDLITE_HOST_ID")) c->host_id = h;
   if (const char* m = std::getenv("HVDLITE_MPI_THREAD_FUNNELED")) {
     c->mpi_thread_multiple = !(std::string(m) == "1" || std::string(m) == "true");

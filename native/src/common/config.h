@@ -63,6 +63,10 @@ struct Config {
   // NCCL: NCCL or an error saying why not; MPI: always staged.
   enum class GpuOperations { kAuto, kNccl, kStaged };
   GpuOperations gpu_operations = GpuOperations::kAuto;
+  // HVDLITE_GPU_STAGE_CHUNK, bytes: a staged allreduce moves and reduces its tensors in
+  // pieces of this size, so that the copies between the GPU and host memory overlap the
+  // reduction of the piece before (gpu_execution.cc); 0: one piece.
+  int64_t gpu_stage_chunk = 4LL * 1024 * 1024;
   // HVDLITE_HOST_ID: ranks with equal ids count as one host (testing, advanced).
   std::string host_id;
   AutotuneSettings autotune;

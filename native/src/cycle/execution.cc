@@ -253,8 +253,9 @@ void ProcessSetState::ExecuteAllreduce(const std::vector<const Response*>& fused
   activities.Done("QUEUE");
   const AllreduceTuning tuning = Tuning();
   const AllreduceAlgorithm algorithm = mpi_->ChooseAllreduce(tuning);
-  Status s = mpi_->Allreduce(pieces, options, tuning, &fusion_,
-                             [&](const char* step) { activities.Done(step); });
+  const auto step = [&](const char* name) { activities.Done(name); };
+  Status s = first.on_device ? AllreduceStaged(entries, pieces, options, tuning, step)
+                             : mpi_->Allreduce(pieces, options, tuning, &fusion_, step);
   if (tl) timeline_.EndAll(names);  // ALLREDUCE
   const int64_t bytes = total * ElementSize(options.dtype);
   counters_.collectives++;

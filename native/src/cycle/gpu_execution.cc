@@ -163,7 +163,8 @@ void ProcessSetState::ExecuteOnDevice(const std::vector<Response>& ready, size_t
     if (!s.ok()) EndLoop(s);
     return;
   }
-  Status s = StageIn(run, entries);
+  // An allreduce copies its inputs down piece by piece itself (AllreduceStaged).
+  Status s = StageIn(run, entries, run[0]->op != HVDLITE_OP_ALLREDUCE);
   if (!s.ok()) {
     staged_.clear();
     FinishAll(entries, s);
@@ -183,10 +184,11 @@ void ProcessSetState::ExecuteOnDevice(const std::vector<Response>& ready, size_t
   staged_.clear();
 }
 
-// Copies each GPU input into pinned host memory and points the entry at it; outputs the
-// caller gave (allreduce, broadcast, reducescatter) get host memory too, copied back by
-// StageOut.
-Status ProcessSetState::StageIn(const std::vector<const Response*>& run, const std::vector<TensorEntry*>& entries) {
+// Points each entry at pinned host memory, its input copied there (unless the caller
+// copies: copy_inputs false); outputs the caller gave (allreduce, broadcast,
+// reducescatter) get host memory too, copied back by StageOut.
+Status ProcessSetState::StageIn(const std::vector<const Response*>& run, const std::vector<TensorEntry*>& entries,
+                                bool copy_inputs) {
   staged_.clear();
   std::vector<int64_t> in_bytes(entries.size(), 0), out_bytes(entries.size(), 0);
   int64_t total = 0;
@@ -219,13 +221,80 @@ Status ProcessSetState::StageIn(const std::vector<const Response*>& run, const s
     }
     if (e->ready_event != waited) s = gpu_.WaitFor(e->ready_event);  // a group's: once
     waited = e->ready_event;
-    if (s.ok()) s = gpu_.Copy(host_in, e->input, in_bytes[k]);
+    if (s.ok() && copy_inputs) s = gpu_.Copy(host_in, e->input, in_bytes[k]);
     if (!s.ok()) break;
-    staged_.push_back({e, e->output, out_bytes[k]});
+    staged_.push_back({e, e->input, e->output, out_bytes[k]});
     e->input = host_in;
     e->output = host_out;
   }
-  return s.ok() ? gpu_.Finish() : s;
+  return s.ok() && copy_inputs ? gpu_.Finish() : s;
+}
+
+// The chunks run as a pipeline on the core's one stream, which does its copies in the
+// order given: chunk c+2 is sent down right after chunk c's result is sent up, so while
+// the host reduces chunk c the stream brings chunk c+1 down and then takes chunk c's
+// result up. Every rank cuts the same chunks (from the responses' shapes alone), so
+// each chunk is one collective on every rank, a joined rank's zeros included.
+Status ProcessSetState::AllreduceStaged(const std::vector<TensorEntry*>& entries,
+                                        const std::vector<ShmCollectives::Piece>& pieces,
+                                        const AllreduceOptions& options, const AllreduceTuning& tuning,
+                                        const std::function<void(const char*)>& step) {
+  const int64_t elem = ElementSize(options.dtype);
+  int64_t total = 0;
+  for (const ShmCollectives::Piece& p : pieces) total += p.count;
+  const int64_t chunk = config_.gpu_stage_chunk > 0 ? std::max<int64_t>(1, config_.gpu_stage_chunk / elem)
+                                                   : std::max<int64_t>(1, total);
+  struct Chunk {
+    std::vector<ShmCollectives::Piece> pieces;
+    std::vector<gpu::Device::Span> down, up;
+  };
+  std::vector<Chunk> chunks(static_cast<size_t>(std::max<int64_t>(1, (total + chunk - 1) / chunk)));
+  size_t staged = 0;  // staged_ holds the non-null entries, in order
+  int64_t at = 0;     // elements before pieces[k]
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    const ShmCollectives::Piece& p = pieces[k];
+    Staged* st = entries[k] ? &staged_[staged++] : nullptr;
+    if (p.count == 0) chunks[std::min(chunks.size() - 1, static_cast<size_t>(at / chunk))].pieces.push_back(p);
+    for (int64_t from = 0; from < p.count;) {
+      const size_t c = static_cast<size_t>((at + from) / chunk);
+      const int64_t n = std::min(p.count - from, static_cast<int64_t>(c + 1) * chunk - (at + from));
+      const int64_t off = from * elem;
+      auto* in = p.in ? static_cast<const uint8_t*>(p.in) + off : nullptr;
+      auto* out = p.out ? static_cast<uint8_t*>(p.out) + off : nullptr;
+      chunks[c].pieces.push_back({in, out, n});
+      if (st) {
+        chunks[c].down.push_back({const_cast<uint8_t*>(in), static_cast<const uint8_t*>(st->device_input) + off, n * elem});
+        chunks[c].up.push_back({static_cast<uint8_t*>(st->device_output) + off, out, n * elem});
+      }
+      from += n;
+    }
+    at += p.count;
+  }
+  const bool copies = staged > 0;
+  auto send_down = [&](size_t c) {
+    Status s;
+    for (const gpu::Device::Span& d : chunks[c].down) {
+      if (s.ok()) s = gpu_.Copy(d.dst, d.src, d.bytes);
+    }
+    return s.ok() && copies ? gpu_.Mark(static_cast<int>(c % gpu::Device::kMarks)) : s;
+  };
+  Status s;
+  for (size_t c = 0; c < std::min<size_t>(2, chunks.size()) && s.ok(); ++c) s = send_down(c);
+  for (size_t c = 0; c < chunks.size() && s.ok(); ++c) {
+    if (copies) s = gpu_.WaitForMark(static_cast<int>(c % gpu::Device::kMarks));
+    if (s.ok()) s = mpi_->Allreduce(chunks[c].pieces, options, tuning, &fusion_, step);
+    for (const gpu::Device::Span& u : chunks[c].up) {
+      if (s.ok()) s = gpu_.Copy(u.dst, u.src, u.bytes);
+    }
+    if (s.ok() && c + 2 < chunks.size()) s = send_down(c + 2);
+  }
+  // Nothing may still be copying once the handles complete, also after a failure.
+  if (copies) {
+    Status f = gpu_.Finish();
+    if (s.ok()) s = f;
+  }
+  for (Staged& st : staged_) st.output_bytes = 0;  // the results are up (or failed)
+  return s;
 }
 
 Status ProcessSetState::StageOut(const std::vector<TensorEntry*>& entries, const Status& status) {

@@ -176,7 +176,15 @@ class ProcessSetState {
   Status DecideGpuPath(int device);
   bool NcclCanRun(const Response& r) const;
   Status RunOnNccl(const std::vector<const Response*>& run, const std::vector<TensorEntry*>& entries);
-  Status StageIn(const std::vector<const Response*>& run, const std::vector<TensorEntry*>& entries);
+  // Points each entry at pinned host memory; copies the inputs down unless the caller
+  // does (the allreduce's pipeline, piece by piece).
+  Status StageIn(const std::vector<const Response*>& run, const std::vector<TensorEntry*>& entries,
+                 bool copy_inputs);
+  // A staged allreduce's data path: the pieces (host memory, as StageIn left them)
+  // reduced in chunks, each copied down, reduced and copied up while the next moves.
+  Status AllreduceStaged(const std::vector<TensorEntry*>& entries, const std::vector<ShmCollectives::Piece>& pieces,
+                         const AllreduceOptions& options, const AllreduceTuning& tuning,
+                         const std::function<void(const char*)>& step);
   // Copies staged results back to the device; returns s, or the copy's failure.
   Status StageOut(const std::vector<TensorEntry*>& entries, const Status& s);
   // The table changes, run where the response list puts them on every rank.
@@ -218,10 +226,12 @@ class ProcessSetState {
   GpuPath gpu_path_ = GpuPath::kUndecided;
   std::string gpu_path_error_;  // kFailed: why, for every later GPU op of the set
   gpu::NcclComm nccl_;
-  // A staged collective in flight: each staged entry's device output and where its
-  // result lies in host memory (Finish copies it back before the handle completes).
+  // A staged collective in flight: each staged entry's device input and output, and
+  // where its result lies in host memory (Finish copies it back before the handle
+  // completes, unless the allreduce's pipeline did: output_bytes 0 then).
   struct Staged {
     TensorEntry* entry;
+    const void* device_input;
     void* device_output;
     int64_t output_bytes;
   };

@@ -167,19 +167,37 @@ bool Device::CopyWithBatch(const std::vector<const Span*>& copies) {
   return code == 0;
 }
 
-Status Device::Finish() {
-  Status s = Check(cuda_->EventRecord(done_, stream_), "cudaEventRecord");
+Status Device::Await(Event event) {
   // The stream's work for a few small tensors ends within tens of microseconds, and a
   // sleeping wait adds the wake-up of an interrupt: polled first, briefly.
   int code = kErrorNotReady;
-  if (s.ok() && may_poll_ && cuda_->EventQuery) {
-    PollUntil(kFinishPollUs, [&] { return (code = cuda_->EventQuery(done_)) != kErrorNotReady; });
+  if (may_poll_ && cuda_->EventQuery) {
+    PollUntil(kFinishPollUs, [&] { return (code = cuda_->EventQuery(event)) != kErrorNotReady; });
   }
-  if (s.ok() && code != kErrorNotReady) s = Check(code, "cudaEventQuery");
-  if (s.ok() && code == kErrorNotReady) s = Check(cuda_->EventSynchronize(done_), "cudaEventSynchronize");
+  if (code != kErrorNotReady) return Check(code, "cudaEventQuery");
+  return Check(cuda_->EventSynchronize(event), "cudaEventSynchronize");
+}
+
+Status Device::Finish() {
+  Status s = Check(cuda_->EventRecord(done_, stream_), "cudaEventRecord");
+  if (s.ok()) s = Await(done_);
   if (s.ok()) table_used_ = 0;
   return s;
 }
+
+Status Device::Mark(int mark) {
+  Event& event = marks_[mark];
+  if (!event) {
+    Status s = Check(cuda_->EventCreateWithFlags(&event, kEventBlockingNoTiming), "cudaEventCreateWithFlags");
+    if (!s.ok()) {
+      event = nullptr;
+      return s;
+    }
+  }
+  return Check(cuda_->EventRecord(event, stream_), "cudaEventRecord");
+}
+
+Status Device::WaitForMark(int mark) { return Await(marks_[mark]); }
 
 Status Device::Grow(Buffer* buffer, int64_t bytes, bool pinned, uint8_t** out) {
   if (bytes > buffer->bytes) {
@@ -211,6 +229,10 @@ void Device::Release() {
   table_host_ = table_device_ = Buffer();
   table_used_ = 0;
   if (done_) cuda_->EventDestroy(done_);
+  for (Event& mark : marks_) {
+    if (mark) cuda_->EventDestroy(mark);
+    mark = nullptr;
+  }
   if (stream_) cuda_->StreamDestroy(stream_);
   pinned_ = scratch_ = Buffer();
   done_ = stream_ = nullptr;

@@ -59,6 +59,13 @@ class Device {
   // Waits until the core's stream has done all it was given: polls for up to
   // kFinishPollUs where allowed, then sleeps on the event.
   Status Finish();
+  // A mark in the stream (one of kMarks, reused), and a wait until the stream has done
+  // what it was given before that mark (polled and slept on as in Finish): the staged
+  // path's pipeline reads a piece in host memory once its copy down has landed, while
+  // later copies still run.
+  static constexpr int kMarks = 3;
+  Status Mark(int mark);
+  Status WaitForMark(int mark);
   // Whether Finish may poll (Core: not where this host's ranks outnumber its cores).
   void set_may_poll(bool may) { may_poll_ = may; }
   static constexpr std::chrono::microseconds kFinishPollUs{100};
@@ -86,6 +93,9 @@ class Device {
   // the driver or the kernel cannot be had.
   bool LoadKernel();
   Status CopyWithKernel(const std::vector<const Span*>& copies);
+  // Waits for an event recorded on the stream: polled for up to kFinishPollUs where
+  // allowed, then slept on.
+  Status Await(Event event);
   // One cudaMemcpyBatchAsync; false (and one by one from now on) where it is refused.
   bool CopyWithBatch(const std::vector<const Span*>& copies);
 
@@ -101,6 +111,7 @@ class Device {
   Buffer table_host_, table_device_;
   int64_t table_used_ = 0;
   Event done_ = nullptr;
+  Event marks_[kMarks] = {};
   std::string identity_;
   Buffer pinned_;   // host memory the staged path copies through
   Buffer scratch_;  // device memory: NCCL's fusion buffer
