@@ -153,6 +153,7 @@ class MpiBackend {
 
   void* comm_ = nullptr;  // MPI_Comm*, kept opaque so that only common/mpi_glue.h includes mpi.h
   bool spans_hosts_ = false;  // this communicator's ranks are on more than one host
+  bool alone_ = false;        // it has one rank: a blocking call never waits for a peer
   // A caller waits and this host has a core for each of its ranks (set_caller_waiting,
   // each cycle): WaitBackoff's polls, and the shared-memory waits, poll longer before
   // they sleep. Background thread only.
