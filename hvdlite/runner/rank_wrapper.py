@@ -126,6 +126,68 @@ def _killpg(pgid, sig):
         pass
 
 
+# MPICH's shared-memory segment of a host's ranks: unlinked by MPI_Finalize, so a rank
+# that ends without it (killed, os._exit) leaves it in /dev/shm for good.
+SHM_DIR = "/dev/shm"
+MPI_SEGMENT_PREFIXES = ("mpich_shm_",)
+
+
+def _mapped_paths(directory):
+    """Every file in ``directory`` that some live process of this host maps (as far as
+    /proc lets us read)."""
+    paths = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    at = line.find(directory + "/")
+                    if at >= 0:
+                        paths.add(line[at:].rstrip("\n"))
+        except OSError:
+            continue  # ended, or not ours to read
+    return paths
+
+
+def remove_orphaned_mpi_segments(since, directory=SHM_DIR):
+    """Unlinks the MPI shared-memory segments made since ``since`` (a time.time()) that
+    no process maps any more: what this host's ranks of a job that ended without
+    MPI_Finalize left behind. The last rank wrapper of a host to see its rank end
+    finds them unmapped; a segment of another job still running is mapped (its maker
+    maps it right after making it: one younger than a tenth of a second is left
+    alone). Returns the names removed."""
+    now = time.time()
+    candidates = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    for name in names:
+        if not name.startswith(MPI_SEGMENT_PREFIXES):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            made = os.stat(path).st_ctime
+        except OSError:
+            continue
+        if since - 1 <= made <= now - 0.1:
+            candidates.append(path)
+    if not candidates:
+        return []
+    mapped = _mapped_paths(directory)
+    removed = []
+    for path in candidates:
+        if path in mapped:
+            continue
+        try:
+            os.unlink(path)
+            removed.append(os.path.basename(path))
+        except OSError:
+            pass
+    return removed
+
+
 class _Sink:
     """Where the command's lines go: the launcher's connection or our own stdout/stderr."""
 
@@ -190,6 +252,7 @@ class RankWrapper:
         self.last_heard = self.last_sent = time.monotonic()
         self.kill_at = None           # monotonic time of a kill scheduled after a notice
         self.fault_r = self.fault_w = None
+        self.started = time.time()
 
     def _child_env(self):
         env = dict(self.env)
@@ -275,8 +338,10 @@ class RankWrapper:
         finally:
             if pidfd is not None:
                 os.close(pidfd)
-        # Whatever the command left in its group (daemons, stuck workers) ends with it.
+        # Whatever the command left in its group (daemons, stuck workers) ends with it,
+        # and so does MPI's shared memory where the job's ranks died without finalizing.
         _killpg(self.child.pid, signal.SIGKILL)
+        remove_orphaned_mpi_segments(self.started)
         returncode = self.child.returncode
         self.sink.send(wire.MSG_EXIT, json.dumps(
             {"rank": self.info["rank"], "returncode": returncode}).encode())

@@ -5,7 +5,8 @@ hvdliterun prints which rank died and how, orders every other rank's wrapper to 
 process group (SIGTERM, SIGKILL after a grace), and exits with 128 + the signal. The
 survivors, blocked in a collective with the dead rank, are ended by the launcher.
 Checked: the whole job ends within 30 s of the kill, the exit status is non-zero, the
-message names the lost rank, and no rank process is left.
+message names the lost rank, and no rank process is left, nor MPICH's shared-memory
+segment (which MPI_Finalize would have unlinked: the rank wrappers remove it).
 """
 import json
 import os
@@ -14,6 +15,7 @@ import time
 import pytest
 
 from harness import describe, run_job
+from hvdlite import build_record
 from hvdlite.runner.testing import pid_alive
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("native")]
@@ -29,7 +31,9 @@ import hvdlite as hvd
 
 hvd.init()
 r = hvd.rank()
-print("HVDLITE_RESULT", json.dumps({"pid": os.getpid()}), flush=True)
+segments = sorted({line.split()[-1] for line in open("/proc/self/maps")
+                   if "/dev/shm/mpich_shm_" in line})
+print("HVDLITE_RESULT", json.dumps({"pid": os.getpid(), "segments": segments}), flush=True)
 x = np.ones(64 * 1024, np.float32)
 for step in range(1_000_000):
     handles = [hvd.allreduce_async(x, name=f"grad{i}") for i in range(8)]
@@ -58,3 +62,8 @@ def test_killed_rank_ends_the_job_quickly_and_cleanly():
         time.sleep(0.1)
     left = [p for p in pids if pid_alive(p)]
     assert not left, f"rank processes left behind: {left}\n" + describe(result)
+    segments = {s for r in range(NP) for s in result.result(r, 0)["segments"]}
+    if build_record.read_if_readable().get("mpi_implementation") == "MPICH":
+        assert segments, "MPICH's ranks mapped no /dev/shm/mpich_shm_* segment"
+    left = [s for s in segments if os.path.exists(s)]
+    assert not left, f"MPI shared memory left in /dev/shm: {left}\n" + describe(result)
