@@ -9,6 +9,7 @@ import os
 import shlex
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -151,4 +152,11 @@ def supervise_job(config: LaunchConfig, launcher: mpi_command.MpiLauncher, super
             logger.debug("starting remote processes with: %s", config.remote_shell)
         argv = build_job_command(config, launcher, env, remote_start=remote_start)
         logger.debug("running: %s", shlex.join(argv))
-        return supervisor.run(argv, env)
+        started = time.time()
+        try:
+            return supervisor.run(argv, env)
+        finally:
+            # The rank wrappers remove what ranks that died without MPI_Finalize left in
+            # this host's shared memory, unless mpiexec killed them first (MPICH's does,
+            # once a rank ends without finalizing): then it is done here, for this host.
+            rank_wrapper.remove_orphaned_mpi_segments(started)
