@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
-# Creates .venv in the repository root and installs hvdlite (editable) with what the
-# tests, examples and adapters need. torch is pinned to the 2.13.0 CPU wheel: an
+# Creates .venv in the repository root and installs hvdlite (editable) with torch and
+# what the tests and the examples need. torch is pinned to the 2.13.0 CPU wheel: an
 # unpinned torch would pull gigabytes of CUDA packages.
 #
 #   bash scripts/setup_venv.sh [EXTRA...]
 #
+# With no EXTRA it is the README's quick start (about a minute with pip's cache warm).
 # EXTRAs are more of pyproject.toml's extras to install (scripts/test.sh passes
-# "lightning spark ray slurm"; "slurm" is no extra but Debian's slurm-wlm and munge, below).
+# "tensorflow lightning spark ray slurm cluster"); "slurm" and "cluster" are no extras
+# but Debian packages, installed below as root.
 # Every install runs under scripts/constraints.txt, so no extra's dependency (lightning
 # needs torch) can replace the pinned torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The namespace-cluster tests (tests/cluster) need ip/tc (iproute2), unshare (util-linux)
-# and nft (link loss). Installed only where that is possible (root with apt); elsewhere
-# those tests skip with the reason, unless HVDLITE_REQUIRE names "cluster" (or "all",
-# as CI does through scripts/test.sh): then a machine without them stops here.
+# and nft (link loss). Installed when "cluster" is asked for (scripts/test.sh) and that is
+# possible (root with apt); elsewhere those tests skip with the reason, unless
+# HVDLITE_REQUIRE names "cluster" (or "all", as CI does through scripts/test.sh): then a
+# machine without them stops here.
 cluster_tools() { command -v ip && command -v tc && command -v nft && command -v unshare; }
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! cluster_tools >/dev/null 2>&1; then
+if [[ " $* " == *" cluster "* ]] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+    && ! cluster_tools >/dev/null 2>&1; then
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
       iproute2 nftables util-linux >/dev/null; } \
     || echo "setup_venv.sh: could not install iproute2/nftables; cluster tests may skip" >&2
@@ -62,7 +66,9 @@ if [[ " $* " == *" slurm "* ]] && ! slurm_tools >/dev/null 2>&1; then
 fi
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
-extras=test,tensorflow
-for extra in "$@"; do [ "$extra" = slurm ] || extras="$extras,$extra"; done
+extras=test
+for extra in "$@"; do
+  case $extra in slurm|cluster) ;; *) extras="$extras,$extra";; esac
+done
 .venv/bin/python -m pip install -q -c scripts/constraints.txt "torch==2.13.0"
 .venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[$extras]"
