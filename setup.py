@@ -12,6 +12,7 @@ that the loader opens exactly that library and refuses another implementation.
 HVDLITE_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer.
 HVDLITE_DEBUG=1 builds without optimization.
 """
+import concurrent.futures
 import glob
 import json
 import os
@@ -20,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 
 from setuptools import Command, setup
 from setuptools.command.build_py import build_py
@@ -136,9 +138,33 @@ def build_native(out_dir):
     link = ["-L" + libdir, "-lmpi", "-ldl", "-Wl,--exclude-libs,ALL"] + ["-Wl,-rpath," + r for r in rpaths]
     target = os.path.join(out_dir, "libhvdlite.so")
     os.makedirs(out_dir, exist_ok=True)
-    cmd = [cxx] + flags + sources + ["-o", target] + link
-    print("hvdlite: " + " ".join(cmd), flush=True)
-    subprocess.check_call(cmd)
+    # One compiler per source file, as many at once as there are cores, then one link:
+    # the core's sources compile in a fraction of the time of one compiler over them all.
+    with tempfile.TemporaryDirectory(prefix="hvdlite-build-") as objdir:
+        objects = [os.path.join(objdir, os.path.relpath(src, HERE).replace(os.sep, "_") + ".o")
+                   for src in sources]
+        compile_flags = [f for f in flags if f != "-shared"]
+        print(f"hvdlite: {cxx} {' '.join(compile_flags)} -c <each of {len(sources)} sources "
+              f"in native/src>", flush=True)
+
+        def compile_one(pair):
+            src, obj = pair
+            done = subprocess.run([cxx] + compile_flags + ["-c", src, "-o", obj],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            return src, done.returncode, done.stdout
+
+        workers = max(1, min(len(sources), os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            results = list(pool.map(compile_one, zip(sources, objects)))
+        for src, code, output in results:
+            if output:
+                sys.stdout.write(output)
+        failed = [os.path.relpath(src, HERE) for src, code, _ in results if code != 0]
+        if failed:
+            sys.exit("hvdlite: the compiler failed on " + ", ".join(failed))
+        cmd = [cxx] + flags + objects + ["-o", target] + link
+        print("hvdlite: " + " ".join([cxx] + flags + ["<objects>", "-o", target] + link), flush=True)
+        subprocess.check_call(cmd)
     implementation, version = mpi_identity(include)
     with open(os.path.join(out_dir, "_build_info.json"), "w") as f:
         json.dump({"mpi_source": source, "mpi_prefix": prefix if source == "system" else None,
