@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Creates .venv in the repository root and installs hvdlite (editable) with torch and
-# what the tests and the examples need. torch is pinned to the 2.13.0 CPU wheel: an
-# unpinned torch would pull gigabytes of CUDA packages.
+# what the examples need. torch is pinned to the 2.13.0 CPU wheel: an unpinned torch
+# would pull gigabytes of CUDA packages.
 #
 #   bash scripts/setup_venv.sh [EXTRA...]
 #
-# With no EXTRA it is the README's quick start (about a minute with pip's cache warm).
-# EXTRAs are more of pyproject.toml's extras to install (scripts/test.sh passes
-# "tensorflow lightning spark ray slurm cluster"); "slurm" and "cluster" are no extras
-# but Debian packages, installed below as root.
+# With no EXTRA it is the README's quick start. EXTRAs are more of pyproject.toml's
+# extras to install (scripts/test.sh passes "test tensorflow lightning spark ray slurm
+# cluster"); "slurm" and "cluster" are no extras but Debian packages, installed below as
+# root.
 # Every install runs under scripts/constraints.txt, so no extra's dependency (lightning
 # needs torch) can replace the pinned torch.
 set -euo pipefail
@@ -66,7 +66,7 @@ if [[ " $* " == *" slurm "* ]] && ! slurm_tools >/dev/null 2>&1; then
 fi
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
-extras=test
+extras=examples
 for extra in "$@"; do
   case $extra in slurm|cluster) ;; *) extras="$extras,$extra";; esac
 done

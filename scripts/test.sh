@@ -3,15 +3,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Every area of the suite must run here, none may pass by skipping (tests/needs.py):
-# CI runs as root on at least 2 cores, with torch, scikit-learn, mpi4py and matplotlib
-# (the quick start's setup_venv.sh installs those), and a kernel that permits SCHED_FIFO
-# to root; tensorflow-cpu (with keras), lightning (hvdlite.lightning's tests), pyspark
-# with a Java runtime (hvdlite.spark's), ray[train] (hvdlite.ray's, tests/on_ray), the
-# namespace cluster's tools (iproute2, nftables) and Debian's slurm-wlm and munge (a real
-# Slurm on the namespace cluster) are installed here only. A developer's run may
-# override it, e.g. HVDLITE_REQUIRE= scripts/test.sh to let what this machine lacks skip.
+# CI runs as root on at least 2 cores, with a kernel that permits SCHED_FIFO to root.
+# The quick start's setup_venv.sh installs torch and scikit-learn; the test tools with
+# mpi4py and matplotlib (the "test" extra), tensorflow-cpu (with keras), lightning
+# (hvdlite.lightning's tests), pyspark with a Java runtime (hvdlite.spark's), ray[train]
+# (hvdlite.ray's, tests/on_ray), the namespace cluster's tools (iproute2, nftables) and
+# Debian's slurm-wlm and munge (a real Slurm on the namespace cluster) are installed here
+# only. A developer's run may override it, e.g. HVDLITE_REQUIRE= scripts/test.sh to let
+# what this machine lacks skip.
 export HVDLITE_REQUIRE=${HVDLITE_REQUIRE-all}
-bash scripts/setup_venv.sh tensorflow lightning spark ray slurm cluster
+bash scripts/setup_venv.sh test tensorflow lightning spark ray slurm cluster
 # --durations: the slowest cases, printed at the end, to keep the suite near 15 minutes.
 run_pytest() {
     HVDLITE_REQUIRE_NATIVE=1 OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q \
