@@ -261,6 +261,70 @@ def assert_checks_pass(np, script, *, min_checks, timeout=240, env=None):
     return bodies
 
 
+# The driver of run_bodies: the prelude, then each body in the same globals, each with a
+# fresh ``failures`` list and ``values`` dict; an exception fails that body with its
+# traceback and the job goes on with the next. One result line per body, printed as soon
+# as it ends.
+_BODIES_DRIVER = """
+import json as _json
+import traceback as _traceback
+{prelude}
+for _name, _source in {bodies!r}:
+    failures, values = [], {{}}
+    try:
+        exec(compile(_source, "<body " + _name + ">", "exec"), globals())
+    except Exception:
+        failures.append("raised:\\n" + _traceback.format_exc()[-3000:])
+    print("HVDLITE_RESULT " + _json.dumps({{"body": _name, "failures": failures,
+                                              "values": values}}), flush=True)
+"""
+
+
+def run_bodies(np, bodies, *, prelude="", timeout=240, env=None, args=()):
+    """Runs several checking bodies in one job, so that its ranks start (and import their
+    framework) once instead of once per body, and returns each body's failures per rank.
+
+    Each body is Python source run after ``prelude`` in the same globals, where it finds
+    a fresh list ``failures`` to append to (an exception it raises is appended too, with
+    its traceback, and the next body runs) and a fresh dict ``values`` for what the test
+    checks itself (JSON). A body that leaves the ranks out of step (one rank raised
+    inside a collective the others completed) can make the next ones fail or the job
+    time out; the message then names the bodies each rank ended.
+
+    Args:
+        np: the number of ranks.
+        bodies: {name: source}, run in this order.
+        prelude: source run once first (imports, hvd.init(), helpers).
+        timeout, env, args: as ``run_job``'s.
+
+    Returns:
+        (outcomes, job): outcomes is {name: [rank 0's {"failures": [...], "values":
+        {...}}, rank 1's, ...]} (no failures: that rank passed the body), job the
+        JobResult.
+
+    Raises:
+        AssertionError: the job failed, timed out, or a rank did not report every body.
+    """
+    script = _BODIES_DRIVER.format(prelude=textwrap.dedent(prelude),
+                                   bodies=[(name, textwrap.dedent(source))
+                                           for name, source in bodies.items()])
+    result = run_job(np, script, timeout=timeout, env=env, args=args)
+    ended = {rank: [body.get("body") for body in result.results.get(rank, [])]
+             for rank in range(np)}
+    if result.returncode != 0 or any(ended[rank] != list(bodies) for rank in range(np)):
+        raise AssertionError(f"job of bodies {list(bodies)} failed; each rank ended "
+                             f"{ended}\n" + describe(result))
+    return {name: [result.results[rank][i] for rank in range(np)]
+            for i, name in enumerate(bodies)}, result
+
+
+def assert_body_passed(outcomes, name):
+    """Fails with every rank's failures of body ``name`` (``run_bodies``'s outcomes)."""
+    problems = [f"rank {rank}: {f}" for rank, body in enumerate(outcomes[name])
+                for f in body["failures"]]
+    assert not problems, f"body {name!r} failed\n" + "\n".join(problems)
+
+
 def require_native():
     """Skips the calling test unless the native library loads (checked in a child)."""
     import pytest
