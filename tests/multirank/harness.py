@@ -261,6 +261,154 @@ def assert_checks_pass(np, script, *, min_checks, timeout=240, env=None):
     return bodies
 
 
+# The driver of run_bodies: the prelude, then each body in the same globals, each with a
+# fresh ``failures`` list and ``values`` dict; an exception fails that body with its
+# traceback and the job goes on with the next. One result line per body, printed as soon
+# as it ends.
+_BODIES_DRIVER = """
+import json as _json
+import traceback as _traceback
+{prelude}
+for _name, _source in {bodies!r}:
+    failures, values = [], {{}}
+    try:
+        exec(compile(_source, "<body " + _name + ">", "exec"), globals())
+    except Exception:
+        failures.append("raised:\\n" + _traceback.format_exc()[-3000:])
+    print("HVDLITE_RESULT " + _json.dumps({{"body": _name, "failures": failures,
+                                              "values": values}}), flush=True)
+"""
+
+
+def run_bodies(np, bodies, *, prelude="", timeout=240, env=None, args=()):
+    """Runs several checking bodies in one job, so that its ranks start (and import their
+    framework) once instead of once per body, and returns each body's failures per rank.
+
+    Each body is Python source run after ``prelude`` in the same globals, where it finds
+    a fresh list ``failures`` to append to (an exception it raises is appended too, with
+    its traceback, and the next body runs) and a fresh dict ``values`` for what the test
+    checks itself (JSON). A body that leaves the ranks out of step (one rank raised
+    inside a collective the others completed) can make the next ones fail or the job
+    time out; the message then names the bodies each rank ended.
+
+    Args:
+        np: the number of ranks.
+        bodies: {name: source}, run in this order.
+        prelude: source run once first (imports, hvd.init(), helpers).
+        timeout, env, args: as ``run_job``'s.
+
+    Returns:
+        (outcomes, job): outcomes is {name: [rank 0's {"failures": [...], "values":
+        {...}}, rank 1's, ...]} (no failures: that rank passed the body), job the
+        JobResult.
+
+    Raises:
+        AssertionError: the job failed, timed out, or a rank did not report every body.
+    """
+    script = _BODIES_DRIVER.format(prelude=textwrap.dedent(prelude),
+                                   bodies=[(name, textwrap.dedent(source))
+                                           for name, source in bodies.items()])
+    result = run_job(np, script, timeout=timeout, env=env, args=args)
+    ended = {rank: [body.get("body") for body in result.results.get(rank, [])]
+             for rank in range(np)}
+    if result.returncode != 0 or any(ended[rank] != list(bodies) for rank in range(np)):
+        raise AssertionError(f"job of bodies {list(bodies)} failed; each rank ended "
+                             f"{ended}\n" + describe(result))
+    return {name: [result.results[rank][i] for rank in range(np)]
+            for i, name in enumerate(bodies)}, result
+
+
+def assert_body_passed(outcomes, name):
+    """Fails with every rank's failures of body ``name`` (``run_bodies``'s outcomes)."""
+    problems = [f"rank {rank}: {f}" for rank, body in enumerate(outcomes[name])
+                for f in body["failures"]]
+    assert not problems, f"body {name!r} failed\n" + "\n".join(problems)
+
+
+# Checking scripts that share one job per folder and rank count, run in turn in the same
+# ranks (each ends with one HVDLITE_RESULT line): the framework is imported, and the ranks
+# started, once for every test module that checks one of them. A script that raises is
+# reported as such and the next one runs.
+_SCRIPTS_DIR = os.path.dirname(os.path.abspath(__file__))
+SHARED_CHECKS = {
+    # folder: ({np: scripts in the order they run}, job timeout, environment)
+    "torch_scripts": ({n: ("collectives.py", "gradients.py", "sparse.py",
+                           "sync_batch_norm.py") for n in (2, 3)}, 280, None),
+    # parity.py shuts hvdlite down at its end; the next script initializes it again.
+    "tf_scripts": ({2: ("parity.py", "sync_batch_norm.py", "collectives.py",
+                        "compression.py"),
+                    3: ("parity.py", "sync_batch_norm.py", "compression.py")}, 280,
+                   {"TF_CPP_MIN_LOG_LEVEL": "2"}),
+}
+_SHARED_CHECKS_DRIVER = """
+import json, os, runpy, sys, traceback
+directory = sys.argv[1]
+sys.path.insert(0, directory)
+for name in sys.argv[2:]:
+    print("HVDLITE_RESULT " + json.dumps({"script": name}), flush=True)
+    sys.argv = [os.path.join(directory, name)]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:  # sys.exit(main()): the next script runs unless it failed
+        if e.code not in (None, 0):
+            print("HVDLITE_RESULT " + json.dumps({"script": name,
+                                                  "raised": f"exit status {e.code}"}))
+    except Exception:
+        print("HVDLITE_RESULT " + json.dumps({"script": name,
+                                              "raised": traceback.format_exc()[-3000:]}))
+"""
+_shared_checks_jobs = {}
+
+
+def shared_checks(folder, np, script):
+    """Returns what ``<folder>/<script>`` reported on each rank, from the one job of
+    ``np`` ranks that runs every script SHARED_CHECKS lists for them (started on first
+    use, then kept for the session).
+
+    Returns:
+        (bodies, job): each rank's HVDLITE_RESULT object of that script, and the
+        JobResult.
+
+    Raises:
+        AssertionError: the job failed or timed out, or the script raised or did not
+        report on some rank (with that rank's traceback).
+    """
+    scripts, timeout, env = SHARED_CHECKS[folder]
+    assert script in scripts[np], f"{folder}/{script} does not run at {np} ranks"
+    if (folder, np) not in _shared_checks_jobs:
+        job = assert_ok(run_job(np, _SHARED_CHECKS_DRIVER, timeout=timeout, env=env,
+                                args=[os.path.join(_SCRIPTS_DIR, folder), *scripts[np]]))
+        per_script = {}
+        for rank in range(np):
+            current = None
+            for body in job.results.get(rank, []):
+                if isinstance(body, dict) and set(body) == {"script"}:
+                    current = body["script"]
+                per_script.setdefault(current, {}).setdefault(rank, []).append(body)
+        _shared_checks_jobs[folder, np] = per_script, job
+    per_script, job = _shared_checks_jobs[folder, np]
+    bodies = []
+    for rank in range(np):
+        lines = per_script.get(script, {}).get(rank, [])[1:]  # after the script's marker
+        if len(lines) != 1 or "raised" in lines[0]:
+            raise AssertionError(f"{folder}/{script} on rank {rank} reported {lines} "
+                                 "instead of one result line\n" + describe(job))
+        bodies.append(lines[0])
+    return bodies, job
+
+
+def assert_shared_checks_pass(folder, np, script, *, min_checks):
+    """``assert_checks_pass`` for a script of SHARED_CHECKS, on its shared job."""
+    bodies, job = shared_checks(folder, np, script)
+    problems = [f"rank {rank}: {f}" for rank, body in enumerate(bodies)
+                for f in body["failures"]]
+    assert not problems, "\n".join(problems) + "\n" + describe(job)
+    for rank, body in enumerate(bodies):
+        assert body["checks"] >= min_checks, f"rank {rank}: {body['checks']} checks\n" + \
+            describe(job)
+    return bodies
+
+
 def require_native():
     """Skips the calling test unless the native library loads (checked in a child)."""
     import pytest

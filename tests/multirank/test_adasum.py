@@ -10,7 +10,7 @@ import pytest
 
 import needs
 
-from harness import assert_ok, describe, run_job
+from harness import assert_body_passed, run_bodies
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("native")]
 
@@ -110,7 +110,6 @@ for label, call in (("int", lambda: hvd.allreduce(np.ones(3, np.int32), op=hvd.A
         failures.append(f"{label}: Adasum was not refused")
     except errors.InvalidArgumentError:
         pass
-print("HVDLITE_RESULT " + json.dumps({"failures": failures}), flush=True)
 '''
 
 TORCH_BODY = r'''
@@ -161,7 +160,6 @@ for step in range(3):
     params = {n: params[n] + reference(updates[n]) for n in params}
 for n, p in model.named_parameters():
     check(f"adasum optimizer {n}", p.detach().numpy(), params[n], 1e-10)
-print("HVDLITE_RESULT " + json.dumps({"failures": failures}), flush=True)
 '''
 
 
@@ -177,31 +175,41 @@ for i, shape in enumerate([(5,), (3, 4)]):
           expected, 1e-10)
     graph = tf.function(lambda t, i=i: hvd_tf.allreduce(t, name=f"tf.g{i}", op=hvd_tf.Adasum))
     check(f"tf function {shape}", graph(mine).numpy(), expected, 1e-10)
-print("HVDLITE_RESULT " + json.dumps({"failures": failures}), flush=True)
 '''
 
 
-def _run(np_, body):
-    result = assert_ok(run_job(np_, PRELUDE + body, timeout=200))
-    problems = [f"rank {r}: {f}" for r in range(np_) for f in result.result(r)["failures"]]
-    assert not problems, "\n".join(problems) + "\n" + describe(result)
+# One job per rank count runs every body of that count (harness.run_bodies: the ranks
+# start, and import torch and TensorFlow, once), each reported by name; a framework
+# that is not installed leaves its bodies out (their tests skip, or fail in CI).
+_jobs = {}
+
+
+def _assert_passed(np_, name):
+    if np_ not in _jobs:
+        bodies = {"numpy": NUMPY_BODY}
+        if np_ in (2, 3) and needs.installed("tensorflow"):
+            bodies["tensorflow"] = TF_BODY
+        if np_ in (2, 3) and needs.installed("torch"):
+            bodies.update(torch=TORCH_BODY, stability=STABILITY_BODY)
+        _jobs[np_], _ = run_bodies(np_, bodies, prelude=PRELUDE, timeout=280)
+    assert_body_passed(_jobs[np_], name)
 
 
 @pytest.mark.parametrize("np_", [2, 3, 4])
 def test_numpy_adasum_matches_the_reference(np_):
-    _run(np_, NUMPY_BODY)
+    _assert_passed(np_, "numpy")
 
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_tensorflow_adasum_allreduce(np_):
     needs.import_or_skip("tensorflow")
-    _run(np_, TF_BODY)
+    _assert_passed(np_, "tensorflow")
 
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_torch_adasum_and_distributed_optimizer(np_):
     needs.import_or_skip("torch")
-    _run(np_, TORCH_BODY)
+    _assert_passed(np_, "torch")
 
 
 STABILITY_BODY = r'''
@@ -255,11 +263,10 @@ for dt in (np.float16, np.float32, np.float64):
                 failures.append(f"{api} {case} {np.dtype(dt).name}: relative error {err:.3g}")
             if size > 1 and np.allclose(np.sum(wide, 0) / unit, expected):
                 failures.append("the mean equals the sum: inputs too weak")
-print("HVDLITE_RESULT " + json.dumps({"failures": failures}), flush=True)
 '''
 
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_adasum_of_tiny_and_spread_multiples_is_their_mean(np_):
     needs.import_or_skip("torch")
-    _run(np_, STABILITY_BODY)
+    _assert_passed(np_, "stability")

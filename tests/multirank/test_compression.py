@@ -13,7 +13,7 @@ import pytest
 
 import needs
 
-from harness import assert_ok, run_job
+from harness import assert_ok, run_job, shared_checks
 
 needs.import_or_skip("torch")
 pytestmark = pytest.mark.timeout(600)
@@ -231,9 +231,6 @@ def test_training_converges_with_every_reducer(job):
         assert train[label]["last"] < 3 * train["none"]["last"] + 0.05, (label, train)
 
 
-TF_SCRIPT = os.path.join(HERE, "tf_scripts", "compression.py")
-
-
 def seeded_gradients(step, rank):  # as the TF rank script makes them
     rng = np.random.default_rng([step, rank])
     return (rng.standard_normal((8, 6)).astype(np.float32),
@@ -243,8 +240,8 @@ def seeded_gradients(step, rank):  # as the TF rank script makes them
 @pytest.mark.parametrize("size", [2, 3])
 def test_tensorflow_tape_and_keras_use_the_reducers(native, size):
     needs.import_or_skip("tensorflow")
-    result = assert_ok(run_job(size, TF_SCRIPT, timeout=400))
-    bodies = [result.result(rank) for rank in range(size)]
+    # In harness.shared_checks's job, beside the other scripts of tf_scripts/.
+    bodies, _ = shared_checks("tf_scripts", size, "compression.py")
     for key in bodies[0]:
         for rank in range(1, size):
             assert bodies[rank][key] == bodies[0][key], key  # the same update everywhere

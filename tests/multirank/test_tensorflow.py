@@ -10,28 +10,25 @@ broadcast, DistributedGradientTape training for 10 steps (batch B on each rank e
 one process with batch 2B, dense and IndexedSlices gradients), and a shape mismatch
 that must raise on every rank, eagerly and in a graph.
 """
-import os
-
 import pytest
 
 import needs
 
-from harness import assert_ok, describe, run_job
+from harness import describe, shared_checks
 
 pytestmark = [
     needs.needs("tensorflow", needs.installed("tensorflow"), "tensorflow is not installed"),
     pytest.mark.timeout(300),
 ]
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf_scripts")
 NP = 2
 
 
 @pytest.fixture(scope="module")
 def collectives_job(native):
-    result = assert_ok(run_job(NP, os.path.join(SCRIPTS, "collectives.py"), timeout=240,
-                               env={"TF_CPP_MIN_LOG_LEVEL": "2"}))
-    bodies = [result.result(rank) for rank in range(NP)]
+    # In harness.shared_checks's job of 2 ranks, beside the other checking scripts of
+    # tf_scripts/ (TensorFlow is imported once).
+    bodies, result = shared_checks("tf_scripts", NP, "collectives.py")
     for body in bodies:
         assert body["checks"] >= 70, describe(result)
     return bodies

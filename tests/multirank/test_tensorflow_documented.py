@@ -12,13 +12,16 @@ import pytest
 
 import needs
 
-from harness import assert_ok, describe, run_job
+from harness import assert_body_passed, describe, run_bodies
 
 pytestmark = [
     needs.needs("tensorflow", needs.installed("tensorflow"), "tensorflow not installed"),
     needs.needs("keras", needs.installed("keras"), "keras not installed"),
     pytest.mark.timeout(300), pytest.mark.usefixtures("native"),
 ]
+
+# Both checks run in one job of 2 ranks (harness.run_bodies: TensorFlow is imported
+# once, not twice), each reporting its own values and failures by name.
 
 PARTIAL = r"""
 import json, os
@@ -61,14 +64,15 @@ for scale in (True, False):
             sum(e[i] for e in every) / N
         errors[w.path] = float(np.max(np.abs(got[i] - want)))
     out[f"scale={scale}"] = errors
-print("HVDLITE_RESULT", json.dumps(out))
+values.update(out)
 """
 
 
-def test_partial_tape_averages_all_but_the_local_layers():
-    result = assert_ok(run_job(2, PARTIAL, timeout=240))
+def test_partial_tape_averages_all_but_the_local_layers(job):
+    _, outcomes, result = job
+    assert_body_passed(outcomes, "partial")
     for rank in range(2):
-        for scale, errors in result.result(rank).items():
+        for scale, errors in outcomes["partial"][rank]["values"].items():
             assert len(errors) == 4, errors  # kernel and bias of both layers
             assert max(errors.values()) < 1e-6, (rank, scale, errors, describe(result))
 
@@ -105,17 +109,27 @@ out = {"val_loss": history.history["val_loss"], "weights": weights}
 if hvd.rank() == 0:
     model.load_weights(path)
     out["saved"] = [w.tolist() for w in model.get_weights()]
-print("HVDLITE_RESULT", json.dumps(out))
+values.update(out)
 """
 
 
-def test_best_model_checkpoint_keeps_the_best_epoch_on_rank_0(tmp_path):
-    result = assert_ok(run_job(2, CHECKPOINT, args=[str(tmp_path)], timeout=240))
-    got = result.result(0)
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """The checkpoint's directory, the bodies' outcomes and the JobResult."""
+    directory = tmp_path_factory.mktemp("checkpoint")
+    outcomes, result = run_bodies(2, {"partial": PARTIAL, "checkpoint": CHECKPOINT},
+                                  timeout=240, args=[str(directory)])
+    return directory, outcomes, result
+
+
+def test_best_model_checkpoint_keeps_the_best_epoch_on_rank_0(job):
+    tmp_path, outcomes, result = job
+    assert_body_passed(outcomes, "checkpoint")
+    got = outcomes["checkpoint"][0]["values"]
     losses = got["val_loss"]
     best = min(range(len(losses)), key=lambda e: losses[e])
     assert best < len(losses) - 1, f"val_loss did not rise after its best: {losses}"
     assert got["saved"] == got["weights"][best], (losses, describe(result))
     assert got["saved"] != got["weights"][-1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best.weights.h5"]
-    assert "saved" not in result.result(1)
+    assert "saved" not in outcomes["checkpoint"][1]["values"]

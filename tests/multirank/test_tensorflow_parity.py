@@ -10,31 +10,33 @@ tensors, BroadcastGlobalVariablesHook, and mismatches raised as the tf.errors cl
 the job goes on). Values are recomputed with numpy from rank and size. A hang is a
 timeout with every rank's output.
 """
-import os
-
 import pytest
 
 import needs
 
-from harness import assert_ok, describe, run_job
+from harness import describe, shared_checks
 
 pytestmark = [
     needs.needs("tensorflow", needs.installed("tensorflow"), "tensorflow is not installed"),
     pytest.mark.timeout(400),
 ]
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf_scripts", "parity.py")
 BLOCKS = ["fused_allreduce", "allgather_grad", "broadcast_grad", "sparse",
           "mixed_gradients", "alltoall_even_split", "alltoall_grad",
           "grouped_gather_scatter", "reducescatter_grad", "mismatch", "broadcast_",
           "process_tensors", "global_variables", "incremental_graph"]
 
 
+# parity.py runs in harness.shared_checks's job of its rank count, beside the other
+# checking scripts of tf_scripts/ (TensorFlow is imported once per rank count).
 @pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
-def parity_job(request, native):
-    np_ = request.param
-    result = assert_ok(run_job(np_, SCRIPT, timeout=360, env={"TF_CPP_MIN_LOG_LEVEL": "2"}))
-    return [result.result(rank) for rank in range(np_)], result
+def np_(request, native):
+    return request.param
+
+
+@pytest.fixture
+def parity_job(np_):
+    return shared_checks("tf_scripts", np_, "parity.py")
 
 
 @pytest.mark.parametrize("mode", ["graph", "eager"])
@@ -53,10 +55,7 @@ def test_every_block_ran_on_every_rank(parity_job):
         assert body["checks"] == 2 * len(BLOCKS), describe(result)
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_sync_batch_norm_equals_one_batch_norm_over_all_ranks(native, np_):
-    script = os.path.join(os.path.dirname(SCRIPT), "sync_batch_norm.py")
-    result = assert_ok(run_job(np_, script, timeout=240, env={"TF_CPP_MIN_LOG_LEVEL": "2"}))
-    for rank in range(np_):
-        body = result.result(rank)
+def test_sync_batch_norm_equals_one_batch_norm_over_all_ranks(np_):
+    bodies, _ = shared_checks("tf_scripts", np_, "sync_batch_norm.py")
+    for body in bodies:
         assert body["checks"] == 8 and body["failures"] == {}, body["failures"]

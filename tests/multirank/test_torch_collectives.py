@@ -5,25 +5,23 @@ place / out of place / async, grouped allreduce, allgather with uneven and empty
 alltoall with splits, reducescatter, objects, join, barrier and compressed allreduce
 (the gradients are in test_torch_gradients.py).
 """
-import os
-
 import pytest
 
 import needs
 
-from harness import assert_ok, describe, run_job
+from harness import describe, shared_checks
 
 needs.import_or_skip("torch")
 pytestmark = pytest.mark.timeout(300)
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_scripts")
+# The script runs in harness.shared_checks's job, beside the other checking scripts of
+# torch_scripts/ (torch is imported once per rank count for the four modules).
 
 
-def failures_of(result, np):
-    """Every rank's reported failures (asserting each rank reported)."""
+def failures_of(bodies, result):
+    """Every rank's reported failures (asserting each rank made its checks)."""
     reported = {}
-    for rank in range(np):
-        body = result.result(rank)
+    for rank, body in enumerate(bodies):
         assert body["checks"] > 200, describe(result)
         if body["failures"]:
             reported[rank] = body["failures"]
@@ -32,5 +30,5 @@ def failures_of(result, np):
 
 @pytest.mark.parametrize("np", [2, 3])
 def test_every_collective_matches_recomputed_values(native, np):
-    result = assert_ok(run_job(np, os.path.join(SCRIPTS, "collectives.py"), timeout=240))
-    assert failures_of(result, np) == {}
+    bodies, result = shared_checks("torch_scripts", np, "collectives.py")
+    assert failures_of(bodies, result) == {}

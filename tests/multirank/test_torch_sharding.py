@@ -328,10 +328,24 @@ for (name, p), *others in zip(nets[0].named_parameters(), *(n.parameters() for n
 '''
 
 
+@pytest.fixture(scope="module")
+def training(tmp_path_factory):
+    """Runs TRAINING once per rank count, on first use: {np: (outcomes, checkpoint)}. The
+    2-rank job's checkpoint is also the one the 3-rank resume starts from."""
+    jobs = {}
+
+    def at(np_):
+        if np_ not in jobs:
+            checkpoint = tmp_path_factory.mktemp(f"training{np_}") / "adam.pt"
+            jobs[np_] = assert_checks_pass(np_, TRAINING, min_checks=45, timeout=150,
+                                           env={"CHECKPOINT": str(checkpoint)}), checkpoint
+        return jobs[np_]
+    return at
+
+
 @pytest.mark.parametrize("np_", [2, 3])
-def test_sharded_training_equals_unsharded_and_state_is_split(np_, tmp_path):
-    outcomes = assert_checks_pass(np_, TRAINING, min_checks=45, timeout=150,
-                                  env={"CHECKPOINT": str(tmp_path / "adam.pt")})
+def test_sharded_training_equals_unsharded_and_state_is_split(np_, training):
+    outcomes, checkpoint = training(np_)
     # 6 parameters of 91, 13, 65, 5, 5 and 1 elements (180): dealt out largest first to
     # the rank holding the fewest elements, no rank holds more than its share plus the
     # largest parameter.
@@ -340,13 +354,13 @@ def test_sharded_training_equals_unsharded_and_state_is_split(np_, tmp_path):
         elements = [o["owned"][kind][1] for o in outcomes]
         assert sum(counts) == 6 and sum(elements) == 180, outcomes
         assert max(elements) <= 180 / np_ + 91 and min(elements) > 0, elements
-    assert os.path.exists(tmp_path / "adam.pt")
+    assert os.path.exists(checkpoint)
 
 
-def test_a_checkpoint_from_two_ranks_resumes_on_three(tmp_path):
-    env = {"CHECKPOINT": str(tmp_path / "adam.pt")}
-    assert_checks_pass(2, TRAINING, min_checks=30, timeout=150, env=env)
-    assert_checks_pass(3, RESUME, min_checks=14, timeout=150, env=env)
+def test_a_checkpoint_from_two_ranks_resumes_on_three(training):
+    _, checkpoint = training(2)  # the 2-rank training job (run by the test above)
+    assert_checks_pass(3, RESUME, min_checks=14, timeout=150,
+                       env={"CHECKPOINT": str(checkpoint)})
 
 
 def test_stage2_at_three_ranks_then_two_resuming_its_checkpoint(tmp_path):

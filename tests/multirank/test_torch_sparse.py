@@ -7,22 +7,20 @@ one process trained on the concatenated batch; each of those also with plain SGD
 step scales with the gradient (a sum where the average is due fails it; SparseAdam and
 Adagrad barely notice).
 """
-import os
-
 import pytest
 
 import needs
 
-from harness import assert_checks_pass
+from harness import assert_shared_checks_pass
 
 needs.import_or_skip("torch")
 pytestmark = pytest.mark.timeout(300)
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_scripts",
-                      "sparse.py")
+# The script runs in harness.shared_checks's job, beside the other checking scripts of
+# torch_scripts/ (torch is imported once per rank count for the four modules).
 
 
 @pytest.mark.parametrize("np", [2, 3])
 def test_sparse_gradients_train_like_one_process(native, np):
-    bodies = assert_checks_pass(np, SCRIPT, min_checks=48)
+    bodies = assert_shared_checks_pass("torch_scripts", np, "sparse.py", min_checks=48)
     assert all(len(body["info"]) == 10 for body in bodies)
