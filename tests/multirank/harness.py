@@ -251,13 +251,17 @@ def assert_checks_pass(np, script, *, min_checks, timeout=240, env=None):
 
     ``env``: as ``run_job``'s."""
     result = assert_ok(run_job(np, script, timeout=timeout, env=env))
-    bodies = [result.result(rank) for rank in range(np)]
+    return _assert_checked([result.result(rank) for rank in range(np)], min_checks, result)
+
+
+def _assert_checked(bodies, min_checks, job):
+    """Fails unless no rank's result object has failures and each ran ``min_checks``."""
     problems = [f"rank {rank}: {f}" for rank, body in enumerate(bodies)
                 for f in body["failures"]]
-    assert not problems, "\n".join(problems) + "\n" + describe(result)
+    assert not problems, "\n".join(problems) + "\n" + describe(job)
     for rank, body in enumerate(bodies):
         assert body["checks"] >= min_checks, f"rank {rank}: {body['checks']} checks\n" + \
-            describe(result)
+            describe(job)
     return bodies
 
 
@@ -400,13 +404,7 @@ def shared_checks(folder, np, script):
 def assert_shared_checks_pass(folder, np, script, *, min_checks):
     """``assert_checks_pass`` for a script of SHARED_CHECKS, on its shared job."""
     bodies, job = shared_checks(folder, np, script)
-    problems = [f"rank {rank}: {f}" for rank, body in enumerate(bodies)
-                for f in body["failures"]]
-    assert not problems, "\n".join(problems) + "\n" + describe(job)
-    for rank, body in enumerate(bodies):
-        assert body["checks"] >= min_checks, f"rank {rank}: {body['checks']} checks\n" + \
-            describe(job)
-    return bodies
+    return _assert_checked(bodies, min_checks, job)
 
 
 def require_native():
