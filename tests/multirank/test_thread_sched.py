@@ -234,6 +234,42 @@ def test_a_rank_alone_never_leaves_realtime():
     assert result.result(0)["seen"] == [os.SCHED_FIFO], describe(result)
 
 
+def test_a_rank_with_cores_to_spare_keeps_its_background_thread_by_a_blocked_caller():
+    # One rank on this machine's cores (2 or more, two for each rank): a blocking call
+    # keeps the background thread on the caller's core, an op enqueued without a wait
+    # lets it go anywhere again. Two ranks on 2 cores: never moved.
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("one core: nothing to keep the background thread off")
+    script = textwrap.dedent("""
+        import json, os
+        import numpy as np
+        import hvdlite as hvd
+
+        hvd.init()
+        def loop_cores():
+            for t in os.listdir("/proc/self/task"):
+                if open(f"/proc/self/task/{t}/comm").read().strip() == "hvdlite-loop":
+                    return sorted(os.sched_getaffinity(int(t)))
+        x = np.ones(1024, np.float32)
+        seen = {"start": loop_cores()}
+        for i in range(20):
+            hvd.allreduce(x, op=hvd.Sum, name="blocking")
+        seen["blocking"] = loop_cores()
+        hvd.synchronize(hvd.allreduce_async(x, op=hvd.Sum, name="async"))
+        seen["async"] = loop_cores()
+        print("HVDLITE_RESULT", json.dumps(seen))
+    """)
+    alone = assert_ok(run_job(1, script, env=UNSET)).result(0)
+    assert alone["start"] == cores and alone["async"] == cores, alone
+    assert len(alone["blocking"]) == 1 and alone["blocking"][0] in cores, alone
+    pair = assert_ok(run_job(2, script, env=UNSET))
+    if len(cores) < 4:
+        for rank in range(2):
+            got = pair.result(rank)
+            assert got["start"] == got["blocking"] == got["async"] == cores, (rank, got)
+
+
 def test_background_realtime_off():
     result = assert_ok(run_job(2, SCRIPT, env={**UNSET, "HVDLITE_BACKGROUND_REALTIME": "0"}))
     for rank in range(2):

@@ -1,6 +1,7 @@
 #include "common/thread_sched.h"
 
 #include <dirent.h>
+#include <pthread.h>
 #include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
@@ -91,6 +92,19 @@ void SetNormal() {
 int CoresAtStartCount() {
   std::string why;
   return static_cast<int>(CoresAtStart(&why).size());
+}
+
+bool PlaceThread(unsigned long thread, int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (cpu >= 0) {
+    CPU_SET(cpu, &set);
+  } else {
+    std::string why;
+    for (int c : CoresAtStart(&why)) CPU_SET(c, &set);
+    if (CPU_COUNT(&set) == 0) return false;
+  }
+  return pthread_setaffinity_np(static_cast<pthread_t>(thread), sizeof(set), &set) == 0;
 }
 
 bool RequestRealtime(int local_size, std::string* why) {

@@ -90,6 +90,8 @@ Status Core::Init(int64_t comm_f2c) {
   }
   shutdown_requested_ = false;
   loop_ended_ = false;
+  loop_cpu_ = -1;  // a new thread, anywhere
+  follow_caller_ = false;
   {
     std::lock_guard<std::mutex> end_lock(end_mutex_);
     end_status_ = Status::OK();
@@ -118,6 +120,7 @@ Status Core::Init(int64_t comm_f2c) {
       // outnumber its cores (one process-wide device, so one world-wide rule).
       gpu_.set_may_poll(CoresAtStartCount() >= topo.local_size);
       if (config_.bind_to_core) BindThisRank(topo);
+      follow_caller_ = !config_.bind_to_core && CoresAtStartCount() >= 2 * topo.local_size;
       if (topo.rank == 0 && !config_.timeline_path.empty()) {
         st = timeline_.Start(config_.timeline_path, config_.timeline_mark_cycles);
       }

@@ -77,6 +77,19 @@ class Core {
     return !refusals_.empty();
   }
 
+  // Where the background thread may run: on the core of the last thread that blocked
+  // in EnqueueAndWait (loop_cpu_), or anywhere (-1) once an op is enqueued without a
+  // wait (the thread then works beside the training threads). Any thread; changes
+  // under place_mutex_. Only where the host has cores to spare, two for each of its
+  // ranks (follow_caller_, set at init): there a wake elsewhere would find an idle core.
+  // Where its ranks' threads keep its cores busy a wake finds a busy core anyway (2
+  // ranks on 2 cores: no gain, allgather of 64 KiB 59 -> 79 us), and never with
+  // HVDLITE_BIND_TO=core (the rank's share binds it).
+  void PlaceLoop(int cpu);
+  std::atomic<int> loop_cpu_{-1};
+  std::atomic<bool> follow_caller_{false};
+  std::mutex place_mutex_;
+
   // Set before the thread starts or while it is not running; read-only otherwise.
   Config config_;
   MpiTopology topo_;

@@ -3,8 +3,12 @@
 // lock themselves.
 #include "core/core.h"
 
+#include <sched.h>
+
 #include <cmath>
 #include <cstring>
+
+#include "common/thread_sched.h"
 
 namespace hvdlite {
 
@@ -92,12 +96,25 @@ Status Core::Validate(const hvdlite_tensor_t& t, int64_t index, const ProcessSet
 }
 
 Status Core::Enqueue(const hvdlite_tensor_t* tensors, int32_t n, bool group, hvdlite_handle_t* out) {
+  if (loop_cpu_.load(std::memory_order_relaxed) >= 0) PlaceLoop(-1);
   return Submit(tensors, n, group, false, out);
+}
+
+void Core::PlaceLoop(int cpu) {
+  std::lock_guard<std::mutex> lock(place_mutex_);
+  if (loop_cpu_.load() == cpu || !running_.load()) return;
+  if (PlaceThread(static_cast<unsigned long>(thread_.native_handle()), cpu)) loop_cpu_.store(cpu);
 }
 
 Status Core::EnqueueAndWait(const hvdlite_tensor_t* tensor, double timeout_s, bool release,
                             hvdlite_handle_t* out, Status* op_status) {
   handles_.Announce();
+  // The background thread is woken on this thread's core, which this thread leaves
+  // for it (see PlaceThread).
+  if (follow_caller_.load(std::memory_order_relaxed)) {
+    const int cpu = sched_getcpu();
+    if (cpu >= 0 && cpu != loop_cpu_.load(std::memory_order_relaxed)) PlaceLoop(cpu);
+  }
   Status s = Submit(tensor, 1, false, false, out);
   if (!s.ok()) {
     handles_.Unannounce();
