@@ -155,8 +155,10 @@ def remove_orphaned_mpi_segments(since, directory=SHM_DIR):
     no process maps any more: what this host's ranks of a job that ended without
     MPI_Finalize left behind. The last rank wrapper of a host to see its rank end
     finds them unmapped; a segment of another job still running is mapped (its maker
-    maps it right after making it: one younger than a tenth of a second is left
-    alone). Returns the names removed."""
+    maps it right after making it: one younger than a second is left alone), and only
+    this user's segments are looked at. Processes this one cannot see (another PID
+    namespace sharing this /dev/shm) count as none: do not share /dev/shm between jobs
+    so. Returns the names removed."""
     now = time.time()
     candidates = []
     try:
@@ -168,10 +170,10 @@ def remove_orphaned_mpi_segments(since, directory=SHM_DIR):
             continue
         path = os.path.join(directory, name)
         try:
-            made = os.stat(path).st_ctime
+            info = os.stat(path)
         except OSError:
             continue
-        if since - 1 <= made <= now - 0.1:
+        if info.st_uid == os.geteuid() and since - 1 <= info.st_ctime <= now - 1:
             candidates.append(path)
     if not candidates:
         return []

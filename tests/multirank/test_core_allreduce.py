@@ -281,6 +281,8 @@ hvd.shutdown()
     # would coordinate through MPI while the others wait in shared memory.
     ("HVDLITE_CACHE_CAPACITY", "200000", "1024"),
     ("HVDLITE_FUSION_THRESHOLD", "0", str(128 * 1024 * 1024)),
+    # Staged GPU allreduces run one collective per chunk.
+    ("HVDLITE_GPU_STAGE_CHUNK", "65536", str(4 * 1024 * 1024)),
 ])
 def test_settings_that_differ_across_ranks_fail_init_on_every_rank(setting, value, rest):
     job = harness.assert_ok(harness.run_job(3, SETTINGS_SCRIPT, args=[setting, value],

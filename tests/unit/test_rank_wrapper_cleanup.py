@@ -25,7 +25,7 @@ def test_only_unmapped_mpi_segments_of_the_job_go(tmp_path):
     since = time.time()
     orphan = _segment(tmp_path, "mpich_shm_orphan_0")
     in_use = _segment(tmp_path, "mpich_shm_inuse_0")
-    other = _segment(tmp_path, "someone_elses_0", age_s=0.2)
+    other = _segment(tmp_path, "someone_elses_0", age_s=1.1)
     with open(in_use, "r+b") as f, mmap.mmap(f.fileno(), 4096) as mapped:
         young = _segment(tmp_path, "mpich_shm_young_0")
         removed = rank_wrapper.remove_orphaned_mpi_segments(since, directory=str(tmp_path))
@@ -35,7 +35,7 @@ def test_only_unmapped_mpi_segments_of_the_job_go(tmp_path):
     for kept in (older, in_use, other, young):
         assert kept.exists(), kept.name
     # Once unmapped and old enough, the others of the job go too.
-    time.sleep(0.2)
+    time.sleep(1.1)
     assert sorted(rank_wrapper.remove_orphaned_mpi_segments(since, directory=str(tmp_path))) \
         == ["mpich_shm_inuse_0", "mpich_shm_young_0"]
     assert older.exists() and other.exists()

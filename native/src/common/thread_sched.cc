@@ -1,7 +1,6 @@
 #include "common/thread_sched.h"
 
 #include <dirent.h>
-#include <pthread.h>
 #include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
@@ -94,7 +93,8 @@ int CoresAtStartCount() {
   return static_cast<int>(CoresAtStart(&why).size());
 }
 
-bool PlaceThread(unsigned long thread, int cpu) {
+bool PlaceThread(int tid, int cpu) {
+  if (tid <= 0) return false;  // 0 would be the calling thread
   cpu_set_t set;
   CPU_ZERO(&set);
   if (cpu >= 0) {
@@ -104,7 +104,7 @@ bool PlaceThread(unsigned long thread, int cpu) {
     for (int c : CoresAtStart(&why)) CPU_SET(c, &set);
     if (CPU_COUNT(&set) == 0) return false;
   }
-  return pthread_setaffinity_np(static_cast<pthread_t>(thread), sizeof(set), &set) == 0;
+  return sched_setaffinity(tid, sizeof(set), &set) == 0;
 }
 
 bool RequestRealtime(int local_size, std::string* why) {

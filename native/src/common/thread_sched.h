@@ -71,13 +71,13 @@ bool PollUntil(std::chrono::microseconds limit, Done done) {
 // that cannot be read.
 int CoresAtStartCount();
 
-// Keeps thread `thread` (a pthread_t) on core `cpu` alone, or with cpu < 0 lets it run
+// Keeps the thread of kernel id `tid` on core `cpu` alone, or with cpu < 0 lets it run
 // on every core the process started with. False where the kernel refused. A blocking
 // caller keeps the background thread on its own core (Core::EnqueueAndWait): woken
 // there, it takes the core the caller is about to give up, where a wake on another,
 // idle core first waits for that core to leave its idle state (40-70 us a wake in the
 // virtual machines measured, against ~10 us for the whole 4 KiB allreduce of one rank).
-bool PlaceThread(unsigned long thread, int cpu);
+bool PlaceThread(int tid, int cpu);
 
 // Binds every thread of this process to local rank local_rank's share of the cores the
 // process may use: the local_rank-th of local_size equal, contiguous blocks of them in

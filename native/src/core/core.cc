@@ -5,6 +5,8 @@
 #include "core/core.h"
 
 #include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <future>
 
@@ -15,7 +17,7 @@ namespace hvdlite {
 namespace {
 
 // values holds kSettings values per rank; the one at `index` must be equal on every rank.
-constexpr int kSettings = 4;
+constexpr int kSettings = 5;
 Status SameOnEveryRank(const std::vector<int64_t>& values, int index, const char* setting) {
   std::vector<std::string> per_rank;
   for (size_t r = index; r < values.size(); r += kSettings) {
@@ -113,6 +115,10 @@ Status Core::Init(int64_t comm_f2c) {
     std::unique_ptr<MpiBackend> world(new MpiBackend());
     Status st = world->Init(comm_f2c, config_.mpi_thread_multiple, LayersOf(config_), &topo);
     prctl(PR_SET_NAME, "hvdlite-loop", 0, 0, 0);
+    {
+      std::lock_guard<std::mutex> lock(place_mutex_);
+      loop_tid_ = static_cast<int>(syscall(SYS_gettid));
+    }
     if (st.ok()) {
       topo_ = topo;
       SetLogRank(topo.rank);
@@ -120,7 +126,7 @@ Status Core::Init(int64_t comm_f2c) {
       // outnumber its cores (one process-wide device, so one world-wide rule).
       gpu_.set_may_poll(CoresAtStartCount() >= topo.local_size);
       if (config_.bind_to_core) BindThisRank(topo);
-      follow_caller_ = !config_.bind_to_core && CoresAtStartCount() >= 2 * topo.local_size;
+      follow_caller_ = !config_.bind_to_core && topo.local_size == 1 && CoresAtStartCount() >= 2;
       if (topo.rank == 0 && !config_.timeline_path.empty()) {
         st = timeline_.Start(config_.timeline_path, config_.timeline_mark_cycles);
       }
@@ -135,7 +141,8 @@ Status Core::Init(int64_t comm_f2c) {
       // bit vectors of different lengths or plan different fusions: a hang or wrong
       // results later, a clear error now.
       const int64_t mine[kSettings] = {st.ok() ? 1 : 0, config_.cache_capacity,
-                                       config_.fusion_threshold, config_.autotune.enabled ? 1 : 0};
+                                       config_.fusion_threshold, config_.autotune.enabled ? 1 : 0,
+                                       config_.gpu_stage_chunk};
       std::vector<int64_t> all(kSettings * topo.size);
       Status agree = world->Allgatherv(mine, sizeof(mine), all.data(),
                                        std::vector<int64_t>(topo.size, sizeof(mine)));
@@ -148,6 +155,8 @@ Status Core::Init(int64_t comm_f2c) {
       if (st.ok()) st = SameOnEveryRank(all, 2, "HVDLITE_FUSION_THRESHOLD");
       // Autotune adds words to every coordination round (autotune.h).
       if (st.ok()) st = SameOnEveryRank(all, 3, "HVDLITE_AUTOTUNE");
+      // Staged allreduces run one collective per chunk (gpu_execution.cc).
+      if (st.ok()) st = SameOnEveryRank(all, 4, "HVDLITE_GPU_STAGE_CHUNK");
       if (!st.ok()) {
         timeline_.Stop();
         autotune_.Stop();
@@ -168,6 +177,8 @@ Status Core::Init(int64_t comm_f2c) {
     if (ok) MakeBackgroundRealtime(config_, topo);
     started.set_value(st);
     if (ok) Loop();
+    std::lock_guard<std::mutex> lock(place_mutex_);
+    loop_tid_ = 0;  // gone: nothing to place any more
   });
   s = result.get();
   if (!s.ok()) {

@@ -78,17 +78,20 @@ class Core {
   }
 
   // Where the background thread may run: on the core of the last thread that blocked
-  // in EnqueueAndWait (loop_cpu_), or anywhere (-1) once an op is enqueued without a
-  // wait (the thread then works beside the training threads). Any thread; changes
-  // under place_mutex_. Only where the host has cores to spare, two for each of its
-  // ranks (follow_caller_, set at init): there a wake elsewhere would find an idle core.
-  // Where its ranks' threads keep its cores busy a wake finds a busy core anyway (2
-  // ranks on 2 cores: no gain, allgather of 64 KiB 59 -> 79 us), and never with
-  // HVDLITE_BIND_TO=core (the rank's share binds it).
+  // in EnqueueAndWait on a host tensor (loop_cpu_), or anywhere (-1) once an op is
+  // enqueued without a wait or a GPU tensor comes (the thread then works beside the
+  // training threads; threads CUDA and NCCL start from it inherit its cores). Any
+  // thread; changes under place_mutex_, which also guards loop_tid_ (0 once the loop
+  // thread has ended). Only for the one rank of a host with 2 cores or more
+  // (follow_caller_, set at init): there a wake elsewhere finds an idle core. Where a
+  // host's ranks keep its cores busy a wake finds a busy core anyway (2 ranks on 2 cores:
+  // no gain, allgather of 64 KiB 59 -> 79 us), and two real-time threads held on one
+  // core would not share it; never with HVDLITE_BIND_TO=core (the rank's share binds it).
   void PlaceLoop(int cpu);
   std::atomic<int> loop_cpu_{-1};
   std::atomic<bool> follow_caller_{false};
   std::mutex place_mutex_;
+  int loop_tid_ = 0;
 
   // Set before the thread starts or while it is not running; read-only otherwise.
   Config config_;

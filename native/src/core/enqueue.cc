@@ -102,8 +102,8 @@ Status Core::Enqueue(const hvdlite_tensor_t* tensors, int32_t n, bool group, hvd
 
 void Core::PlaceLoop(int cpu) {
   std::lock_guard<std::mutex> lock(place_mutex_);
-  if (loop_cpu_.load() == cpu || !running_.load()) return;
-  if (PlaceThread(static_cast<unsigned long>(thread_.native_handle()), cpu)) loop_cpu_.store(cpu);
+  if (loop_cpu_.load() == cpu || loop_tid_ == 0) return;
+  if (PlaceThread(loop_tid_, cpu)) loop_cpu_.store(cpu);
 }
 
 Status Core::EnqueueAndWait(const hvdlite_tensor_t* tensor, double timeout_s, bool release,
@@ -112,8 +112,8 @@ Status Core::EnqueueAndWait(const hvdlite_tensor_t* tensor, double timeout_s, bo
   // The background thread is woken on this thread's core, which this thread leaves
   // for it (see PlaceThread).
   if (follow_caller_.load(std::memory_order_relaxed)) {
-    const int cpu = sched_getcpu();
-    if (cpu >= 0 && cpu != loop_cpu_.load(std::memory_order_relaxed)) PlaceLoop(cpu);
+    const int cpu = tensor && tensor->device < 0 ? sched_getcpu() : -1;
+    if (cpu != loop_cpu_.load(std::memory_order_relaxed)) PlaceLoop(cpu);
   }
   Status s = Submit(tensor, 1, false, false, out);
   if (!s.ok()) {
