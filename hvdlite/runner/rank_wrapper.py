@@ -126,10 +126,12 @@ def _killpg(pgid, sig):
         pass
 
 
-# MPICH's shared-memory segment of a host's ranks: unlinked by MPI_Finalize, so a rank
-# that ends without it (killed, os._exit) leaves it in /dev/shm for good.
+# The shared-memory segments of a host's ranks: MPICH's (mpich_shm_*) and Open MPI's
+# (sm_segment.<host>.<uid>.<job>.<rank> of its sm transport; vader_segment.* before 5.0)
+# are unlinked by MPI_Finalize, so a rank that ends without it (killed, os._exit) leaves
+# them in /dev/shm for good.
 SHM_DIR = "/dev/shm"
-MPI_SEGMENT_PREFIXES = ("mpich_shm_",)
+MPI_SEGMENT_PREFIXES = ("mpich_shm_", "sm_segment.", "vader_segment.")
 
 
 def _mapped_paths(directory):

@@ -30,6 +30,8 @@ import numpy as np
 import hvdlite as hvd
 from hvdlite._native import lib
 from hvdlite.errors import HvdliteError, WaitTimeoutError
+from hvdlite.runner.rank_wrapper import MPI_SEGMENT_PREFIXES, SHM_DIR
+PREFIXES = tuple(f"{SHM_DIR}/{p}" for p in MPI_SEGMENT_PREFIXES)
 
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
@@ -37,7 +39,7 @@ faulting = rank == size - 1
 x = np.full(1024, rank + 1, np.float32)
 report = {"before": float(hvd.allreduce(x, op=hvd.Sum, name="before")[0]),
           "segments": sorted({line.split()[-1] for line in open("/proc/self/maps")
-                              if "/dev/shm/mpich_shm_" in line})}
+                              if line.split()[-1].startswith(PREFIXES)})}
 if faulting:
     lib.hvdlite_test_fault_in_mpi()
 handle = hvd.allreduce_async(x, op=hvd.Sum, name="after")
@@ -80,7 +82,7 @@ def test_fault_inside_mpi_parks_the_background_thread(np_):
     shutdown = result.result(faulting)["shutdown"]
     assert shutdown.startswith("TransportError") and "faulted inside MPI" in shutdown, shutdown
     # No rank finalized MPI and mpiexec killed the rank wrappers: hvdliterun removes
-    # MPICH's shared memory of the job (it would stay in /dev/shm for good).
+    # the MPI's shared memory of the job (it would stay in /dev/shm for good).
     segments = {s for rank in range(np_) for s in result.result(rank)["segments"]}
     left = [s for s in segments if os.path.exists(s)]
     assert not left, f"MPI shared memory left in /dev/shm: {left}\n" + describe(result)

@@ -28,11 +28,13 @@ SCRIPT = r'''
 import json, os, signal, sys, time
 import numpy as np
 import hvdlite as hvd
+from hvdlite.runner.rank_wrapper import MPI_SEGMENT_PREFIXES, SHM_DIR
+PREFIXES = tuple(f"{SHM_DIR}/{p}" for p in MPI_SEGMENT_PREFIXES)
 
 hvd.init()
 r = hvd.rank()
 segments = sorted({line.split()[-1] for line in open("/proc/self/maps")
-                   if "/dev/shm/mpich_shm_" in line})
+                   if line.split()[-1].startswith(PREFIXES)})
 print("HVDLITE_RESULT", json.dumps({"pid": os.getpid(), "segments": segments}), flush=True)
 time.sleep(1.5)  # segments younger than a second are left alone (they may be a new job's)
 x = np.ones(64 * 1024, np.float32)
@@ -64,7 +66,8 @@ def test_killed_rank_ends_the_job_quickly_and_cleanly():
     left = [p for p in pids if pid_alive(p)]
     assert not left, f"rank processes left behind: {left}\n" + describe(result)
     segments = {s for r in range(NP) for s in result.result(r, 0)["segments"]}
-    if build_record.read_if_readable().get("mpi_implementation") == "MPICH":
-        assert segments, "MPICH's ranks mapped no /dev/shm/mpich_shm_* segment"
+    mpi = build_record.read_if_readable().get("mpi_implementation")
+    if mpi in ("MPICH", "Open MPI"):
+        assert segments, f"{mpi}'s ranks mapped no shared-memory segment in /dev/shm"
     left = [s for s in segments if os.path.exists(s)]
     assert not left, f"MPI shared memory left in /dev/shm: {left}\n" + describe(result)

@@ -24,14 +24,15 @@ def test_only_unmapped_mpi_segments_of_the_job_go(tmp_path):
     time.sleep(1.2)
     since = time.time()
     orphan = _segment(tmp_path, "mpich_shm_orphan_0")
+    open_mpi_orphan = _segment(tmp_path, "sm_segment.host.0.25c10000.0")
     in_use = _segment(tmp_path, "mpich_shm_inuse_0")
     other = _segment(tmp_path, "someone_elses_0", age_s=1.1)
     with open(in_use, "r+b") as f, mmap.mmap(f.fileno(), 4096) as mapped:
         young = _segment(tmp_path, "mpich_shm_young_0")
         removed = rank_wrapper.remove_orphaned_mpi_segments(since, directory=str(tmp_path))
         assert mapped[0] == 0
-    assert removed == ["mpich_shm_orphan_0"]
-    assert not orphan.exists()
+    assert sorted(removed) == ["mpich_shm_orphan_0", "sm_segment.host.0.25c10000.0"]
+    assert not orphan.exists() and not open_mpi_orphan.exists()
     for kept in (older, in_use, other, young):
         assert kept.exists(), kept.name
     # Once unmapped and old enough, the others of the job go too.
