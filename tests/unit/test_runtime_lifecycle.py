@@ -4,8 +4,11 @@ A fresh interpreter per case because init and shutdown change process-wide state
 is initialized at most once per process).
 """
 import json
+import os
 
 import pytest
+
+from hvdlite import build_record
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -273,3 +276,27 @@ def test_init_refuses_a_world_of_one_that_srun_started_as_four(native, run_py):
             raise AssertionError("init() accepted a world of one")
         assert not hvdlite.is_initialized()
     """, env={"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4"})
+
+
+def test_a_script_run_without_a_launcher_leaves_no_mpi_shared_memory(native, run_py):
+    # An MPI singleton: Open MPI 5 leaves its sm segment (16 MiB) in /dev/shm after
+    # MPI_Finalize, with no launcher daemon to remove it; the core does at exit. The
+    # segments are those the process mapped.
+    out = run_py("""
+        import json
+        import numpy as np
+        import hvdlite as hvd
+        from hvdlite.runner.rank_wrapper import MPI_SEGMENT_PREFIXES, SHM_DIR
+        hvd.init()
+        hvd.allreduce(np.ones(4, np.float32), name="x")
+        prefixes = tuple(f"{SHM_DIR}/{p}" for p in MPI_SEGMENT_PREFIXES)
+        print(json.dumps(sorted({line.split()[-1] for line in open("/proc/self/maps")
+                                 if line.split()[-1].startswith(prefixes)})))
+        hvd.shutdown()
+    """, env={var: None for var in os.environ if var.startswith(("OMPI_", "PMI", "HYDRA_", "PMIX_"))
+              and var not in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")})
+    segments = json.loads(out.stdout.strip().splitlines()[-1])
+    if build_record.read_if_readable().get("mpi_implementation") == "Open MPI":
+        assert segments, "an Open MPI singleton mapped no sm segment in /dev/shm"
+    left = [s for s in segments if os.path.exists(s)]
+    assert not left, f"MPI shared memory left in /dev/shm after the process ended: {left}"

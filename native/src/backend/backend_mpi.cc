@@ -5,6 +5,11 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
 
 #include "common/elementwise.h"
 #include "common/mpi_glue.h"
@@ -23,12 +28,40 @@ namespace {
 bool g_started_mpi = false;
 bool g_finalize_at_exit = false;
 
+// The MPI shared-memory segments this process maps (/proc/self/maps): Open MPI's sm
+// transport's (sm_segment.*; vader_segment.* before 5.0) and MPICH's.
+std::vector<std::string> MappedMpiSegments() {
+  std::vector<std::string> found;
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    const size_t at = line.find("/dev/shm/");
+    if (at == std::string::npos) continue;
+    const std::string path = line.substr(at);
+    const std::string name = path.substr(9);
+    for (const char* prefix : {"sm_segment.", "vader_segment.", "mpich_shm_"}) {
+      if (name.rfind(prefix, 0) == 0 && std::find(found.begin(), found.end(), path) == found.end()) {
+        found.push_back(path);
+      }
+    }
+  }
+  return found;
+}
+
 void FinalizeMpiAtExit() {
   if (!g_finalize_at_exit) return;
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
-  if (initialized && !finalized) MPI_Finalize();
+  if (!initialized || finalized) return;
+  // A world of one process (a script run without a launcher: an MPI singleton) owns its
+  // segments alone, and Open MPI 5 leaves a singleton's 16 MiB sm segment in /dev/shm
+  // after MPI_Finalize (no launcher daemon cleans up after it): it goes here.
+  int world = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  const std::vector<std::string> segments = world == 1 ? MappedMpiSegments() : std::vector<std::string>();
+  MPI_Finalize();
+  for (const std::string& path : segments) unlink(path.c_str());
 }
 
 // Elementwise reductions over 16-bit floats, which MPI has no type for: MPI's
