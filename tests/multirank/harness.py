@@ -332,27 +332,31 @@ def assert_body_passed(outcomes, name):
 # Checking scripts that share one job per folder and rank count, run in turn in the same
 # ranks (each ends with one HVDLITE_RESULT line): the framework is imported, and the ranks
 # started, once for every test module that checks one of them. A script that raises is
-# reported as such and the next one runs.
+# reported as such and the next one runs. Besides the folder's files, a test module may
+# add a script of its own source (share_script) when it is imported, before any test runs.
 _SCRIPTS_DIR = os.path.dirname(os.path.abspath(__file__))
 SHARED_CHECKS = {
     # folder: ({np: scripts in the order they run}, job timeout, environment)
     "torch_scripts": ({n: ("collectives.py", "gradients.py", "sparse.py",
                            "sync_batch_norm.py") for n in (2, 3)}, 280, None),
-    # parity.py shuts hvdlite down at its end; the next script initializes it again.
+    # parity.py and compression.py shut hvdlite down at their end; the next script
+    # initializes it again.
     "tf_scripts": ({2: ("parity.py", "sync_batch_norm.py", "collectives.py",
                         "compression.py"),
                     3: ("parity.py", "sync_batch_norm.py", "compression.py")}, 280,
                    {"TF_CPP_MIN_LOG_LEVEL": "2"}),
 }
+# The scripts share_script added: (folder, np) -> [(name, source)], run after the files.
+_SHARED_SOURCES = {}
 _SHARED_CHECKS_DRIVER = """
 import json, os, runpy, sys, traceback
-directory = sys.argv[1]
-sys.path.insert(0, directory)
-for name in sys.argv[2:]:
+sys.path.insert(0, sys.argv[1])  # the folder: its scripts import their helpers from it
+for path in sys.argv[2:]:
+    name = os.path.basename(path)
     print("HVDLITE_RESULT " + json.dumps({"script": name}), flush=True)
-    sys.argv = [os.path.join(directory, name)]
+    sys.argv = [path]
     try:
-        runpy.run_path(sys.argv[0], run_name="__main__")
+        runpy.run_path(path, run_name="__main__")
     except SystemExit as e:  # sys.exit(main()): the next script runs unless it failed
         if e.code not in (None, 0):
             print("HVDLITE_RESULT " + json.dumps({"script": name,
@@ -364,10 +368,23 @@ for name in sys.argv[2:]:
 _shared_checks_jobs = {}
 
 
+def share_script(folder, nps, name, source):
+    """Runs ``source`` (a test module's script, ending with one HVDLITE_RESULT line per
+    rank and leaving hvdlite shut down, as the next script starts it again) in the shared
+    job of ``folder`` at each rank count of ``nps``, after the folder's files; its test
+    reads it with ``shared_checks(folder, np, name)``. Call it when the module is
+    imported: a job starts on its first use, with the scripts known by then.
+    """
+    for np in nps:
+        known = _SHARED_SOURCES.setdefault((folder, np), [])
+        if name not in dict(known):
+            known.append((name, textwrap.dedent(source)))
+
+
 def shared_checks(folder, np, script):
-    """Returns what ``<folder>/<script>`` reported on each rank, from the one job of
-    ``np`` ranks that runs every script SHARED_CHECKS lists for them (started on first
-    use, then kept for the session).
+    """Returns what ``script`` (a file of ``<folder>`` that SHARED_CHECKS lists, or a
+    script share_script added) reported on each rank, from the one job of ``np`` ranks
+    that runs all of them (started on first use, then kept for the session).
 
     Returns:
         (bodies, job): each rank's HVDLITE_RESULT object of that script, and the
@@ -377,11 +394,20 @@ def shared_checks(folder, np, script):
         AssertionError: the job failed or timed out, or the script raised or did not
         report on some rank (with that rank's traceback).
     """
-    scripts, timeout, env = SHARED_CHECKS[folder]
-    assert script in scripts[np], f"{folder}/{script} does not run at {np} ranks"
+    files, timeout, env = SHARED_CHECKS[folder]
+    sources = _SHARED_SOURCES.get((folder, np), [])
+    assert script in files.get(np, ()) or script in dict(sources), \
+        f"{folder}/{script} does not run at {np} ranks"
     if (folder, np) not in _shared_checks_jobs:
-        job = assert_ok(run_job(np, _SHARED_CHECKS_DRIVER, timeout=timeout, env=env,
-                                args=[os.path.join(_SCRIPTS_DIR, folder), *scripts[np]]))
+        directory = os.path.join(_SCRIPTS_DIR, folder)
+        with tempfile.TemporaryDirectory(prefix="hvdlite-shared-") as tmpdir:
+            paths = [os.path.join(directory, name) for name in files.get(np, ())]
+            for name, source in sources:
+                paths.append(os.path.join(tmpdir, name))
+                with open(paths[-1], "w") as f:
+                    f.write(source)
+            job = assert_ok(run_job(np, _SHARED_CHECKS_DRIVER, timeout=timeout, env=env,
+                                    args=[directory, *paths]))
         per_script = {}
         for rank in range(np):
             current = None

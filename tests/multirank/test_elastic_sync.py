@@ -7,7 +7,7 @@ import pytest
 
 import needs
 
-from harness import assert_ok, describe, run_job
+from harness import describe, share_script, shared_checks
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("native")]
 
@@ -75,8 +75,8 @@ import tensorflow as tf
 import keras
 import hvdlite.tensorflow as hvd
 from hvdlite.tensorflow.elastic import TensorFlowKerasState, TensorFlowState
-tf.config.threading.set_inter_op_parallelism_threads(1)
-tf.config.threading.set_intra_op_parallelism_threads(1)
+from common import single_threaded_tensorflow  # tf_scripts/common.py
+single_threaded_tensorflow()
 hvd.init()
 rank = hvd.rank()
 
@@ -126,19 +126,25 @@ print("HVDLITE_RESULT " + json.dumps({"failures": failures}), flush=True)
 '''
 
 
-def _run(np_, body):
-    result = assert_ok(run_job(np_, body, timeout=200))
-    problems = [f"rank {r}: {f}" for r in range(np_) for f in result.result(r)["failures"]]
-    assert not problems, "\n".join(problems) + "\n" + describe(result)
+# Each body runs in harness.shared_checks's job of its framework's scripts (the framework
+# imported once for all of them), and leaves hvdlite shut down for the next script there.
+share_script("torch_scripts", (2, 3), "elastic_sync.py", TORCH_BODY + "hvd.shutdown()\n")
+share_script("tf_scripts", (2, 3), "elastic_sync.py", TF_BODY + "hvd.shutdown()\n")
+
+
+def _run(folder, np_):
+    bodies, job = shared_checks(folder, np_, "elastic_sync.py")
+    problems = [f"rank {r}: {f}" for r, body in enumerate(bodies) for f in body["failures"]]
+    assert not problems, "\n".join(problems) + "\n" + describe(job)
 
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_torch_and_object_state_restore_to_what_sync_gave(np_):
     needs.import_or_skip("torch")
-    _run(np_, TORCH_BODY)
+    _run("torch_scripts", np_)
 
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_tensorflow_states_restore_to_what_sync_gave(np_):
     needs.import_or_skip("tensorflow")
-    _run(np_, TF_BODY)
+    _run("tf_scripts", np_)

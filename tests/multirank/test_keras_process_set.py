@@ -4,7 +4,7 @@ import pytest
 
 import needs
 
-from harness import assert_ok, describe, run_job
+from harness import describe, share_script, shared_checks
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("native")]
 
@@ -14,8 +14,8 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 import numpy as np
 import tensorflow as tf
-tf.config.threading.set_inter_op_parallelism_threads(1)
-tf.config.threading.set_intra_op_parallelism_threads(1)
+from common import single_threaded_tensorflow  # tf_scripts/common.py
+single_threaded_tensorflow()
 import keras
 import hvdlite.keras as hvd
 
@@ -50,12 +50,14 @@ expected = w0 - LR * (np.mean([grad(r) for r in members], axis=0) if pair.includ
 error = float(np.abs(model.get_weights()[0] - expected).max())
 hvd.barrier()  # a rank that shuts down ends the job for all, as in Horovod
 print("HVDLITE_RESULT " + json.dumps({"error": error, "member": pair.included()}), flush=True)
+hvd.shutdown()
 '''
+# Run in harness.shared_checks's job of tf_scripts/ (TensorFlow imported once for them).
+share_script("tf_scripts", (3,), "keras_process_set.py", SCRIPT)
 
 
 def test_keras_optimizer_averages_over_its_process_set():
     needs.import_or_skip("keras")
-    result = assert_ok(run_job(3, SCRIPT, timeout=240))
-    bodies = [result.result(r) for r in range(3)]
-    assert [b["member"] for b in bodies] == [True, False, True], describe(result)
+    bodies, job = shared_checks("tf_scripts", 3, "keras_process_set.py")
+    assert [b["member"] for b in bodies] == [True, False, True], describe(job)
     assert all(b["error"] < 1e-6 for b in bodies), bodies

@@ -12,7 +12,7 @@ import pytest
 
 import needs
 
-from harness import assert_ok, describe, run_job
+from harness import assert_ok, describe, run_job, share_script, shared_checks
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("native")]
 
@@ -66,14 +66,19 @@ def data(r, shape, salt=0):
 
 def _assert_checks(result, np_, least=1):
     assert_ok(result)
+    return _assert_outcomes([result.result(r) for r in range(np_)], result, least)
+
+
+def _assert_outcomes(outcomes, job, least):
+    """Fails with every rank's failed checks (outcomes: each rank's report) and those
+    that made fewer than ``least``; returns {rank: report}."""
     problems = []
-    for r in range(np_):
-        outcome = result.result(r)
+    for r, outcome in enumerate(outcomes):
         if outcome["checks"] < least:
             problems.append(f"rank {r} made only {outcome['checks']} checks")
         problems += [f"rank {r}: {f}" for f in outcome["failures"]]
-    assert not problems, "\n".join(problems) + "\n" + describe(result)
-    return {r: result.result(r) for r in range(np_)}
+    assert not problems, "\n".join(problems) + "\n" + describe(job)
+    return dict(enumerate(outcomes))
 
 
 COLLECTIVES = PRELUDE + r'''
@@ -498,11 +503,14 @@ report()
 '''
 
 
+# Run in harness.shared_checks's job of tf_scripts/ (TensorFlow imported once for them).
+share_script("tf_scripts", (2, 3), "process_sets.py", TENSORFLOW + "hvd.shutdown()\n")
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_tensorflow_ops_in_a_set(np_):
     needs.import_or_skip("tensorflow")
-    result = run_job(np_, TENSORFLOW, timeout=JOB_TIMEOUT)
-    _assert_checks(result, np_, least=2)
+    _assert_outcomes(*shared_checks("tf_scripts", np_, "process_sets.py"), least=2)
 
 
 # Sets from mpi4py communicators, each rank passing the one it is in (Horovod's
