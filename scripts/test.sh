@@ -24,11 +24,15 @@ if [ $# -gt 0 ]; then
 fi
 # The whole suite runs in two lanes at once, two pytest processes: the tests that mostly
 # wait (on links, daemons, heartbeats and timeouts: the namespace cluster's, the engines'
-# (Spark, Ray) and the elastic jobs') beside all the others. No test of one lane shares a
-# resource with the other (namespace clusters and the engines' daemons are the first
-# lane's alone, and its tests run one at a time). The first lane's output follows the
-# second's; the run fails when either lane fails.
-WAITING_LANE=(tests/cluster tests/spark tests/on_ray tests/elastic)
+# (Spark, Ray), the elastic jobs', and the fault tests that wait out a stall, a killed
+# rank or the launcher's grace: each of those uses a tenth of a core or less) beside all
+# the others. No test of one lane shares a resource with the other (namespace clusters
+# and the engines' daemons are the first lane's alone, and its tests run one at a time).
+# The first lane's output follows the second's; the run fails when either lane fails.
+WAITING_LANE=(tests/cluster tests/spark tests/on_ray tests/elastic
+              tests/faults/test_straggler.py tests/faults/test_mpi_fault_guard.py
+              tests/faults/test_rank_death.py tests/faults/test_mismatch.py
+              tests/multirank/test_launcher.py)
 lane_log=$(mktemp)
 run_pytest "${WAITING_LANE[@]}" >"$lane_log" 2>&1 &
 waiting=$!
