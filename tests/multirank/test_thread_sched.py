@@ -156,11 +156,20 @@ import hvdlite as hvd
 
 hvd.init()
 # The background thread is the first (lowest tid) thread of its name; a thread that
-# Open MPI starts from it inherits the name and may end while this test runs, so
-# the thread is looked up again for each sample.
+# Open MPI starts from it inherits the name and may end while this test runs. Once
+# found, its tid is asked directly (a listing of /proc/self/task under load has missed
+# it for seconds), and looked up again only if it no longer has the name.
+found = []
 def policy_of_loop():
     deadline = time.time() + 10
     while True:
+        if found:
+            try:
+                if open(f"/proc/self/task/{found[0]}/comm").read().strip() == "hvdlite-loop":
+                    return os.sched_getscheduler(found[0]) & ~os.SCHED_RESET_ON_FORK
+            except (OSError, ProcessLookupError):
+                pass
+            found.clear()
         tids, names = [], {}
         for t in os.listdir("/proc/self/task"):
             try:
@@ -175,10 +184,7 @@ def policy_of_loop():
                 raise RuntimeError(f"no hvdlite-loop thread among {names}")
             time.sleep(0.001)
             continue
-        try:
-            return os.sched_getscheduler(min(tids)) & ~os.SCHED_RESET_ON_FORK
-        except ProcessLookupError:
-            continue
+        found.append(min(tids))
 seen, done = set(), threading.Event()
 def sample():
     while not done.is_set():
