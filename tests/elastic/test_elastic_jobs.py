@@ -279,12 +279,22 @@ def test_a_world_its_owner_ends_is_reset_from_the_last_commit_not_the_jobs_end(t
     ended = []
 
     def end_once_committed(supervisor):
+        # Two commits of training: saves after every rank's "start" record (entering the
+        # world saves too, before "start": ending the world then left a rank without one).
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and not ended:
-            saved = [line for path in log_dir.glob("g0-r*.jsonl")
-                     for line in path.read_text().splitlines() if '"saved"' in line]
-            if len(saved) >= 2:
-                ended.append(len(saved))
+            saved_after_start = []
+            for path in log_dir.glob("g0-r*.jsonl"):
+                lines = path.read_text().splitlines()
+                begun = [i for i, line in enumerate(lines) if '"ev": "start"' in line]
+                if begun:
+                    saved_after_start += [l for l in lines[begun[0]:] if '"ev": "saved"' in l]
+                else:
+                    saved_after_start = None
+                    break
+            if saved_after_start is not None and len(saved_after_start) >= 2 \
+                    and len(list(log_dir.glob("g0-r*.jsonl"))) == 2:
+                ended.append(len(saved_after_start))
                 supervisor.end()
             time.sleep(0.1)
 
