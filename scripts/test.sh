@@ -24,9 +24,9 @@ if [ $# -gt 0 ]; then
 fi
 # The whole suite runs in two lanes at once, two pytest processes: the tests that mostly
 # wait (on links, daemons, heartbeats and timeouts: the namespace cluster's, the engines'
-# (Spark, Ray), the elastic jobs', and the fault tests that wait out a stall, a killed
-# rank or the launcher's grace: each of those uses a tenth of a core or less) beside all
-# the others. No test of one lane shares a resource with the other (namespace clusters
+# (Spark, Ray), the elastic jobs', and the fault and launcher tests that wait out a
+# stall, a killed rank or the launcher's grace: under half a core each, most under a
+# tenth) beside all the others. No test of one lane shares a resource with the other (namespace clusters
 # and the engines' daemons are the first lane's alone, and its tests run one at a time).
 # The first lane's output follows the second's; the run fails when either lane fails.
 WAITING_LANE=(tests/cluster tests/spark tests/on_ray tests/elastic
