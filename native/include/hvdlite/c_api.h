@@ -165,6 +165,8 @@ typedef struct {
                                 * the collective, unpacking, until the core's stream ended */
   int64_t waiting_threads;     /* not a count since init: the threads waiting for a result
                                 * right now (a blocking op's caller from its enqueue on) */
+  int64_t caller_cycles;       /* cycles run by a thread blocked on its op rather than by
+                                * the background thread (one host: HVDLITE_CALLER_CYCLE) */
 } hvdlite_stats_t;
 
 /* Starts the core: MPI (unless already initialized, e.g. by mpi4py), the background

@@ -211,6 +211,7 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_stats(hvdlite_stats_t* out) {
     out->staged_collectives = c.staged_collectives;
     out->nccl_us = c.nccl_us;
     out->waiting_threads = hvdlite::Core::Get().handles().blocked().load();
+    out->caller_cycles = c.caller_cycles;
     return hvdlite::Status::OK();
   });
 }

@@ -105,6 +105,13 @@ MPI_Op StandardOp(int32_t reduce_op) {
 // MPI counts are int: large buffers go in chunks of at most this many elements.
 constexpr int64_t kMaxChunk = 1 << 30;
 
+// Where each rank's part starts in the whole, and the whole's length last.
+std::vector<int64_t> Bounds(const std::vector<int64_t>& per_rank) {
+  std::vector<int64_t> bounds(1, 0);
+  for (int64_t n : per_rank) bounds.push_back(bounds.back() + n);
+  return bounds;
+}
+
 }  // namespace
 
 Status MpiBackend::Init(int64_t comm_f2c, bool thread_multiple, const LayerSettings& layers,
@@ -338,6 +345,7 @@ void MpiBackend::set_caller_waiting(bool waiting) {
 
 Status MpiBackend::AndBits(std::vector<uint64_t>* bits) {
   const int64_t words = static_cast<int64_t>(bits->size());
+  if (alone_) return Status::OK();  // the AND of one vector
   if (shared_memory() && words <= ShmCollectives::kMaxBitsWords) return host_->shm().AndBits(bits->data(), words);
   InMpiCall in_mpi("MPI_Iallreduce (coordination)");
   MPI_Request req;
@@ -350,6 +358,11 @@ Status MpiBackend::AndBits(std::vector<uint64_t>* bits) {
 
 Status MpiBackend::GatherBlobs(const std::vector<uint8_t>& mine,
                                std::vector<std::vector<uint8_t>>* all) {
+  if (alone_) {
+    *all = {mine};
+    return Status::OK();
+  }
+  if (ShmGathers()) return ShmGatherBlobs(mine, all);
   InMpiCall in_mpi("MPI_Igather (negotiation)");
   int rank, size;
   MPI_Comm_rank(Comm(comm_), &rank);
@@ -383,7 +396,44 @@ Status MpiBackend::GatherBlobs(const std::vector<uint8_t>& mine,
   return Status::OK();
 }
 
+Status MpiBackend::ShmGatherBlobs(const std::vector<uint8_t>& mine,
+                                  std::vector<std::vector<uint8_t>>* all) {
+  ShmCollectives& shm = host_->shm();
+  const int size = shm.size(), rank = shm.rank();
+  // Every rank's length first (each rank needs them all to take part in the second
+  // step), then the blobs, kept on rank 0 only.
+  const int64_t my_len = static_cast<int64_t>(mine.size());
+  std::vector<int64_t> lens(size, 0);
+  std::vector<int64_t> eight(size, sizeof(int64_t));
+  Status s = shm.Allgather(&my_len, {{nullptr, lens.data(), size * int64_t{sizeof(int64_t)}}}, 0,
+                           Bounds(eight), HVDLITE_UINT8, 1.0, 1);
+  if (!s.ok()) return s;
+  int64_t total = 0;
+  for (int64_t n : lens) total += n;
+  std::vector<uint8_t> flat(rank == 0 ? total : 0);
+  s = shm.Allgather(mine.data(), {{nullptr, rank == 0 ? flat.data() : nullptr, total}}, 0, Bounds(lens),
+                    HVDLITE_UINT8, 1.0, 1);
+  if (!s.ok()) return s;
+  all->clear();
+  if (rank == 0) {
+    int64_t at = 0;
+    for (int64_t n : lens) {
+      all->emplace_back(flat.begin() + at, flat.begin() + at + n);
+      at += n;
+    }
+  }
+  return Status::OK();
+}
+
 Status MpiBackend::BroadcastBlob(std::vector<uint8_t>* blob) {
+  if (alone_) return Status::OK();
+  if (ShmGathers()) {
+    int64_t len = static_cast<int64_t>(blob->size());
+    Status s = host_->shm().Broadcast(&len, sizeof(len), 0);
+    if (!s.ok()) return s;
+    blob->resize(len);
+    return len == 0 ? Status::OK() : host_->shm().Broadcast(blob->data(), len, 0);
+  }
   InMpiCall in_mpi("MPI_Ibcast (responses)");
   int64_t len = static_cast<int64_t>(blob->size());
   MPI_Request req;
@@ -490,13 +540,6 @@ Status MpiBackend::MpiAllreduce(const void* in, void* out, int64_t count, int32_
   return Status::OK();
 }
 
-// Where each rank's part starts in the whole, and the whole's length last.
-static std::vector<int64_t> Bounds(const std::vector<int64_t>& per_rank) {
-  std::vector<int64_t> bounds(1, 0);
-  for (int64_t n : per_rank) bounds.push_back(bounds.back() + n);
-  return bounds;
-}
-
 // Byte counts must fit MPI's int; larger single collectives would need the
 // large-count (_c) variants.
 static Status ToIntCounts(const std::vector<int64_t>& in, std::vector<int>* counts,
@@ -592,6 +635,8 @@ Status MpiBackend::ReduceScatter(const void* in, void* out, const std::vector<in
 }
 
 Status MpiBackend::Barrier() {
+  if (alone_) return Status::OK();
+  if (ShmGathers()) return host_->shm().Barrier();
   InMpiCall in_mpi("MPI_Ibarrier");
   MPI_Request req;
   Status s = Check(MPI_Ibarrier(Comm(comm_), &req), "MPI_Ibarrier");

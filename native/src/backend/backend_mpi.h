@@ -64,9 +64,10 @@ class MpiBackend {
   // `finalize` is set (not after a transport failure, where it could hang).
   void Shutdown(bool finalize);
 
-  // Negotiation. AndBits goes through shared memory when the allreduce does (and the
-  // vector fits there); otherwise, like the rest, through nonblocking MPI polled with
-  // a backoff.
+  // Negotiation. On one host (where the allreduce goes through shared memory) all three
+  // go through shared memory (AndBits where the vector fits there), so that a cycle
+  // there makes no MPI call (CyclesWithoutMpi); otherwise through nonblocking MPI
+  // polled with a backoff.
   Status AndBits(std::vector<uint64_t>* bits);
   // Rank 0 receives every rank's blob; others get an empty vector.
   Status GatherBlobs(const std::vector<uint8_t>& mine, std::vector<std::vector<uint8_t>>* all);
@@ -104,7 +105,7 @@ class MpiBackend {
                    const std::vector<int64_t>& recv_bytes, const std::vector<int64_t>* matrix = nullptr);
   Status ReduceScatter(const void* in, void* out, const std::vector<int64_t>& counts,
                        int32_t dtype, int32_t reduce_op);
-  Status Barrier();
+  Status Barrier();  // through shared memory where the allreduce goes
 
   // Whether the allreduce goes through shared memory (every rank of this communicator
   // on one host).
@@ -120,6 +121,14 @@ class MpiBackend {
   // 3 ranks, they were faster than MPICH's MPI_Allgatherv and MPI_Reduce_scatter, e.g. at
   // 3 ranks 384 against 612 us at 4 KiB, 2.7 against 6.6 ms at 1 MiB: benchmarks/latency.py.)
   bool ShmGathers() const { return shared_memory(); }
+  // Whether the coordination (up to ShmCollectives::kMaxBitsWords of bits), the
+  // negotiation and the collectives of host tensors make no MPI call: every rank of this
+  // communicator on one host, 2 or more of them, shared memory on (a rank alone copies
+  // through MPI). Then any thread may run a cycle (Core::RunCallerCycle): the fault guard
+  // parks only a thread inside MPI.
+  bool CyclesWithoutMpi() const {
+    return ShmGathers() && !hierarchical_allgather_ && !hierarchical_broadcast_;
+  }
   // Whether an allreduce over the layers (hierarchical or leader) was built.
   bool layered_allreduce() const { return layered_allreduce_ != nullptr; }
   // Whether allgather (Allgatherv) and broadcast (Bcast) go through the hosts' leaders.
@@ -129,6 +138,8 @@ class MpiBackend {
   static std::string LibraryVersion();
 
  private:
+  // GatherBlobs through shared memory: the lengths, then the blobs.
+  Status ShmGatherBlobs(const std::vector<uint8_t>& mine, std::vector<std::vector<uint8_t>>* all);
   // Allreduce over MPI (kMpi): packs several pieces into fusion.
   Status FlatAllreduce(const std::vector<ShmCollectives::Piece>& pieces, const AllreduceOptions& options,
                        FusionBuffer* fusion, const LayeredAllreduce::StepDone& step_done);

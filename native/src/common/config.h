@@ -40,6 +40,10 @@ struct Config {
   // HVDLITE_SHM_ALLREDUCE=0: allreduce with MPI_Allreduce even when every rank is on
   // one machine (by default those go through shared memory: ShmCollectives).
   bool shm_allreduce = true;
+  // HVDLITE_CALLER_CYCLE=0: a thread that blocks on a collective always hands it to the
+  // background thread (by default, on one host, it runs the collective's cycle itself
+  // when nothing else of this rank is in flight: Core::RunCallerCycle).
+  bool caller_cycle = true;
   // HVDLITE_HIERARCHICAL_ALLREDUCE=0/1 (or Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE;
   // ours wins when both are set): -1 when unset, the hierarchical allreduce then on
   // with more than one host and more than one rank on each (topology_layers.h).

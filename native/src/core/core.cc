@@ -92,6 +92,8 @@ Status Core::Init(int64_t comm_f2c) {
   }
   shutdown_requested_ = false;
   loop_ended_ = false;
+  cycles_ended_ = false;  // no thread runs a cycle now (the last loop was joined)
+  cycles_end_ = Status::OK();
   loop_cpu_ = -1;  // a new thread, anywhere
   follow_caller_ = false;
   {

@@ -30,10 +30,9 @@ class Core {
   const MpiTopology& topology() const { return topo_; }
   Status Enqueue(const hvdlite_tensor_t* tensors, int32_t n, bool group, hvdlite_handle_t* out);
   // Enqueue of one tensor whose caller then waits for it at once (a blocking op):
-  // *op_status is Wait's (and release as Wait's). The caller counts as
-  // blocked from before the enqueue, so the background thread runs the op's cycle at
-  // once instead of first gathering a burst of requests (and being woken again when
-  // the caller blocks).
+  // *op_status is Wait's (and release as Wait's). Where it can, the caller runs the
+  // op's cycle itself (RunCallerCycle); else the background thread runs it, at once
+  // (the caller counts as blocked from before the enqueue, so no burst is gathered).
   Status EnqueueAndWait(const hvdlite_tensor_t* tensor, double timeout_s, bool release,
                         hvdlite_handle_t* out, Status* op_status);
   // Sends a refusal of the op named name to the coordinator (see hvdlite_refuse).
@@ -56,15 +55,32 @@ class Core {
  private:
   Status Validate(const hvdlite_tensor_t& t, int64_t index, const ProcessSetMembers& set) const;
   // Enqueue, for the public ops or (table_change) the process-set changes.
+  // wake: wake the background thread (not when the caller runs the cycle itself).
   Status Submit(const hvdlite_tensor_t* tensors, int32_t n, bool group, bool table_change,
-                hvdlite_handle_t* out);
+                hvdlite_handle_t* out, bool wake = true);
   // Submits one table change (op, with shape as its argument) and waits for it; *result
   // receives the handle's first_dim.
   Status ChangeTable(int32_t op, const std::vector<int64_t>& argument, int64_t* result);
 
   // Background thread.
   void Loop();
-  bool RunCycle();  // false when the loop must end
+  // One cycle, by whoever holds cycle_mutex_; pop: take every pending request (the
+  // background thread's cycles), else only those already in fresh_ (a caller's). False
+  // when the loop must end, *s saying why if not a shutdown.
+  bool RunCycle(bool pop, Status* s);
+  bool RunCycleUnguarded(bool pop);  // RunCycle's body: may throw
+  // A thread blocked on op h (named name, host memory, just enqueued without waking the
+  // background thread), holding cycle_mutex_: runs one cycle itself when that cycle
+  // can only run h (nothing else of this rank in flight) and makes no MPI call (every
+  // set of this rank on one host: ProcessSetState::CyclesWithoutMpi). Two task
+  // switches less per blocking call: the wake of the background thread and the wake of
+  // the caller (docs/performance.md). Returns whether h has ended; if not, the
+  // background thread is woken to go on with it.
+  bool RunCallerCycle(hvdlite_handle_t h, const char* name);
+  // Whether a caller holding cycle_mutex_ may run a cycle (RunCallerCycle) as things
+  // stand: every set of this rank makes no MPI call, no refusal waits to be sent, the
+  // loop goes on.
+  bool CallerMayCycle();
   // Hands this cycle's new entries to their sets; fails those of a set that is gone.
   void Distribute();
   // A transport failure ends the loop after this cycle, with s as the reason.
@@ -120,7 +136,16 @@ class Core {
   Autotuner autotune_;
   gpu::Device gpu_;  // background thread; its resources freed as the loop ends  // started by the background thread at init; View() any thread
 
-  // Background thread only.
+  // The cycle token: whoever runs a cycle holds it, the background thread or a caller
+  // (RunCallerCycle). The members below, and every set's state, are the holder's.
+  std::mutex cycle_mutex_;
+  // A cycle decided that the loop ends (RunCycle returned false): no cycle runs after it;
+  // cycles_end_ says why (OK: a shutdown). The background thread ends the loop.
+  bool cycles_ended_ = false;
+  Status cycles_end_;
+  // When the last cycle started, whoever ran it: the loop's idle and cycle times count
+  // from it.
+  std::atomic<Clock::time_point> last_cycle_{Clock::time_point()};
   std::vector<TensorEntry*> fresh_;  // this cycle's new entries (TensorQueue::PopPending)
   int64_t in_flight_ = 0;            // this cycle's count of ops in flight, and per set
   std::map<int32_t, int64_t> in_flight_by_set_;

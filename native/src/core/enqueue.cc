@@ -109,16 +109,26 @@ void Core::PlaceLoop(int cpu) {
 Status Core::EnqueueAndWait(const hvdlite_tensor_t* tensor, double timeout_s, bool release,
                             hvdlite_handle_t* out, Status* op_status) {
   handles_.Announce();
-  // The background thread is woken on this thread's core, which this thread leaves
-  // for it (see PlaceThread).
-  if (follow_caller_.load(std::memory_order_relaxed)) {
+  // A host tensor's cycle may be this thread's (RunCallerCycle) if no other cycle runs.
+  std::unique_lock<std::mutex> token;
+  if (config_.caller_cycle && tensor && tensor->device < 0) {
+    token = std::unique_lock<std::mutex>(cycle_mutex_, std::try_to_lock);
+    if (token.owns_lock() && !CallerMayCycle()) token.unlock();
+  }
+  // Otherwise the background thread is woken on this thread's core, which this thread
+  // leaves for it (see PlaceThread).
+  if (!token.owns_lock() && follow_caller_.load(std::memory_order_relaxed)) {
     const int cpu = tensor && tensor->device < 0 ? sched_getcpu() : -1;
     if (cpu != loop_cpu_.load(std::memory_order_relaxed)) PlaceLoop(cpu);
   }
-  Status s = Submit(tensor, 1, false, false, out);
+  Status s = Submit(tensor, 1, false, false, out, !token.owns_lock());
   if (!s.ok()) {
     handles_.Unannounce();
     return s;
+  }
+  if (token.owns_lock()) {
+    RunCallerCycle(*out, tensor->op == HVDLITE_OP_JOIN ? kJoinName : tensor->name);
+    token.unlock();
   }
   *op_status = handles_.Wait(*out, timeout_s, release, true);
   return Status::OK();
@@ -132,7 +142,7 @@ Status Core::ProcessSet(int32_t id, std::shared_ptr<const ProcessSetMembers>* ou
 }
 
 Status Core::Submit(const hvdlite_tensor_t* tensors, int32_t n, bool group, bool table_change,
-                    hvdlite_handle_t* out) {
+                    hvdlite_handle_t* out, bool wake) {
   Status s = CheckRunning();
   if (!s.ok()) return s;
   if (loop_ended_) {
@@ -203,7 +213,7 @@ Status Core::Submit(const hvdlite_tensor_t* tensors, int32_t n, bool group, bool
     e.handle = handles_.Create();
     created.push_back(e.handle);
   }
-  s = queue_.Add(std::move(entries));
+  s = queue_.Add(std::move(entries), wake);
   if (!s.ok()) {
     for (auto h : created) {
       handles_.Complete(h, s);

@@ -72,8 +72,8 @@ void Core::FailEverything(const Status& s) {
 }
 
 void Core::Loop() {
-  auto last_start = Clock::now();
   Status end = Status(HVDLITE_ERR_SHUTDOWN, "hvdlite was shut down");
+  last_cycle_.store(Clock::now());
   // With nothing in flight on this rank there is nothing to negotiate, so the loop
   // waits for this rank's next request (which wakes it at once) and joins the
   // coordination only every kIdleCycle, to hear of a peer's shutdown. Idle cycles at
@@ -88,24 +88,26 @@ void Core::Loop() {
     for (ProcessSetState* set = sets_.NextMember(-1); set && idle; set = sets_.NextMember(set->id())) {
       idle = !set->Busy();
     }
-    if (queue_.WaitForWork(last_start + (idle ? idle_cycle : cycle)) && cycle.count() > 0) {
+    const Clock::time_point last = last_cycle_.load();
+    bool woken = false;
+    const bool work = queue_.WaitForWork(last + (idle ? idle_cycle : cycle), &woken);
+    if (work && cycle.count() > 0) {
       // Requests arrived: the rest of a burst (a training step's gradients, a loop of
       // submissions) joins them, so that one cycle negotiates and fuses them all
       // instead of a cycle starting for the first alone while the others queue.
       // HVDLITE_CYCLE_TIME=0 asks for no waiting at all.
       queue_.WaitForQuiet(kQuiet, Clock::now() + cycle, handles_.blocked());
     }
-    last_start = Clock::now();
+    std::unique_lock<std::mutex> token(cycle_mutex_);
+    // The wait timed out, but a caller's cycle ran meanwhile (its own op's): the idle
+    // time counts from that cycle.
+    if (!work && !woken && !cycles_ended_ && last_cycle_.load() != last && queue_.Size() == 0) continue;
     Status s;
-    bool go_on = true;
-    try {
-      go_on = RunCycle();
-    } catch (const std::exception& ex) {
-      s = Status(HVDLITE_ERR_INTERNAL, std::string("internal error in the background loop: ") + ex.what());
-    }
-    if (!go_on) {
-      std::lock_guard<std::mutex> lock(end_mutex_);
-      if (!end_status_.ok()) s = end_status_;
+    bool go_on = false;
+    if (cycles_ended_) {
+      s = cycles_end_;  // a caller's cycle ended the loop
+    } else {
+      go_on = RunCycle(true, &s);
     }
     if (!s.ok()) {
       HVDLITE_LOG(ERROR) << s.message();
@@ -127,7 +129,24 @@ void Core::Loop() {
   gpu_.Release();
 }
 
-bool Core::RunCycle() {
+bool Core::RunCycle(bool pop, Status* s) {
+  last_cycle_.store(Clock::now());
+  bool go_on = false;
+  try {
+    go_on = RunCycleUnguarded(pop);
+  } catch (const std::exception& ex) {
+    *s = Status(HVDLITE_ERR_INTERNAL, std::string("internal error in the background loop: ") + ex.what());
+  }
+  if (!go_on) {
+    std::lock_guard<std::mutex> lock(end_mutex_);
+    if (s->ok() && !end_status_.ok()) *s = end_status_;
+    cycles_ended_ = true;
+    cycles_end_ = *s;
+  }
+  return go_on && s->ok();
+}
+
+bool Core::RunCycleUnguarded(bool pop) {
   counters_.cycles++;
   timeline_.MarkCycle();
   const auto now = Clock::now();
@@ -137,8 +156,10 @@ bool Core::RunCycle() {
   RoundFlags mine;
   mine.shutdown = shutdown_requested_;
   queue_.CountBySet(&in_flight_, &in_flight_by_set_);
-  TakeRefusals();  // ahead of this cycle's requests: a retry of the name comes after
-  queue_.PopPending(&fresh_);
+  if (pop) {
+    TakeRefusals();  // ahead of this cycle's requests: a retry of the name comes after
+    queue_.PopPending(&fresh_);
+  }
   Distribute();
   RoundFlags heard;
   const int64_t bytes_before = counters_.bytes;
@@ -150,6 +171,28 @@ bool Core::RunCycle() {
   autotune_.EndCycle(Clock::now(), counters_.bytes - bytes_before);
   if (heard.elsewhere) elsewhere_heard_ = now;
   return !heard.shutdown;
+}
+
+bool Core::CallerMayCycle() {
+  // Refusals go to the coordinator ahead of later requests (TakeRefusals), which only
+  // the background thread's cycle takes.
+  bool can = !cycles_ended_ && !shutdown_requested_ && !HasRefusals();
+  for (ProcessSetState* set = sets_.NextMember(-1); set && can; set = sets_.NextMember(set->id())) {
+    can = set->CyclesWithoutMpi();
+  }
+  return can;
+}
+
+bool Core::RunCallerCycle(hvdlite_handle_t h, const char* name) {
+  if (queue_.PopAlone(name, &fresh_)) {
+    counters_.caller_cycles++;
+    Status s;
+    RunCycle(false, &s);
+    bool done = false;
+    if (handles_.Poll(h, &done).ok() && done) return true;
+  }
+  queue_.Wake();
+  return false;
 }
 
 void Core::Distribute() {

@@ -115,12 +115,22 @@ void ProcessSetState::SortFresh(Clock::time_point now) {
   }
 }
 
+ProcessSetState::BitsLayout ProcessSetState::Bits() const {
+  // The global set's round also carries rank 0's autotune decision (autotune.h says why).
+  return BitsLayout{cache_ ? static_cast<size_t>(cache_->capacity() + 63) / 64 : 0,
+                    id() == 0 ? autotune_.Words() : 0};
+}
+
+bool ProcessSetState::CyclesWithoutMpi() const {
+  return mpi_ && mpi_->CyclesWithoutMpi() &&
+         Bits().size() <= static_cast<size_t>(ShmCollectives::kMaxBitsWords);
+}
+
 bool ProcessSetState::Coordinate(Clock::time_point now, const RoundFlags& mine, bool* any_uncached,
                                  RoundFlags* heard, std::vector<Response>* ready) {
-  const size_t words = cache_ ? (cache_->capacity() + 63) / 64 : 0;
-  // The global set's round also carries rank 0's autotune decision (autotune.h says why).
-  const size_t tuned = id() == 0 ? autotune_.Words() : 0;
-  std::vector<uint64_t> bits(1 + 2 * words + tuned, 0);
+  const BitsLayout layout = Bits();
+  const size_t words = layout.words, tuned = layout.tuned;
+  std::vector<uint64_t> bits(layout.size(), 0);
   uint64_t flags = 0;
   bool wants_round = controller_ && controller_->WantsRound(now);
   if (!uncached_.empty() || wants_round) flags |= 1;

@@ -40,7 +40,7 @@ struct Counters {
   std::atomic<int64_t> cycles{0}, coordinator_gathers{0}, cache_hits{0}, cache_misses{0},
       collectives{0}, fused_collectives{0}, tensors{0}, bytes{0}, errors{0}, shm_collectives{0},
       wire_bytes{0}, hierarchical_collectives{0}, nccl_collectives{0}, staged_collectives{0},
-      nccl_us{0};
+      nccl_us{0}, caller_cycles{0};
 };
 
 // Bytes one rank sends to the others in a collective whose buffer (allreduce) or result
@@ -124,6 +124,9 @@ class ProcessSetState {
   // negotiate what is not cached, execute, complete. heard collects the flags of the
   // members (ORed into what it holds). Returns false when the loop must end.
   bool RunCycle(Clock::time_point now, const RoundFlags& mine, RoundFlags* heard);
+  // Whether this set's round, negotiation and collectives of host tensors make no MPI
+  // call (MpiBackend::CyclesWithoutMpi, and a bit vector that fits shared memory).
+  bool CyclesWithoutMpi() const;
   // Fails this set's ops in flight with s (the set is being removed).
   void FailInFlight(const Status& s);
   // Frees the communicator; collective over the members when transport_ok.
@@ -140,6 +143,12 @@ class ProcessSetState {
   void LeftJoin();
   // The bit-vector round: fills ready with the cached responses every member is ready
   // for; false (loop ends) on a transport failure.
+  // The coordination's bit vector: [flags | hit bits | invalid bits | autotune's].
+  struct BitsLayout {
+    size_t words, tuned;
+    size_t size() const { return 1 + 2 * words + tuned; }
+  };
+  BitsLayout Bits() const;
   bool Coordinate(Clock::time_point now, const RoundFlags& mine, bool* any_uncached,
                   RoundFlags* heard, std::vector<Response>* ready);
   bool Negotiate(Clock::time_point now, std::vector<Response>* ready);

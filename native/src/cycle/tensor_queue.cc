@@ -11,7 +11,7 @@ static Status InFlight(const Request& q) {
                     OpName(q.op) + "); wait for it before submitting another with the same name");
 }
 
-Status TensorQueue::Add(std::vector<TensorEntry> entries) {
+Status TensorQueue::Add(std::vector<TensorEntry> entries, bool wake) {
   // Names repeated inside a group are checked before taking the lock; a single tensor
   // (the per-gradient path) needs no set at all.
   if (entries.size() > 1) {
@@ -32,8 +32,22 @@ Status TensorQueue::Add(std::vector<TensorEntry> entries) {
     }
     last_add_ = entries.front().enqueued;
   }
-  work_cv_.notify_one();
+  if (wake) work_cv_.notify_one();
   return Status::OK();
+}
+
+bool TensorQueue::PopAlone(const std::string& name, std::vector<TensorEntry*>* out) {
+  out->clear();
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (entries_.size() != pending_.size()) return false;  // one was popped and is in flight
+  auto it = entries_.find(name);
+  if (it == entries_.end()) return false;
+  auto pending = std::find(pending_.begin(), pending_.end(), &it->second);
+  if (pending == pending_.end()) return false;
+  pending_.erase(pending);
+  it->second.popped = true;
+  out->push_back(&it->second);
+  return true;
 }
 
 void TensorQueue::PopPending(std::vector<TensorEntry*>* out) {
@@ -106,9 +120,10 @@ void TensorQueue::CountBySet(int64_t* total, std::map<int32_t, int64_t>* by_set)
   *by_set = by_set_;
 }
 
-bool TensorQueue::WaitForWork(Clock::time_point deadline) {
+bool TensorQueue::WaitForWork(Clock::time_point deadline, bool* woken) {
   std::unique_lock<std::mutex> lock(mutex_);
   work_cv_.wait_until(lock, deadline, [&] { return !pending_.empty() || woken_; });
+  *woken = woken_;
   return !pending_.empty();
 }
 

@@ -33,14 +33,19 @@ struct TensorEntry {
 
 class TensorQueue {
  public:
-  // All or nothing: refuses the batch if any name is already in flight.
-  Status Add(std::vector<TensorEntry> entries);
+  // All or nothing: refuses the batch if any name is already in flight. wake: wakes the
+  // background thread's WaitForWork (not when the caller runs the cycle itself).
+  Status Add(std::vector<TensorEntry> entries, bool wake = true);
   // The entries added since the last call, in order (out's old contents are dropped;
   // its capacity serves the next burst). They stay valid until removed, which only the
   // background thread does (or TakeAll once it has ended); an entry removed before it
   // was popped (a response can name a tensor this rank submitted after the cycle's
   // pop) leaves the pending list with it.
   void PopPending(std::vector<TensorEntry*>* out);
+  // The entry of `name` alone, popped into out (as PopPending would), if no entry was
+  // popped before and is still in flight: an op that then runs this cycle is that one.
+  // Else false, and nothing popped. Other pending entries stay for the next pop.
+  bool PopAlone(const std::string& name, std::vector<TensorEntry*>* out);
   TensorEntry* Find(const std::string& name);
   // Find for a list of names under one lock (null for a name not in flight).
   template <typename NameOf, typename T>
@@ -55,8 +60,9 @@ class TensorQueue {
   // Entries in flight, in all and per process set (ids with none left out).
   void CountBySet(int64_t* total, std::map<int32_t, int64_t>* by_set);
   // Background thread: sleeps until new requests arrive, Wake() is called, or
-  // deadline. Returns whether requests are pending.
-  bool WaitForWork(Clock::time_point deadline);
+  // deadline. Returns whether requests are pending; *woken whether Wake() was called
+  // (since the last pop).
+  bool WaitForWork(Clock::time_point deadline, bool* woken);
   // Background thread, after WaitForWork: gathers a burst of submissions (a training
   // step's gradients, a loop of async calls) into one cycle. Returns once no request
   // was added for `quiet`, `blocked` (threads blocked waiting for a result, which

@@ -136,6 +136,11 @@ Status ShmCollectives::WaitFor(int field, int64_t chunks) {
 }
 
 Status ShmCollectives::Barrier() {
+  poll_ = may_poll_;
+  return Meet();
+}
+
+Status ShmCollectives::Meet() {
   Control* c = reinterpret_cast<Control*>(segments_[0]);
   sense_ ^= 1;
   if (c->count.fetch_add(1, std::memory_order_acq_rel) == size_ - 1) {
@@ -175,7 +180,7 @@ Status ShmCollectives::AfterWait() {
 Status ShmCollectives::AndBits(uint64_t* bits, int64_t words) {
   poll_ = may_poll_;
   std::memcpy(Bits(rank_, bits_set_), bits, words * sizeof(uint64_t));
-  Status s = Barrier();
+  Status s = Meet();
   if (!s.ok()) return s;
   for (int k = 0; k < size_; ++k) {
     if (k == rank_) continue;

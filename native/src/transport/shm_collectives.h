@@ -154,6 +154,11 @@ class ShmCollectives {
   // bits[i] = AND over ranks of every rank's bits[i]; words <= kMaxBitsWords. Every
   // rank calls it with the same length, in the same order relative to Allreduce.
   Status AndBits(uint64_t* bits, int64_t words);
+  // Every rank arrives before any leaves (the barrier op); a rank that waits sleeps.
+  Status Barrier();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
 
  private:
   uint64_t* Bits(int rank, int set) const;
@@ -168,8 +173,9 @@ class ShmCollectives {
   // that set); drain(r, set) reads the peers' areas once every peer has filled round r.
   Status Rounds(int64_t rounds, const std::function<void(int64_t, int)>& fill,
                 const std::function<void(int64_t, int)>& drain);
-  // Every rank arrives before any leaves; a rank that waits sleeps.
-  Status Barrier();
+  // Barrier's meeting: every rank arrives before any leaves; a rank that waits sleeps
+  // (after polling, where poll_ says).
+  Status Meet();
   // Allreduce's progress: field 0 copied in, 1 reduced, 2 copied out (Rounds: 0 filled,
   // 1 and 2 drained). Publish sets this
   // rank's count (in chunks over all calls) and wakes peers that wait for it; WaitFor
