@@ -499,7 +499,7 @@ def barrier(process_set=global_process_set):
         NotInitializedError: before init() or after shutdown().
         HorovodInternalError: the barrier failed (e.g. a rank is gone).
     """
-    synchronize(_no_tensor_op(BARRIER, "barrier", process_set=process_set))
+    synchronize(_enqueue.at_once(_no_tensor_op, BARRIER, "barrier", process_set=process_set))
 
 
 def join():
