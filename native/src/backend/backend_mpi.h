@@ -1,5 +1,7 @@
 // Every MPI call of the core, over one communicator: the world's (Init) or a process
-// set's (InitSubset). Background thread only (see core/loop.cc).
+// set's (InitSubset). The thread that runs the cycle (core/loop.cc): MPI calls only
+// ever from the background thread, shared memory also from a caller's cycle
+// (CyclesWithoutMpi).
 //
 // Negotiation uses nonblocking collectives polled with a growing sleep (PollBackoff),
 // because a peer may still be computing and a rank blocked in MPICH busy-polls a core.
@@ -167,7 +169,7 @@ class MpiBackend {
   bool alone_ = false;        // it has one rank: a blocking call never waits for a peer
   // A caller waits and this host has a core for each of its ranks (set_caller_waiting,
   // each cycle): WaitBackoff's polls, and the shared-memory waits, poll longer before
-  // they sleep. Background thread only.
+  // they sleep. The cycle's thread.
   bool caller_waiting_ = false;
   bool cores_for_each_ = false;  // at least one core per rank of this host
   std::vector<void*> ops_;  // user-defined reductions for 16-bit floats

@@ -24,7 +24,7 @@
 // and left a waiting rank 0.01-0.10 of a core at 100 Mbit/s; to 250 us, no loss and
 // 0.04-0.17 of a core; to 500 us, no loss and 0.03-0.12).
 //
-// Background thread only (each wait has its own).
+// The cycle's thread only (each wait has its own).
 #pragma once
 
 #include <algorithm>

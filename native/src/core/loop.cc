@@ -1,20 +1,32 @@
 // The background loop.
 //
-// Why one thread owns every MPI call: collectives must run in the same order on every
-// rank, and the order is decided here, cycle by cycle, from one response list that is
-// identical everywhere. Framework threads only validate, enqueue and wait, so no
-// framework thread can ever issue a collective out of that order, and MPI needs no
-// locking of ours.
+// Why cycles run one at a time: collectives must run in the same order on every rank,
+// and the order is decided here, cycle by cycle, from one response list that is
+// identical everywhere. Whoever runs a cycle holds the cycle token (cycle_mutex_), so
+// the cycles of a rank are a sequence whichever thread ran each, and no collective is
+// ever issued outside one. Which thread runs a cycle changes nothing on the other ranks:
+// a round pairs with the peers' rounds of the same number.
+//
+// Why the background thread owns every MPI (and NCCL) call: MPI calls need no locking of
+// ours, and the MPI fault guard (transport/mpi_fault_guard.h) may park the thread it
+// catches inside MPI, which must never be a framework's. So a framework thread runs a
+// cycle only where that cycle makes no MPI call: a thread blocked on its one op in
+// flight, every set of its rank on one host, where the round, the negotiation and the
+// collectives of host tensors all go through shared memory (RunCallerCycle; why: two
+// task switches less per blocking call). Its waits there are the shared-memory waits,
+// which notice a dead peer; they last until the peers' round of that number, which an
+// idle peer joins within kIdleCycle. If its op is not done after that one cycle, the
+// background thread goes on with it while the caller waits as for any op.
 //
 // One cycle pops the new requests and hands each to its process set (Core::RunCycle);
 // then every set this rank belongs to runs its round, in id order (ProcessSetState::
 // RunCycle; process_set.h says why that order cannot deadlock):
 //  1. sort the set's new requests: each is a response-cache hit (its slot's bit will be
 //     set), a changed cache entry (its slot is invalidated everywhere), or uncached;
-//  2. one MPI_Iallreduce(BAND) over [flags | hit bits | invalid bits] tells every rank
-//     which cached tensors are ready everywhere, which slots to drop, and whether
-//     anyone has uncached requests, has joined, asked to shut down, or has ops in
-//     flight in another set (RoundFlags);
+//  2. one AND over [flags | hit bits | invalid bits] (through shared memory on one host,
+//     else an MPI_Iallreduce(BAND)) tells every rank which cached tensors are ready
+//     everywhere, which slots to drop, and whether anyone has uncached requests, has
+//     joined, asked to shut down, or has ops in flight in another set (RoundFlags);
 //  3. only if someone has uncached requests: gather them on the set's rank 0, whose
 //     Controller checks them across ranks and broadcasts the new responses;
 //  4. execute cached-ready responses (slot order) then new ones (broadcast order),
@@ -80,15 +92,22 @@ void Core::Loop() {
   // the cycle time would cost CPU and, worse, a peer whose first request meets our
   // idle coordination round (its bit set, ours not yet) would wait a whole cycle.
   while (true) {
-    // The cycle time in force (autotune may change it between cycles).
-    const auto cycle = std::chrono::duration_cast<Clock::duration>(
-        std::chrono::duration<double, std::milli>(autotune_.knobs().cycle_time_ms));
-    const auto idle_cycle = std::max<Clock::duration>(cycle, kIdleCycle);
-    bool idle = queue_.Size() == 0 && !HasRefusals() && Clock::now() - elsewhere_heard_ > kElsewhereLinger;
-    for (ProcessSetState* set = sets_.NextMember(-1); set && idle; set = sets_.NextMember(set->id())) {
-      idle = !set->Busy();
+    Clock::duration cycle, idle_cycle;
+    bool idle;
+    Clock::time_point last;
+    {
+      // What the cycles left (a caller's may run meanwhile): read with the token.
+      std::lock_guard<std::mutex> token(cycle_mutex_);
+      // The cycle time in force (autotune may change it between cycles).
+      cycle = std::chrono::duration_cast<Clock::duration>(
+          std::chrono::duration<double, std::milli>(autotune_.knobs().cycle_time_ms));
+      idle_cycle = std::max<Clock::duration>(cycle, kIdleCycle);
+      idle = queue_.Size() == 0 && !HasRefusals() && Clock::now() - elsewhere_heard_ > kElsewhereLinger;
+      for (ProcessSetState* set = sets_.NextMember(-1); set && idle; set = sets_.NextMember(set->id())) {
+        idle = !set->Busy();
+      }
+      last = last_cycle_.load();
     }
-    const Clock::time_point last = last_cycle_.load();
     bool woken = false;
     const bool work = queue_.WaitForWork(last + (idle ? idle_cycle : cycle), &woken);
     if (work && cycle.count() > 0) {

@@ -1,7 +1,7 @@
 // The coordinator's decisions, free of any transport: rank 0 feeds it the requests
 // gathered from every rank and it returns the responses every rank executes, in one
 // order. It checks each tensor across ranks, tracks joined ranks, holds groups until
-// they are complete, and reports stalls. Background thread of rank 0 only.
+// they are complete, and reports stalls. The cycle's thread of rank 0 only.
 #pragma once
 
 #include <chrono>

@@ -1,6 +1,6 @@
 // Execution of a round's ready responses (step 4 of the cycle that core/loop.cc
 // describes): plan which allreduces and allgathers fuse, run each collective, complete
-// its handles. Background thread only.
+// its handles. The cycle's thread only (core/loop.cc).
 #include "cycle/process_set.h"
 
 #include <algorithm>

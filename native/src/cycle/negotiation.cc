@@ -1,7 +1,7 @@
 // One round of a process set (ProcessSetState::RunCycle, steps 1-3 of the cycle that
 // core/loop.cc describes): sort the new requests by cache state, coordinate with one
 // bit-vector allreduce, negotiate what is not cached through the set's rank 0; then
-// execution.cc runs what is ready. Background thread only.
+// execution.cc runs what is ready. The cycle's thread only (core/loop.cc).
 #include "cycle/process_set.h"
 
 #include <algorithm>

@@ -1,8 +1,8 @@
 // Process sets are worlds inside the world. Each set owns what a world needs to run
 // collectives on its own: a communicator (and its shared-memory group), the
 // coordinator of its negotiation, a response cache, a fusion buffer and its slice of
-// the request queue. The background loop serves every set this rank belongs to, each
-// cycle, in increasing id order; set 0 (every rank) is created at init like any other.
+// the request queue. Each cycle (core/loop.cc) serves every set this rank belongs to,
+// in increasing id order; set 0 (every rank) is created at init like any other.
 //
 // Why sets cannot deadlock each other: every rank is in set 0 and runs exactly one
 // round of set 0 per cycle, so cycle k is the same on every rank, and in cycle k each
@@ -110,7 +110,7 @@ class ProcessSetState {
   // Something to coordinate even without requests (a join in progress).
   bool Busy() const { return local_joined_ || join_active_; }
 
-  // Background thread. A request of this set popped from the queue this cycle.
+  // The cycle's thread (core/loop.cc). A request of this set popped from the queue this cycle.
   void Accept(TensorEntry* e) { fresh_.push_back(e); }
   // This rank refuses the op q names (q.refusal, see Core::Refuse): it goes to the
   // coordinator this round, and the name's cache slot is marked invalid so that every
@@ -257,7 +257,7 @@ class ProcessSetTable {
   // The id of the set of exactly these (increasing) ranks, or -1.
   int32_t IdOf(const std::vector<int>& ranks) const;
 
-  // Background thread.
+  // The cycle's thread (core/loop.cc).
   ProcessSetState* Find(int32_t id) const;
   // The set after `id` (-1: the first) that this rank belongs to, in id order; null
   // after the last.

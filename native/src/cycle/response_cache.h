@@ -3,7 +3,7 @@
 //
 // Every rank must hold the same names in the same slots: the cache is only changed
 // by Put (in the order of the broadcast response list), Touch (in slot order) and
-// Erase (in slot order), identically on every rank. Background thread only.
+// Erase (in slot order), identically on every rank. The cycle's thread only (core/loop.cc).
 #pragma once
 
 #include <cstdint>

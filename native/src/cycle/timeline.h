@@ -82,7 +82,7 @@ class Timeline {
   bool active() const { return active_.load(std::memory_order_relaxed); }
   bool mark_cycles() const { return mark_cycles_.load(std::memory_order_relaxed); }
 
-  // Background thread only: spans ('B' ... 'E') and marks on the tensors' tracks; args
+  // The cycle's thread only (core/loop.cc): spans ('B' ... 'E') and marks on the tensors' tracks; args
   // are the body of a JSON object ("\"bytes\": 4") or "". Names and args are interned:
   // callers pass a bounded set of texts (activity names, one args text per shape).
   //

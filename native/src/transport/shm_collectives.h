@@ -66,7 +66,7 @@
 // does not cut short). Two areas alternate, as the slots do: an area is written again
 // two calls later, after a barrier every rank passed once done reading it.
 //
-// Background thread only.
+// The cycle's thread only (core/loop.cc: the background thread, or a caller's cycle).
 #pragma once
 
 #include <algorithm>
