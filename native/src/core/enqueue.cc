@@ -5,12 +5,30 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "common/thread_sched.h"
 
 namespace hvdlite {
+namespace {
+
+// The largest input (bytes) whose blocking call may run its own cycle: where the two
+// task switches it saves are a good part of the call. A larger collective's chunks wait
+// on the peers many times, and the background thread's waits wake at real-time
+// priority (a caller's, at normal priority, may wait for its core behind another
+// thread); the hand-off is a small part of its time anyway.
+constexpr int64_t kCallerCycleMaxBytes = 64 * 1024;
+
+bool SmallHostTensor(const hvdlite_tensor_t* t) {
+  if (!t || t->device >= 0 || t->ndim < 0 || (t->ndim > 0 && !t->shape) || !ValidDtype(t->dtype)) return false;
+  int64_t bytes = ElementSize(t->dtype);
+  for (int i = 0; i < t->ndim && bytes <= kCallerCycleMaxBytes; ++i) bytes *= std::max<int64_t>(t->shape[i], 0);
+  return bytes <= kCallerCycleMaxBytes;
+}
+
+}  // namespace
 
 Status Core::Validate(const hvdlite_tensor_t& t, int64_t index, const ProcessSetMembers& set) const {
   // Built only for an error message: this runs for every tensor of every step.
@@ -109,9 +127,10 @@ void Core::PlaceLoop(int cpu) {
 Status Core::EnqueueAndWait(const hvdlite_tensor_t* tensor, double timeout_s, bool release,
                             hvdlite_handle_t* out, Status* op_status) {
   handles_.Announce();
-  // A host tensor's cycle may be this thread's (RunCallerCycle) if no other cycle runs.
+  // A small host tensor's cycle may be this thread's (RunCallerCycle) if no other cycle
+  // runs.
   std::unique_lock<std::mutex> token;
-  if (config_.caller_cycle && tensor && tensor->device < 0) {
+  if (config_.caller_cycle && SmallHostTensor(tensor)) {
     token = std::unique_lock<std::mutex>(cycle_mutex_, std::try_to_lock);
     if (token.owns_lock() && !CallerMayCycle()) token.unlock();
   }
