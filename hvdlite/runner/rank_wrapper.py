@@ -129,7 +129,8 @@ def _killpg(pgid, sig):
 # The shared-memory segments of a host's ranks: MPICH's (mpich_shm_*) and Open MPI's
 # (sm_segment.<host>.<uid>.<job>.<rank> of its sm transport; vader_segment.* before 5.0)
 # are unlinked by MPI_Finalize, so a rank that ends without it (killed, os._exit) leaves
-# them in /dev/shm for good.
+# them in /dev/shm for good. (The core's exit of a rank alone knows the same names:
+# MappedMpiSegments in native/src/backend/backend_mpi.cc; a new MPI's goes in both.)
 SHM_DIR = "/dev/shm"
 MPI_SEGMENT_PREFIXES = ("mpich_shm_", "sm_segment.", "vader_segment.")
 

@@ -29,7 +29,9 @@ bool g_started_mpi = false;
 bool g_finalize_at_exit = false;
 
 // The MPI shared-memory segments this process maps (/proc/self/maps): Open MPI's sm
-// transport's (sm_segment.*; vader_segment.* before 5.0) and MPICH's.
+// transport's (sm_segment.*; vader_segment.* before 5.0) and MPICH's. The launcher's
+// cleanup of a job's segments knows the same names (MPI_SEGMENT_PREFIXES in
+// hvdlite/runner/rank_wrapper.py): a new MPI's goes in both.
 std::vector<std::string> MappedMpiSegments() {
   std::vector<std::string> found;
   std::ifstream maps("/proc/self/maps");
