@@ -269,7 +269,8 @@ def _waited(handle_id, status, keepalive, finisher, name, result):
     ``at_once``), whose wait returned ``status``."""
     if finisher is None:
         return OpHandle.after_wait(handle_id, status, keepalive, name, result)
-    return Handle([handle_id], finisher, keepalive, name, result)
+    # A failure is waited for again, which reads its message afresh.
+    return Handle([handle_id], finisher, keepalive, name, result, succeeded=status == _OK)
 
 
 def at_once(start, *args, **kwargs):

@@ -23,6 +23,9 @@ _log = logging.getLogger("hvdlite")
 _atexit_registered = False
 # Called after every successful start(), e.g. to reset the counters of unnamed tensors.
 _init_hooks = []
+# The world's (size, rank) from start() to shutdown(): the collectives' checks read them
+# every call, where a native query costs about a microsecond.
+_world = None
 
 
 def add_init_hook(fn):
@@ -55,11 +58,12 @@ def start(comm=None):
             has a bad value.
         HvdliteError: the core could not start (the message says why).
     """
-    global _atexit_registered
+    global _atexit_registered, _world
     env_aliases.apply()
     options = ffi.new("hvdlite_init_options_t *")
     options.comm_f2c = _comm_f2c(comm)
     check(lib.hvdlite_init(options))
+    _world = (_int_query(lib.hvdlite_size), _int_query(lib.hvdlite_rank))
     peer_faults.start_listening()
     if not _atexit_registered:
         atexit.register(_shutdown_at_exit)
@@ -82,6 +86,8 @@ def shutdown():
         _log.warning("hvdlite: not shutting down the core after lost peers (%s)",
                      peer_faults.failure())
         return
+    global _world
+    _world = None
     check(lib.hvdlite_shutdown())
 
 
@@ -111,7 +117,8 @@ def size():
     Raises:
         NotInitializedError: before ``init()`` or after ``shutdown()``.
     """
-    return _int_query(lib.hvdlite_size)
+    world = _world
+    return world[0] if world is not None else _int_query(lib.hvdlite_size)
 
 
 def rank():
@@ -120,7 +127,8 @@ def rank():
     Raises:
         NotInitializedError: before ``init()`` or after ``shutdown()``.
     """
-    return _int_query(lib.hvdlite_rank)
+    world = _world
+    return world[1] if world is not None else _int_query(lib.hvdlite_rank)
 
 
 def local_size():

@@ -68,6 +68,10 @@ class _NativeBuffer:
         }
 
 
+# Handle.output's out cells, one set per thread: allocating them per call costs more
+# than the call.
+_output_cells = threading.local()
+
 # In-flight handles whose Handle object was dropped: [(native ids, keepalive)].
 _orphans = []
 _orphans_lock = threading.Lock()
@@ -172,9 +176,10 @@ class Handle:
     """
 
     __slots__ = ("_ids", "_owners", "_finisher", "_keepalive", "name", "_lock", "_ended",
-                 "_result", "_error", "__weakref__")
+                 "_result", "_error", "_succeeded", "__weakref__")
 
-    def __init__(self, native_ids, finisher=None, keepalive=(), name=None, result=None):
+    def __init__(self, native_ids, finisher=None, keepalive=(), name=None, result=None,
+                 succeeded=False):
         """Wraps native handles returned by hvdlite_enqueue(_group).
 
         Args:
@@ -186,6 +191,8 @@ class Handle:
             name: a label for messages (the tensor or group name).
             result: the result when there is no finisher (e.g. the output array the
                 core writes into).
+            succeeded: the one native op was already waited for and succeeded (it was
+                enqueued and waited for in one call): the wait is not asked again.
         """
         if _orphans:
             reap_orphans()
@@ -198,6 +205,7 @@ class Handle:
         self._ended = False
         self._result = result
         self._error = None
+        self._succeeded = succeeded
 
     def __repr__(self):
         state = "ended" if self._ended else "pending"
@@ -260,7 +268,10 @@ class Handle:
         error = self._error  # from an earlier call that timed out on another op
         tried = False  # the one call that releases what ended with the last op
         while pending:
-            status = _wait_slices(wait, pending[-1], deadline, self.name)
+            if self._succeeded:
+                status, self._succeeded = _OK, False
+            else:
+                status = _wait_slices(wait, pending[-1], deadline, self.name)
             pending.pop()
             if status != _OK:
                 error = error_for(status, last_error())  # ends as the first op's failure
@@ -293,10 +304,13 @@ class Handle:
         For ALLGATHER and ALLTOALL the address is the buffer the core allocated (0 when
         nbytes is 0); for JOIN, first_dim is the last rank that joined.
         """
-        data = ffi.new("uintptr_t *")  # void** as the core sees it, an int as read here
-        sizes = ffi.new("int64_t[2]")  # nbytes, first_dim
-        check(lib.hvdlite_handle_output(self._ids[index], ffi.cast("void **", data), sizes,
-                                        sizes + 1))
+        try:
+            data, address, sizes = _output_cells.cells
+        except AttributeError:
+            data = ffi.new("uintptr_t *")  # void** as the core sees it, an int as read here
+            sizes = ffi.new("int64_t[2]")  # nbytes, first_dim
+            data, address, sizes = _output_cells.cells = (data, ffi.cast("void **", data), sizes)
+        check(lib.hvdlite_handle_output(self._ids[index], address, sizes, sizes + 1))
         return data[0], sizes[0], sizes[1]
 
     def output_array(self, index, dtype, trailing_shape):
