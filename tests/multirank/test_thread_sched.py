@@ -217,6 +217,9 @@ def test_blocking_mpi_collectives_run_at_normal_priority():
             if after == os.SCHED_FIFO:
                 break
             time.sleep(0.01)
+        # No rank ends (its shutdown ends every rank's loop thread) before each has
+        # looked: a collective that each joins once done.
+        hvd.allreduce(np.zeros(1, np.float32), name="looked")
         print("HVDLITE_RESULT", json.dumps({"seen": sorted(seen), "after": after}))
     """), env={**UNSET, "HVDLITE_SHM_ALLREDUCE": "0"}))
     for rank in range(2):
