@@ -6,10 +6,14 @@ Handle. Here are the op kinds and reduction ops (values read from the library), 
 tensor's fields (``TensorSpec``), and the structs kept from step to step so that a
 training step's repeated tensors cost a lookup, not a fill.
 """
+import math
 import threading
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+import numpy as np
+
+from hvdlite import errors
 from hvdlite._native import check, ffi, lib
 from hvdlite.handle import _WAIT_SLICE_S, Handle, OpHandle
 
@@ -214,48 +218,87 @@ _cells = threading.local()
 
 
 def template(op, name, dtype, shape, reduce_op, prescale, postscale, root_rank,
-             process_set_id, device):
-    """The kept struct of a tensor (with what it points to), filled on first use."""
+             process_set_id, device, splits=None):
+    """The kept struct of a tensor (with what it points to), filled on first use.
+    ``splits``: an ALLTOALL's, checked (a list of ints), or None."""
     key = (op, name, dtype, shape, reduce_op, prescale, postscale, root_rank, process_set_id,
-           device)
+           device, splits if splits is None else tuple(splits))
     kept = _templates.get(key)
     # 0.0 and -0.0 are one key, yet the sign of a zero factor shows in the results.
     if kept is None or not prescale or not postscale:
         struct = ffi.new("hvdlite_tensor_t *")
         keep = fill(struct, op, name, dtype, shape, None, None, reduce_op, prescale,
-                    postscale, root_rank, None, process_set_id, device)
+                    postscale, root_rank, splits, process_set_id, device)
         kept = (struct, keep)
         remember(_templates, key, kept)
     return kept
 
 
+class CoreResult:
+    """The finisher of an op whose result the core allocates (ALLGATHER, ALLTOALL):
+    ``(first dimension from the core, *trailing)`` elements of ``dtype`` and, for an
+    ALLTOALL (``ranks``: the ranks of its set), the rows received from each rank.
+
+    Called with the ended Handle, it views the core's buffer without a copy. An op
+    waited for in its enqueue call (``at_once``) whose result is small is instead copied
+    out and its handle released at once (``take``): wrapping the core's buffer, and
+    releasing it with the array later, costs more than copying a few KiB.
+    ``expected_rows``: the first dimension the result likely has (every rank's rows
+    alike), which sizes the copy's array.
+    """
+
+    __slots__ = ("dtype", "trailing", "ranks", "shape", "row_bytes")
+
+    def __init__(self, dtype, trailing, expected_rows, ranks=None):
+        self.dtype, self.trailing, self.ranks = np.dtype(dtype), tuple(trailing), ranks
+        self.row_bytes = math.prod(self.trailing) * self.dtype.itemsize
+        fits = expected_rows * self.row_bytes <= TAKE_MAX_BYTES
+        self.shape = (expected_rows,) + self.trailing if fits else None
+
+    def __call__(self, handle):
+        rows = handle.output_array(0, self.dtype, self.trailing)
+        return rows if self.ranks is None else (rows, handle.recv_splits(0, self.ranks))
+
+    def take(self, handle_id):
+        """The ended op's result copied out and its handle released; None (the handle
+        left as it was) when the result is larger than expected."""
+        if self.shape is None:
+            return None
+        rows = np.empty(self.shape, self.dtype)
+        splits = None if self.ranks is None else np.empty(self.ranks, np.int64)
+        try:
+            sizes = _cells.sizes
+        except AttributeError:
+            sizes = _cells.sizes = ffi.new("int64_t[2]")
+        check(_take_output(handle_id, from_buffer(rows), rows.nbytes, sizes, sizes + 1,
+                           ffi.NULL if splits is None else from_buffer("int64_t[]", splits)))
+        nbytes, first_dim = sizes[0], sizes[1]
+        if nbytes > rows.nbytes:
+            return None
+        if nbytes != first_dim * self.row_bytes:
+            raise errors.InternalError(
+                f"the core returned {nbytes} bytes for {first_dim} rows of {self.trailing} "
+                f"{self.dtype} ({first_dim * self.row_bytes} bytes expected)")
+        if first_dim != self.shape[0]:
+            rows = rows[:first_dim]
+        return rows if splits is None else (rows, splits)
+
+
+# Results of at most this many bytes are copied out of the core (CoreResult.take).
+TAKE_MAX_BYTES = 64 * 1024
+_take_output = lib.hvdlite_handle_take_output
+
+
 def submit(kept, input_ptr, output_ptr, keepalive, finisher, name, result):
     """Enqueues a kept struct with these buffers; returns the Handle. Inside ``at_once``
     the first such op is also waited for (see there)."""
+    if _cells.__dict__.get("at_once"):
+        _cells.at_once = False
+        return submit_wait(kept, input_ptr, output_ptr, keepalive, finisher, name, result)
     try:
         cell = _cells.handle
     except AttributeError:
         cell = _cells.handle = ffi.new("hvdlite_handle_t *")
-    if _cells.__dict__.get("at_once"):
-        _cells.at_once = False
-        op_status = _cells.__dict__.get("op_status")
-        if op_status is None:
-            op_status = _cells.op_status = ffi.new("hvdlite_status_t *")
-        # An op with a finisher keeps its handle for the finisher to read (the Handle's
-        # own wait then finds it ended).
-        cell[0] = 0
-        try:
-            status = _enqueue_buffers_wait(kept[0], input_ptr, output_ptr, _WAIT_SLICE_S,
-                                           finisher is None, cell, op_status)
-        finally:
-            # Wrapped even when an exception (Ctrl-C during the wait) arrives as the call
-            # returns: dropped, the handle of an op still running keeps its buffers
-            # until it ends (the orphans of handle.py).
-            handle = _waited(cell[0], op_status[0], keepalive, finisher, name,
-                             result) if cell[0] else None
-        if status != _OK:
-            check(status)
-        return handle
     status = _enqueue_buffers(kept[0], input_ptr, output_ptr, cell)
     if status != _OK:
         check(status)
@@ -264,11 +307,40 @@ def submit(kept, input_ptr, output_ptr, keepalive, finisher, name, result):
     return Handle([cell[0]], finisher, keepalive, name, result)
 
 
+def submit_wait(kept, input_ptr, output_ptr, keepalive, finisher, name, result):
+    """``submit``, the op also waited for in the same call of the core: its Handle,
+    ended unless the wait's first slice passed first."""
+    try:
+        cell, op_status = _cells.wait_cells
+    except AttributeError:
+        cell, op_status = _cells.wait_cells = (ffi.new("hvdlite_handle_t *"),
+                                               ffi.new("hvdlite_status_t *"))
+    # An op with a finisher keeps its handle for the finisher to read (the Handle's own
+    # wait then finds it ended).
+    cell[0] = 0
+    try:
+        status = _enqueue_buffers_wait(kept[0], input_ptr, output_ptr, _WAIT_SLICE_S,
+                                       finisher is None, cell, op_status)
+    finally:
+        # Wrapped even when an exception (Ctrl-C during the wait) arrives as the call
+        # returns: dropped, the handle of an op still running keeps its buffers until it
+        # ends (the orphans of handle.py).
+        handle = _waited(cell[0], op_status[0], keepalive, finisher, name,
+                         result) if cell[0] else None
+    if status != _OK:
+        check(status)
+    return handle
+
+
 def _waited(handle_id, status, keepalive, finisher, name, result):
     """The handle of an op enqueued and waited for in one call (``submit`` in
     ``at_once``), whose wait returned ``status``."""
     if finisher is None:
         return OpHandle.after_wait(handle_id, status, keepalive, name, result)
+    if status == _OK and type(finisher) is CoreResult:
+        taken = finisher.take(handle_id)
+        if taken is not None:
+            return OpHandle.after_wait(handle_id, status, None, name, taken)
     # A failure is waited for again, which reads its message afresh.
     return Handle([handle_id], finisher, keepalive, name, result, succeeded=status == _OK)
 

@@ -27,7 +27,7 @@ import weakref
 
 import numpy as np
 
-from hvdlite import _checks, _enqueue, _names, _refusals, adasum, dtypes, process_sets
+from hvdlite import _checks, _enqueue, _names, _refusals, adasum, core, dtypes, process_sets
 # The layers' public names, where scripts and Horovod-style code reach them.
 from hvdlite._checks import predivide_scaling, reducescatter_rows, resolve_op  # noqa: F401
 from hvdlite._enqueue import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST,  # noqa: F401
@@ -42,6 +42,7 @@ from hvdlite._refusals import note_names, refuse, refusing  # noqa: F401
 from hvdlite._checks import output_array as _output_array
 from hvdlite._checks import writable_contiguous as _writable_contiguous
 from hvdlite._enqueue import submit as _submit
+from hvdlite._enqueue import submit_wait as _submit_wait
 from hvdlite._refusals import _attempt
 from hvdlite.errors import InvalidArgumentError
 from hvdlite.handle import Handle, OpHandle  # noqa: F401
@@ -80,6 +81,57 @@ class _Repeat:
         self.out = weakref.ref(out)
         self.output_ptr = ffi.cast("void *", from_buffer(out))
         return self.output_ptr
+
+
+# The other collectives' calls repeated under one name (a metric broadcast every step, a
+# batch gathered every step): what the last call of that kind under the name checked
+# and filled (the dtype's code, the C struct, alltoall's splits, a result's shape) holds
+# for an array of the same dtype and shape with the same other arguments, in the same
+# world (an elastic reset starts another). The array need not be the same: its address
+# is taken each call. kind -> {name -> _Kept}, each bounded like the caches above.
+_kept_calls = {ALLGATHER: {}, BROADCAST: {}, ALLTOALL: {}, REDUCESCATTER: {}}
+
+
+class _Kept:
+    __slots__ = ("dtype", "shape", "args", "psid", "world", "template", "finisher",
+                 "out_shape")
+
+    def __init__(self, arr, args, psid, template, finisher=None, out_shape=None):
+        self.dtype, self.shape, self.args, self.psid = arr.dtype, arr.shape, args, psid
+        self.world = core._world
+        self.template, self.finisher = template, finisher
+        self.out_shape = arr.shape if out_shape is None else out_shape
+
+
+def _kept_call(kind, name, array, args):
+    """The kept call of kind ``kind`` under ``name`` if this one repeats it (``args``:
+    the call's other arguments, the process set last, compared with ``==``), else None."""
+    kept = _kept_calls[kind].get(name)
+    if (kept is not None and type(array) is np.ndarray and array.dtype is kept.dtype
+            and array.shape == kept.shape and array.flags.c_contiguous and args == kept.args
+            and kept.world is core._world and args[-1].process_set_id == kept.psid):
+        return kept
+    return None
+
+
+def _submit_kept(submit, kept, array, out, name):
+    """Submits the op of a call that repeats a kept one (``submit``: ``_enqueue.submit``
+    or ``submit_wait``), with ``array``'s and ``out``'s buffers."""
+    if kept.finisher is not None:  # the core allocates the result
+        return submit(kept.template, from_buffer(array), ffi.NULL, (array,), kept.finisher, name,
+                      None)
+    out = _output_array(out, kept.out_shape, kept.dtype, name)
+    return submit(kept.template, from_buffer(array), from_buffer(out), (array, out), None, name,
+                  out)
+
+
+def _keep_call(kind, name, named, arr, array, args, psid, template, finisher=None,
+               out_shape=None):
+    """Keeps a call that was enqueued (see ``_kept_call``), when its name was given, its
+    array taken as it was and its process set given (not None)."""
+    if named and arr is array and args[-1] is not None:
+        _enqueue.remember(_kept_calls[kind], name,
+                          _Kept(arr, args, psid, template, finisher, out_shape))
 
 
 def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
@@ -227,7 +279,6 @@ def grouped_allreduce(arrays, name=None, op=Average, prescale_factor=1.0,
                                                postscale_factor, outs, process_set))
 
 
-@refusing(ALLGATHER)
 def allgather_async(array, name=None, process_set=global_process_set):
     """Starts concatenating every rank's ``array`` along the first dimension.
 
@@ -245,16 +296,28 @@ def allgather_async(array, name=None, process_set=global_process_set):
     Raises:
         InvalidArgumentError, DuplicateNameError, NotInitializedError: refused.
     """
+    return _allgather(_submit, array, name, process_set)
+
+
+@refusing(ALLGATHER)
+def _allgather(submit, array, name, process_set):
+    """``allgather_async``, whose handle ``submit`` makes (``_enqueue.submit``, or
+    ``_enqueue.submit_wait`` for a blocking call)."""
+    args = (process_set,)
+    kept = _kept_call(ALLGATHER, name, array, args)
+    if kept is not None:
+        return _submit_kept(submit, kept, array, None, name)
+    named = name is not None
     psid = process_sets.process_set_id(process_set)
     name = _refusals.resolve_name("allgather", name, psid)
     arr, code = _checks.input_array(array, name, min_ndim=1)
-    trailing = arr.shape[1:]
-
-    def finish(handle):
-        return handle.output_array(0, arr.dtype, trailing)
-
-    return enqueue(ALLGATHER, name, code, arr.shape, from_buffer(arr), None,
-                   process_set_id=psid, keepalive=(arr,), finisher=finish)
+    size, _ = process_sets.members(process_set)
+    finisher = _enqueue.CoreResult(arr.dtype, arr.shape[1:], arr.shape[0] * size)
+    template = _enqueue.template(ALLGATHER, name, code, arr.shape, Average, 1.0, 1.0, 0, psid,
+                                 -1)
+    handle = submit(template, from_buffer(arr), ffi.NULL, (arr,), finisher, name, None)
+    _keep_call(ALLGATHER, name, named, arr, array, args, psid, template, finisher)
+    return handle
 
 
 def allgather(array, name=None, process_set=global_process_set):
@@ -262,10 +325,9 @@ def allgather(array, name=None, process_set=global_process_set):
 
     See ``allgather_async``; raises HorovodInternalError subclasses if it fails.
     """
-    return synchronize(_enqueue.at_once(allgather_async, array, name, process_set))
+    return _allgather(_submit_wait, array, name, process_set).wait()
 
 
-@refusing(BROADCAST)
 def broadcast_async(array, root_rank, name=None, out=None, process_set=global_process_set):
     """Starts sending ``array`` from ``root_rank`` to every rank.
 
@@ -284,13 +346,27 @@ def broadcast_async(array, root_rank, name=None, out=None, process_set=global_pr
         InvalidArgumentError: bad dtype, layout or root_rank out of range.
         DuplicateNameError, NotInitializedError: refused.
     """
+    return _broadcast(_submit, array, root_rank, name, out, process_set)
+
+
+@refusing(BROADCAST)
+def _broadcast(submit, array, root_rank, name, out, process_set):
+    """``broadcast_async``, whose handle ``submit`` makes (as ``_allgather``'s)."""
+    args = (root_rank, process_set)
+    kept = _kept_call(BROADCAST, name, array, args)
+    if kept is not None:
+        return _submit_kept(submit, kept, array, out, name)
+    named = name is not None
     psid = process_sets.process_set_id(process_set)
     name = _refusals.resolve_name("broadcast", name, psid)
     arr, code = _checks.input_array(array, name)
     root = _checks.check_rank(root_rank, "root_rank", name)
     out = _checks.output_array(out, arr.shape, arr.dtype, name)
-    return enqueue(BROADCAST, name, code, arr.shape, from_buffer(arr), from_buffer(out),
-                   root_rank=root, process_set_id=psid, keepalive=(arr, out), result=out)
+    template = _enqueue.template(BROADCAST, name, code, arr.shape, Average, 1.0, 1.0, root,
+                                 psid, -1)
+    handle = submit(template, from_buffer(arr), from_buffer(out), (arr, out), None, name, out)
+    _keep_call(BROADCAST, name, named, arr, array, args, psid, template)
+    return handle
 
 
 def broadcast(array, root_rank, name=None, out=None, process_set=global_process_set):
@@ -298,11 +374,9 @@ def broadcast(array, root_rank, name=None, out=None, process_set=global_process_
 
     See ``broadcast_async``; raises HorovodInternalError subclasses if it fails.
     """
-    return synchronize(_enqueue.at_once(broadcast_async, array, root_rank, name, out,
-                                        process_set))
+    return _broadcast(_submit_wait, array, root_rank, name, out, process_set).wait()
 
 
-@refusing(ALLTOALL)
 def alltoall_async(array, splits=None, name=None, process_set=global_process_set):
     """Starts an all-to-all: rows ``splits[r]`` of ``array`` go to rank r.
 
@@ -322,18 +396,30 @@ def alltoall_async(array, splits=None, name=None, process_set=global_process_set
         InvalidArgumentError: bad dtype, layout or splits.
         DuplicateNameError, NotInitializedError: refused.
     """
+    return _alltoall(_submit, array, splits, name, process_set)
+
+
+@refusing(ALLTOALL)
+def _alltoall(submit, array, splits, name, process_set):
+    """``alltoall_async``, whose handle ``submit`` makes (as ``_allgather``'s)."""
+    args = (splits, process_set)
+    kept = _kept_call(ALLTOALL, name, array, args)
+    if kept is not None:
+        return _submit_kept(submit, kept, array, None, name)
+    named = name is not None
     psid = process_sets.process_set_id(process_set)
     name = _refusals.resolve_name("alltoall", name, psid)
     arr, code = _checks.input_array(array, name, min_ndim=1)
     size, _ = process_sets.members(process_set)
     checked = _checks.check_splits(splits, arr.shape[0], name, size)
-    trailing = arr.shape[1:]
-
-    def finish(handle):
-        return handle.output_array(0, arr.dtype, trailing), handle.recv_splits(0, size)
-
-    return enqueue(ALLTOALL, name, code, arr.shape, from_buffer(arr), None, splits=checked,
-                   process_set_id=psid, keepalive=(arr,), finisher=finish)
+    finisher = _enqueue.CoreResult(arr.dtype, arr.shape[1:], arr.shape[0], size)
+    template = _enqueue.template(ALLTOALL, name, code, arr.shape, Average, 1.0, 1.0, 0, psid, -1,
+                                 checked)
+    handle = submit(template, from_buffer(arr), ffi.NULL, (arr,), finisher, name, None)
+    # Kept only for splits that cannot change behind its back (a list could, in place).
+    if splits is None or type(splits) is tuple:
+        _keep_call(ALLTOALL, name, named, arr, array, args, psid, template, finisher)
+    return handle
 
 
 def alltoall(array, splits=None, name=None, process_set=global_process_set):
@@ -341,10 +427,9 @@ def alltoall(array, splits=None, name=None, process_set=global_process_set):
 
     See ``alltoall_async``; raises HorovodInternalError subclasses if it fails.
     """
-    return synchronize(_enqueue.at_once(alltoall_async, array, splits, name, process_set))
+    return _alltoall(_submit_wait, array, splits, name, process_set).wait()
 
 
-@refusing(REDUCESCATTER)
 def reducescatter_async(array, name=None, op=Average, prescale_factor=1.0,
                         postscale_factor=1.0, out=None, process_set=global_process_set):
     """Starts a reduction whose result is scattered by rows among the ranks.
@@ -364,15 +449,34 @@ def reducescatter_async(array, name=None, op=Average, prescale_factor=1.0,
     Raises:
         InvalidArgumentError, DuplicateNameError, NotInitializedError: refused.
     """
+    return _reducescatter(_submit, array, name, op, prescale_factor, postscale_factor, out,
+                          process_set)
+
+
+@refusing(REDUCESCATTER)
+def _reducescatter(submit, array, name, op, prescale_factor, postscale_factor, out,
+                   process_set):
+    """``reducescatter_async``, whose handle ``submit`` makes (as ``_allgather``'s)."""
+    args = (op, prescale_factor, postscale_factor, process_set)
+    kept = _kept_call(REDUCESCATTER, name, array, args)
+    if kept is not None:
+        return _submit_kept(submit, kept, array, out, name)
+    named = name is not None
     psid = process_sets.process_set_id(process_set)
     name = _refusals.resolve_name("reducescatter", name, psid)
     arr, code = _checks.input_array(array, name, min_ndim=1)
     _checks.check_reduction(op, prescale_factor, postscale_factor, code, name)
     rows = reducescatter_rows(arr.shape[0], *process_sets.members(process_set))
-    out = _checks.output_array(out, (rows,) + arr.shape[1:], arr.dtype, name)
-    return enqueue(REDUCESCATTER, name, code, arr.shape, from_buffer(arr), from_buffer(out),
-                   reduce_op=op, prescale=prescale_factor, postscale=postscale_factor,
-                   process_set_id=psid, keepalive=(arr, out), result=out)
+    out_shape = (rows,) + arr.shape[1:]
+    out = _checks.output_array(out, out_shape, arr.dtype, name)
+    template = _enqueue.template(REDUCESCATTER, name, code, arr.shape, op, prescale_factor,
+                                 postscale_factor, 0, psid, -1)
+    handle = submit(template, from_buffer(arr), from_buffer(out), (arr, out), None, name, out)
+    # A zero factor's sign shows in the results, yet 0.0 == -0.0 (see _enqueue.template).
+    if prescale_factor and postscale_factor:
+        _keep_call(REDUCESCATTER, name, named, arr, array, args, psid, template,
+                   out_shape=out_shape)
+    return handle
 
 
 def reducescatter(array, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
@@ -382,8 +486,8 @@ def reducescatter(array, name=None, op=Average, prescale_factor=1.0, postscale_f
 
     See ``reducescatter_async``; raises HorovodInternalError subclasses if it fails.
     """
-    return synchronize(_enqueue.at_once(reducescatter_async, array, name, op, prescale_factor,
-                                        postscale_factor, out, process_set))
+    return _reducescatter(_submit_wait, array, name, op, prescale_factor, postscale_factor,
+                          out, process_set).wait()
 
 
 def _group_members(kind, arrays, name, outs=None, process_set_id=0):

@@ -266,6 +266,18 @@ hvdlite_status_t hvdlite_handle_output(hvdlite_handle_t handle, void** data, int
  * size() entries. Same statuses as hvdlite_handle_output. */
 hvdlite_status_t hvdlite_handle_recv_splits(hvdlite_handle_t handle, int64_t* splits);
 
+/* An ended ALLGATHER's or ALLTOALL's result, copied into the caller's dst (capacity
+ * bytes) when it fits, and then the handle released: one call where a caller that
+ * waited for a small result would otherwise read its size, wrap the core's buffer and
+ * release the handle later. *nbytes and *first_dim as hvdlite_handle_output; an
+ * ALLTOALL's received row counts go to recv_splits (size() entries) when it is not
+ * NULL. When the result does not fit (*nbytes > capacity), nothing is copied or
+ * released: the buffer is there for hvdlite_handle_output. Same statuses as
+ * hvdlite_handle_output. */
+hvdlite_status_t hvdlite_handle_take_output(hvdlite_handle_t handle, void* dst, int64_t capacity,
+                                            int64_t* nbytes, int64_t* first_dim,
+                                            int64_t* recv_splits);
+
 /* Forgets an ended handle and frees what the core allocated for it (the
  * hvdlite_handle_output buffer, which must no longer be in use). Any thread; also
  * after hvdlite_shutdown. Releasing an unknown handle is a no-op; releasing one in

@@ -187,6 +187,17 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_handle_recv_splits(hvdlite_handle_t hand
   });
 }
 
+HVDLITE_EXPORT hvdlite_status_t hvdlite_handle_take_output(hvdlite_handle_t handle, void* dst,
+                                                           int64_t capacity, int64_t* nbytes,
+                                                           int64_t* first_dim,
+                                                           int64_t* recv_splits) {
+  return Guard([&] {
+    if (!nbytes || !first_dim || (!dst && capacity > 0)) return NullOut();
+    return hvdlite::Core::Get().handles().TakeOutput(handle, dst, capacity, nbytes, first_dim,
+                                                     recv_splits);
+  });
+}
+
 HVDLITE_EXPORT hvdlite_status_t hvdlite_release(hvdlite_handle_t handle) {
   return Guard([&] { return hvdlite::Core::Get().handles().Release(handle); });
 }

@@ -1,6 +1,8 @@
 #include "cycle/handle_table.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 
 namespace hvdlite {
 
@@ -158,6 +160,23 @@ Status HandleTable::RecvSplits(hvdlite_handle_t h, std::vector<int64_t>* splits)
   Status s = Finished(h, &state);
   if (!s.ok()) return s;
   *splits = state->output.recv_splits;
+  return Status::OK();
+}
+
+Status HandleTable::TakeOutput(hvdlite_handle_t h, void* dst, int64_t capacity, int64_t* nbytes,
+                               int64_t* first_dim, int64_t* splits) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  State* state = nullptr;
+  Status s = Finished(h, &state);
+  if (!s.ok()) return s;
+  const OpOutput& output = state->output;
+  *nbytes = output.nbytes;
+  *first_dim = output.first_dim;
+  if (output.nbytes > capacity) return Status::OK();
+  if (output.nbytes > 0) std::memcpy(dst, output.data.get(), output.nbytes);
+  if (splits) std::copy(output.recv_splits.begin(), output.recv_splits.end(), splits);
+  state->released = true;
+  EraseIfUnused(h, *state);
   return Status::OK();
 }
 

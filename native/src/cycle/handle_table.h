@@ -76,6 +76,10 @@ class HandleTable {
   const std::atomic<int>& announced() const { return announced_; }
   Status Output(hvdlite_handle_t h, void** data, int64_t* nbytes, int64_t* first_dim);
   Status RecvSplits(hvdlite_handle_t h, std::vector<int64_t>* splits);
+  // Output's sizes; a result of at most capacity bytes is also copied to dst (and the
+  // received splits to splits, when not null) and the handle released.
+  Status TakeOutput(hvdlite_handle_t h, void* dst, int64_t capacity, int64_t* nbytes,
+                    int64_t* first_dim, int64_t* splits);
   // Forgets an ended handle; while threads still wait on it (woken, not yet
   // returned), only marks it, and the last of them erases it. Its status stays known
   // to Wait and Poll for the next kRecentReleases releases (see Recent).
