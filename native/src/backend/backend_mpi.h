@@ -165,6 +165,7 @@ class MpiBackend {
   Status SetUpLayers(const LayerSettings& settings, const MpiTopology& topo, void* local, void* cross);
 
   void* comm_ = nullptr;  // MPI_Comm*, kept opaque so that only common/mpi_glue.h includes mpi.h
+  int global_rank_ = 0;   // this rank in the job (the world's communicator)
   bool spans_hosts_ = false;  // this communicator's ranks are on more than one host
   bool alone_ = false;        // it has one rank: a blocking call never waits for a peer
   // A caller waits and this host has a core for each of its ranks (set_caller_waiting,
@@ -177,6 +178,7 @@ class MpiBackend {
   // (hierarchical allreduce), or none (flat MPI).
   std::unique_ptr<HostLayer> host_;
   std::unique_ptr<CrossLayer> cross_;
+  bool cross_every_rank_ = false;  // hosts of one size: every rank in a cross layer
   std::unique_ptr<LayeredAllreduce> layered_allreduce_;
   // Allgather and broadcast across hosts: the host's ranks and the hosts' leaders
   // (leaders_ on local rank 0 only) over MPI, and the plans of steps over them.

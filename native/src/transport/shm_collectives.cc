@@ -82,9 +82,10 @@ bool ProcessAlive(int64_t pid) {
 
 }  // namespace
 
-ShmCollectives::ShmCollectives(int rank, std::vector<uint8_t*> segments, std::vector<int64_t> pids)
+ShmCollectives::ShmCollectives(int rank, std::vector<uint8_t*> segments, std::vector<int64_t> pids,
+                               std::vector<int> global_ranks)
     : rank_(rank), size_(static_cast<int>(segments.size())), segments_(std::move(segments)),
-      pids_(std::move(pids)) {}
+      pids_(std::move(pids)), global_ranks_(std::move(global_ranks)) {}
 
 uint8_t* ShmCollectives::In(int rank, int set) const {
   return segments_[rank] + kHeaderBytes + static_cast<int64_t>(set) * 2 * kChunkBytes;
@@ -172,8 +173,10 @@ Status ShmCollectives::AfterWait() {
   }
   int dead = DeadPeer();  // woken by the timeout (or a signal): is everyone still there?
   if (dead < 0) return Status::OK();
-  return Status(HVDLITE_ERR_RANK_FAILED, "rank " + std::to_string(dead) + " (pid " +
-                                             std::to_string(pids_[dead]) +
+  char host[256] = "";
+  gethostname(host, sizeof(host) - 1);
+  return Status(HVDLITE_ERR_RANK_FAILED, "rank " + std::to_string(global_ranks_[dead]) + " on host " +
+                                             host + " (pid " + std::to_string(pids_[dead]) +
                                              ") ended during a shared-memory collective");
 }
 

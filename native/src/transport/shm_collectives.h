@@ -93,8 +93,11 @@ class ShmCollectives {
   static constexpr int64_t kSegmentBytes = kHeaderBytes + 4 * kChunkBytes;
 
   // segments[k]: rank k's segment as mapped in this process (each one's control area
-  // zeroed by its owner before any rank uses it); pids[k]: rank k's process id.
-  ShmCollectives(int rank, std::vector<uint8_t*> segments, std::vector<int64_t> pids);
+  // zeroed by its owner before any rank uses it); pids[k]: rank k's process id;
+  // global_ranks[k]: its rank in the job, which an error about it names (with this
+  // host's name).
+  ShmCollectives(int rank, std::vector<uint8_t*> segments, std::vector<int64_t> pids,
+                 std::vector<int> global_ranks);
 
   // One tensor of an allreduce: count elements read from in (null: zeros, from a rank
   // that joined) and written to out (null: dropped; in == out reduces in place). An out
@@ -194,6 +197,7 @@ class ShmCollectives {
   const int rank_, size_;
   const std::vector<uint8_t*> segments_;
   const std::vector<int64_t> pids_;
+  const std::vector<int> global_ranks_;
   int64_t issued_ = 0;  // Allreduce chunks and rounds of every call so far (step g uses slot set g % 2)
   int bits_set_ = 0;  // bit-vector area of the next AndBits
   // Whether this call's waits poll for up to ~50 us before they sleep (PollUntil in the

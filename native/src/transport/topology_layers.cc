@@ -115,7 +115,7 @@ LayerPlan PlanLayers(const std::vector<RankPlace>& ranks) {
   return plan;
 }
 
-std::unique_ptr<HostLayer> HostLayer::Open(void* comm) {
+std::unique_ptr<HostLayer> HostLayer::Open(void* comm, int global_rank) {
   std::unique_ptr<HostLayer> layer(new HostLayer());
   layer->comm_ = comm;
   MPI_Comm local = Comm(comm);
@@ -150,8 +150,11 @@ std::unique_ptr<HostLayer> HostLayer::Open(void* comm) {
   int64_t pid = static_cast<int64_t>(getpid());
   std::vector<int64_t> pids(layer->size_);
   MPI_Allgather(&pid, 1, MPI_INT64_T, pids.data(), 1, MPI_INT64_T, local);  // also a barrier
+  std::vector<int> global_ranks(layer->size_);
+  MPI_Allgather(&global_rank, 1, MPI_INT, global_ranks.data(), 1, MPI_INT, local);
   layer->window_ = win;
-  layer->shm_.reset(new ShmCollectives(layer->rank_, std::move(segments), std::move(pids)));
+  layer->shm_.reset(new ShmCollectives(layer->rank_, std::move(segments), std::move(pids),
+                                       std::move(global_ranks)));
   return layer;
 }
 
@@ -236,6 +239,29 @@ Status CrossLayer::Post(int slot) {
   return Status::OK();
 }
 
+Status CrossLayer::PostDirect(int slot) {
+  Ring& ring = rings_[slot];
+  const int64_t bytes = ring.count * ElementSize(ring.dtype);
+  for (void* r : ring.requests) delete static_cast<MPI_Request*>(r);
+  ring.requests.clear();
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) continue;
+    for (bool receiving : {true, false}) {
+      MPI_Request* r = new MPI_Request;
+      ring.requests.push_back(r);
+      InMpiCall in_mpi(receiving ? "MPI_Irecv (cross-host allreduce)" : "MPI_Isend (cross-host allreduce)");
+      Status st = receiving ? Check(MPI_Irecv(ring.scratch.data() + peer * bytes, static_cast<int>(bytes), MPI_BYTE,
+                                              peer, slot, Comm(comm_), r),
+                                    "MPI_Irecv (cross-host allreduce)")
+                            : Check(MPI_Isend(ring.buf, static_cast<int>(bytes), MPI_BYTE, peer, slot,
+                                              Comm(comm_), r),
+                                    "MPI_Isend (cross-host allreduce)");
+      if (!st.ok()) return st;
+    }
+  }
+  return Status::OK();
+}
+
 Status CrossLayer::Start(int slot, void* buf, int64_t count, int32_t dtype, int32_t reduce_op) {
   Ring& ring = rings_[slot];
   ring.buf = static_cast<uint8_t*>(buf);
@@ -243,8 +269,15 @@ Status CrossLayer::Start(int slot, void* buf, int64_t count, int32_t dtype, int3
   ring.dtype = dtype;
   ring.reduce_op = reduce_op;
   ring.step = 0;
-  ring.steps = size_ == 1 || count == 0 ? 0 : 2 * (size_ - 1);
+  const int64_t bytes = count * ElementSize(dtype);
+  ring.direct = bytes <= kDirectMaxBytes;
+  ring.steps = size_ == 1 || count == 0 ? 0 : ring.direct ? 1 : 2 * (size_ - 1);
   if (done(slot)) return Status::OK();
+  if (ring.direct) {
+    ring.scratch.resize(bytes * size_);
+    std::memcpy(ring.scratch.data() + rank_ * bytes, buf, bytes);
+    return PostDirect(slot);
+  }
   ring.scratch.resize(SegmentBytes(ring, size_ - 1));  // the longest segment
   return Post(slot);
 }
@@ -259,7 +292,12 @@ Status CrossLayer::ProgressRing(int slot) {
                       "MPI_Test (cross-host ring)");
     if (!st.ok() || !flag) return st;
   }
-  if (ring.step < size_ - 1) {
+  if (ring.direct) {
+    const int64_t bytes = ring.count * ElementSize(ring.dtype);
+    std::vector<const uint8_t*> parts(size_);
+    for (int k = 0; k < size_; ++k) parts[k] = ring.scratch.data() + k * bytes;
+    ReduceElements(ring.buf, parts, ring.count, ring.dtype, ring.reduce_op);
+  } else if (ring.step < size_ - 1) {
     const int in = (rank_ - ring.step - 1 + size_) % size_;
     const std::vector<const uint8_t*> parts = {Segment(ring, in), ring.scratch.data()};
     ReduceElements(Segment(ring, in), parts, SegmentBytes(ring, in) / ElementSize(ring.dtype),
@@ -278,8 +316,12 @@ Status CrossLayer::Progress() {
 }
 
 Status CrossLayer::Wait(int slot) {
-  // A step moves megabytes at network speed, and MPI moves it on only in the polls.
-  PollBackoff backoff(PollBackoff::kDataMaxSleep);
+  // A step moves megabytes at network speed, and MPI moves it on only in the polls. A
+  // direct one's answer is due within a network trip, which a sleep's wake-up (20-60
+  // us) would add to, while a caller waits for it.
+  PollBackoff backoff(PollBackoff::kDataMaxSleep, caller_waiting_ && rings_[slot].direct
+                                                      ? PollBackoff::kCallerSpin
+                                                      : PollBackoff::kSpin);
   while (!done(slot)) {
     const int steps = rings_[0].step + rings_[1].step;
     Status st = Progress();

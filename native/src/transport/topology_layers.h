@@ -69,9 +69,10 @@ LayerPlan PlanLayers(const std::vector<RankPlace>& ranks);
 // they reduce (ShmCollectives over one segment per rank).
 class HostLayer {
  public:
-  // Collective over comm (an MPI_Comm*, which the layer keeps and frees). Null (with a
-  // warning) when some rank of the host got no shared segment.
-  static std::unique_ptr<HostLayer> Open(void* comm);
+  // Collective over comm (an MPI_Comm*, which the layer keeps and frees); global_rank:
+  // this rank's in the job. Null (with a warning) when some rank of the host got no
+  // shared segment.
+  static std::unique_ptr<HostLayer> Open(void* comm, int global_rank);
   ~HostLayer();
   // Frees the window and communicator; collective when `collective` (a shutdown every
   // rank takes part in), else only forgets them.
@@ -94,6 +95,7 @@ class CommLayer {
  public:
   int rank() const { return rank_; }
   int size() const { return size_; }
+  void* comm() const { return comm_; }  // MPI_Comm*
 
  protected:
   explicit CommLayer(void* comm);
@@ -113,12 +115,21 @@ class CommLayer {
 // that the next block's ring starts while the last one's finishes: the link then has
 // data queued between one ring's steps, where a ring alone leaves it idle while a step's
 // last bytes arrive, are reduced and the next step is posted.
+//
+// An allreduce of at most kDirectMaxBytes goes in one step instead: every rank sends
+// its whole buffer to every other and reduces all of them, in rank order (the same
+// order everywhere: the same bits on every rank). Small buffers wait on the network's
+// latency, not its rate, and the ring's 2 (size - 1) steps are as many trips.
 class CrossLayer : public CommLayer {
  public:
   static constexpr int kSlots = 2;
+  static constexpr int64_t kDirectMaxBytes = 16 * 1024;
   explicit CrossLayer(void* comm) : CommLayer(comm) {}
   ~CrossLayer() { Close(false); }
   void Close(bool collective);
+  // A framework thread waits for a blocking op's result (MpiBackend::set_caller_waiting):
+  // Wait then polls a one-step allreduce for PollBackoff::kCallerSpin before it sleeps.
+  void set_caller_waiting(bool waiting) { caller_waiting_ = waiting; }
   // buf = reduce over the layer's ranks of buf (Average: Sum), in place.
   Status Allreduce(void* buf, int64_t count, int32_t dtype, int32_t reduce_op);
   // The same in parts, for overlapping it with other work: Start posts the first step
@@ -132,23 +143,30 @@ class CrossLayer : public CommLayer {
   bool done(int slot) const { return rings_[slot].step >= rings_[slot].steps; }
 
  private:
-  // One allreduce in flight: steps 0 .. size - 2 reduce-scatter, the rest allgather.
+  // One allreduce in flight: steps 0 .. size - 2 reduce-scatter, the rest allgather;
+  // or, direct, one step.
   struct Ring {
     uint8_t* buf = nullptr;
     int64_t count = 0;
     int32_t dtype = 0, reduce_op = 0;
     int step = 0, steps = 0;
-    std::vector<uint8_t> scratch;  // a received segment, before it is reduced in
+    bool direct = false;
+    // A received segment, before it is reduced in; direct: every rank's buffer, in
+    // rank order.
+    std::vector<uint8_t> scratch;
     std::vector<void*> requests;   // MPI_Request*, of the step in flight
   };
   // Posts the ring's step: sends a segment to the next rank while receiving one from
   // the previous, in messages MPI's int counts can carry, tagged with the slot.
   Status Post(int slot);
+  // Posts a direct allreduce's one step: buf to every other rank, theirs into scratch.
+  Status PostDirect(int slot);
   Status ProgressRing(int slot);
   uint8_t* Segment(const Ring& ring, int k) const;
   int64_t SegmentBytes(const Ring& ring, int k) const;
 
   Ring rings_[kSlots];
+  bool caller_waiting_ = false;
 };
 
 // The requests of nonblocking collectives in flight (MPI_Request*).
