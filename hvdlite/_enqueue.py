@@ -194,11 +194,11 @@ def enqueue(op, name, dtype_code, shape, input_ptr, output_ptr=None, *, reduce_o
         NotInitializedError, InvalidArgumentError, DuplicateNameError: refused by the
             core; nothing was enqueued.
     """
-    if splits is None and ready_event is None:
-        return enqueue_fields(op, name, dtype_code, tuple(shape), pointer(input_ptr),
-                              pointer(output_ptr), reduce_op, prescale, postscale,
-                              root_rank, process_set_id, device, keepalive, finisher,
-                              result)
+    if ready_event is None:
+        return submit(template(op, name, dtype_code, tuple(shape), reduce_op, prescale,
+                               postscale, root_rank, process_set_id, device, splits),
+                      pointer(input_ptr), pointer(output_ptr), keepalive, finisher, name,
+                      result)
     out = ffi.new("hvdlite_handle_t *")
     struct = ffi.new("hvdlite_tensor_t *")
     keep = fill(struct, op, name, dtype_code, shape, input_ptr, output_ptr, reduce_op,
@@ -244,20 +244,27 @@ class CoreResult:
     out and its handle released at once (``take``): wrapping the core's buffer, and
     releasing it with the array later, costs more than copying a few KiB.
     ``expected_rows``: the first dimension the result likely has (every rank's rows
-    alike), which sizes the copy's array.
+    alike), which sizes the copy's array. ``wrap(rows, splits)``, when given, turns the
+    numpy result (and an ALLTOALL's splits, else None) into a framework's.
     """
 
-    __slots__ = ("dtype", "trailing", "ranks", "shape", "row_bytes")
+    __slots__ = ("dtype", "trailing", "ranks", "shape", "row_bytes", "wrap")
 
-    def __init__(self, dtype, trailing, expected_rows, ranks=None):
+    def __init__(self, dtype, trailing, expected_rows, ranks=None, wrap=None):
         self.dtype, self.trailing, self.ranks = np.dtype(dtype), tuple(trailing), ranks
         self.row_bytes = math.prod(self.trailing) * self.dtype.itemsize
         fits = expected_rows * self.row_bytes <= TAKE_MAX_BYTES
         self.shape = (expected_rows,) + self.trailing if fits else None
+        self.wrap = wrap
 
     def __call__(self, handle):
         rows = handle.output_array(0, self.dtype, self.trailing)
-        return rows if self.ranks is None else (rows, handle.recv_splits(0, self.ranks))
+        return self._result(rows, None if self.ranks is None else handle.recv_splits(0, self.ranks))
+
+    def _result(self, rows, splits):
+        if self.wrap is not None:
+            return self.wrap(rows, splits)
+        return rows if splits is None else (rows, splits)
 
     def take(self, handle_id):
         """The ended op's result copied out and its handle released; None (the handle
@@ -281,7 +288,7 @@ class CoreResult:
                 f"{self.dtype} ({first_dim * self.row_bytes} bytes expected)")
         if first_dim != self.shape[0]:
             rows = rows[:first_dim]
-        return rows if splits is None else (rows, splits)
+        return self._result(rows, splits)
 
 
 # Results of at most this many bytes are copied out of the core (CoreResult.take).

@@ -5,13 +5,13 @@ autograd functions (``hvdlite.torch.autograd``), the optimizer's reducer and
 SyncBatchNorm call them. The public ``*_async`` functions are Horovod's; see
 ``hvdlite.torch.mpi_ops`` for how results are allocated and named.
 """
-import numpy as np
 import torch
 
 from hvdlite import _checks, _enqueue, _refusals, adasum, ops, process_sets, runtime
 from hvdlite._enqueue import Adasum, Average, Sum
 from hvdlite.errors import InvalidArgumentError
-from hvdlite.torch.tensors import from_core, gpu_fields, host_array, tensor_code
+from hvdlite.torch.tensors import (core_result, from_core, gpu_fields, host_array,
+                                   tensor_code)
 
 global_process_set = process_sets.global_process_set
 
@@ -217,12 +217,11 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
     psid = process_sets.process_set_id(process_set)
     name = _refusals.resolve_name("allgather", name, psid)
     code = tensor_code(tensor, name, min_ndim=1)
-    dtype, trailing, where = tensor.dtype, tuple(tensor.shape[1:]), tensor.device
+    finisher = core_result(tensor, tensor.shape[0] * process_sets.members(process_set)[0])
     device, event = gpu_fields(tensor)
     return _enqueue.enqueue(_enqueue.ALLGATHER, name, code, tuple(tensor.shape), tensor.data_ptr(),
                             None, process_set_id=psid, device=device, ready_event=ready(event),
-                            keepalive=(tensor, event),
-                            finisher=lambda handle: from_core(handle, 0, dtype, trailing, where))
+                            keepalive=(tensor, event), finisher=finisher)
 
 
 class SparseHandle:
@@ -368,18 +367,11 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     code = tensor_code(tensor, name, min_ndim=1)
     size, _ = process_sets.members(process_set)
     checked = _checks.check_splits(splits_list(splits), tensor.shape[0], name, size)
-    dtype, trailing, where = tensor.dtype, tuple(tensor.shape[1:]), tensor.device
-
-    def finish(handle):
-        received = from_core(handle, 0, dtype, trailing, where)
-        recv_splits = torch.from_numpy(handle.recv_splits(0, size).astype(np.int32))
-        return received, recv_splits
-
     device, event = gpu_fields(tensor)
     return _enqueue.enqueue(_enqueue.ALLTOALL, name, code, tuple(tensor.shape), tensor.data_ptr(),
                             None, splits=checked, process_set_id=psid, device=device,
                             ready_event=ready(event), keepalive=(tensor, event),
-                            finisher=finish)
+                            finisher=core_result(tensor, tensor.shape[0], size))
 
 
 def enqueue_reducescatter(tensor, name, op, prescale_factor, postscale_factor, process_set):

@@ -14,6 +14,26 @@ from hvdlite.torch.async_collectives import (allgather_async, alltoall_async, en
                                              grouped_reducescatter_async)
 
 
+class _Untracked:
+    """The ctx of a forward run outside autograd (``run``): nothing calls its backward."""
+
+    def mark_non_differentiable(self, *tensors):
+        pass
+
+
+def run(function, *args):
+    """``function.apply(*args)`` where autograd records the collective (grad enabled and
+    a tensor argument requiring it), else only its forward: ``Function.apply`` costs a
+    few microseconds a call, as much as a small collective itself, and a loss or metric
+    averaged every step (``hvd.allreduce(loss.detach())``) is never differentiated. The
+    result is the same tensor either way (apply attaches no graph to it then)."""
+    if torch.is_grad_enabled():
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                return function.apply(*args)
+    return function.forward(_Untracked(), *args)
+
+
 def _run(enqueue, *args):
     """One single-tensor collective to the end: enqueued and waited for in one call of the
     core (``_enqueue.at_once``); returns its result."""
@@ -104,16 +124,15 @@ class AlltoallFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, splits, name, process_set):
         ctx.process_set = process_set
-        received, recv_splits = ops.synchronize(alltoall_async(tensor, splits, name,
-                                                               process_set))
+        received, recv_splits = _run(alltoall_async, tensor, splits, name, process_set)
         ctx.recv_splits = recv_splits.tolist()
         ctx.mark_non_differentiable(recv_splits)
         return received, recv_splits
 
     @staticmethod
     def backward(ctx, grad_output, _grad_splits):
-        grad, _ = ops.synchronize(alltoall_async(grad_output.contiguous(), ctx.recv_splits,
-                                                 None, ctx.process_set))
+        grad, _ = _run(alltoall_async, grad_output.contiguous(), ctx.recv_splits, None,
+                       ctx.process_set)
         return grad, None, None, None
 
 

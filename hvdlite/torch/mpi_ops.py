@@ -81,8 +81,8 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     """
     op = _checks.resolve_op(op, average)
     compressed, ctx = compression.compress(tensor)
-    reduced = autograd.AllreduceFunction.apply(compressed, name, op, prescale_factor,
-                                               postscale_factor, process_set)
+    reduced = autograd.run(autograd.AllreduceFunction, compressed, name, op, prescale_factor,
+                           postscale_factor, process_set)
     return compression.decompress(reduced, ctx)
 
 
@@ -103,8 +103,8 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     """
     op = _checks.resolve_op(op, average)
     pairs = [compression.compress(t) for t in tensors]
-    reduced = autograd.GroupedAllreduceFunction.apply(name, op, prescale_factor, postscale_factor,
-                                                      process_set, *[c for c, _ in pairs])
+    reduced = autograd.run(autograd.GroupedAllreduceFunction, name, op, prescale_factor,
+                           postscale_factor, process_set, *[c for c, _ in pairs])
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
 
 
@@ -114,7 +114,7 @@ def allgather(tensor, name=None, process_set=global_process_set):
     The gradient is Horovod's: the incoming gradients averaged over ranks, this rank's
     rows of it. See ``allgather_async``; raises HorovodInternalError subclasses if it fails.
     """
-    return autograd.AllgatherFunction.apply(tensor, name, process_set)
+    return autograd.run(autograd.AllgatherFunction, tensor, name, process_set)
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
@@ -130,7 +130,7 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     zero on the other ranks. See ``broadcast_async``; raises HorovodInternalError
     subclasses if it fails.
     """
-    return autograd.BroadcastFunction.apply(tensor, root_rank, name, process_set)
+    return autograd.run(autograd.BroadcastFunction, tensor, root_rank, name, process_set)
 
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
@@ -143,8 +143,9 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     See ``alltoall_async`` for the arguments; raises HorovodInternalError subclasses if it
     fails.
     """
-    received, recv_splits = autograd.AlltoallFunction.apply(
-        tensor, async_collectives.splits_list(splits), name, process_set)
+    received, recv_splits = autograd.run(
+        autograd.AlltoallFunction, tensor, async_collectives.splits_list(splits), name,
+        process_set)
     return received if splits is None else (received, recv_splits)
 
 
@@ -157,8 +158,8 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
     ``reducescatter_async`` for the arguments.
     """
     compressed, ctx = compression.compress(tensor)
-    out = autograd.ReducescatterFunction.apply(compressed, name, op, prescale_factor,
-                                               postscale_factor, process_set)
+    out = autograd.run(autograd.ReducescatterFunction, compressed, name, op, prescale_factor,
+                       postscale_factor, process_set)
     return compression.decompress(out, ctx)
 
 
@@ -167,7 +168,7 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 
     See ``grouped_allgather_async``; raises HorovodInternalError subclasses if it fails.
     """
-    return list(autograd.GroupedAllgatherFunction.apply(name, process_set, *tensors))
+    return list(autograd.run(autograd.GroupedAllgatherFunction, name, process_set, *tensors))
 
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
@@ -176,8 +177,8 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
     """Reduces several tensors together, each scattered by rows; returns this rank's
     parts as new tensors; differentiable. See ``grouped_reducescatter_async``."""
     pairs = [compression.compress(t) for t in tensors]
-    outs = autograd.GroupedReducescatterFunction.apply(name, op, prescale_factor, postscale_factor,
-                                                       process_set, *[c for c, _ in pairs])
+    outs = autograd.run(autograd.GroupedReducescatterFunction, name, op, prescale_factor,
+                        postscale_factor, process_set, *[c for c, _ in pairs])
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
 
 

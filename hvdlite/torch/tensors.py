@@ -7,7 +7,7 @@ Nothing here copies a tensor: the core reads and writes its memory
 import numpy as np
 import torch
 
-from hvdlite import dtypes
+from hvdlite import _enqueue, dtypes
 from hvdlite.errors import InvalidArgumentError, UnsupportedDtypeError
 
 # torch dtype -> canonical name of hvdlite.dtypes (the adapter's half of the one table).
@@ -117,19 +117,46 @@ def host_array(tensor, name):
     return tensor.detach().numpy()
 
 
+def core_numpy_dtype(dtype):
+    """The numpy dtype a core-allocated result of torch ``dtype`` is read as: numpy has
+    no bfloat16 that torch.from_numpy accepts, so such results travel as int16 and are
+    reinterpreted (``from_host``)."""
+    if dtype == torch.bfloat16:
+        return np.dtype(np.int16)
+    return dtypes.numpy_dtype(TORCH_DTYPE_NAMES[dtype])
+
+
+def from_host(arr, dtype, device=None):
+    """A host array read as ``core_numpy_dtype(dtype)`` as a tensor of ``dtype``, without
+    a copy on the CPU; for a CUDA ``device``, one copy to that GPU."""
+    result = torch.from_numpy(arr)
+    if dtype == torch.bfloat16:
+        result = result.view(torch.bfloat16)
+    if device is not None and device.type == "cuda":
+        return result.to(device)
+    return result
+
+
 def from_core(handle, index, dtype, trailing_shape, device=None):
     """Wraps a core-allocated ALLGATHER/ALLTOALL result as a tensor, without a copy on
     the CPU; for a CUDA ``device``, one copy to that GPU (the core's result is in host
     memory)."""
-    if dtype == torch.bfloat16:
-        # numpy has no bfloat16 that torch.from_numpy accepts: such results travel as
-        # int16 and are reinterpreted (a view, no copy).
-        arr = handle.output_array(index, np.int16, trailing_shape)
-        result = torch.from_numpy(arr).view(torch.bfloat16)
-    else:
-        arr = handle.output_array(index, dtypes.numpy_dtype(TORCH_DTYPE_NAMES[dtype]),
-                                  trailing_shape)
-        result = torch.from_numpy(arr)
-    if device is not None and device.type == "cuda":
-        return result.to(device)
-    return result
+    return from_host(handle.output_array(index, core_numpy_dtype(dtype), trailing_shape), dtype,
+                     device)
+
+
+def core_result(tensor, expected_rows, ranks=None):
+    """The finisher of a torch ALLGATHER (or, with ``ranks``, ALLTOALL) of ``tensor``:
+    the core's result as a tensor on ``tensor``'s device (and an ALLTOALL's received
+    splits as an int32 tensor), copied out of the core when small and waited for at once
+    (``_enqueue.CoreResult``)."""
+    dtype, device = tensor.dtype, tensor.device
+
+    def wrap(rows, splits):
+        received = from_host(rows, dtype, device)
+        if splits is None:
+            return received
+        return received, torch.from_numpy(splits.astype(np.int32))
+
+    return _enqueue.CoreResult(core_numpy_dtype(dtype), tuple(tensor.shape[1:]), expected_rows,
+                               ranks, wrap)
