@@ -4,7 +4,8 @@ Where every rank of each process set is on one host, the coordination round, the
 negotiation and the collectives of host tensors go through shared memory, so a
 blocking call (``hvd.allreduce``, ``broadcast``, ``allgather``, ``alltoall``,
 ``reducescatter``, ``barrier``) with nothing else of its rank in flight runs its own
-cycle instead of waking the background thread and sleeping until it is done. Cycles
+cycle instead of waking the background thread and sleeping until it is done; so does a
+thread that waits for an async op (``synchronize``) that is its rank's only one. Cycles
 are still one at a time (a token), so every rank runs the same collectives in the same
 order whichever thread runs them.
 
@@ -88,6 +89,18 @@ for step in range(30):
     calls += blocking_ops(step, "loop")
 out["loop"] = {"calls": calls, "caller_cycles": caller_cycles() - before}
 
+# An async op waited for at once (synchronize right after it): the waiting thread runs
+# its cycle too, when the op is its rank's only one.
+before = caller_cycles()
+for step in range(30):
+    mine = contribution(rank, 256, np.float32, step)
+    every = [contribution(k, 256, np.float32, step) for k in range(size)]
+    check(["sync allreduce", step], hvd.synchronize(hvd.allreduce_async(mine, name="sync.ar",
+                                                                        op=hvd.Sum)), sum(every))
+    check(["sync allgather", step], hvd.synchronize(hvd.allgather_async(mine, name="sync.ag")),
+          np.concatenate(every))
+out["sync"] = {"calls": 60, "caller_cycles": caller_cycles() - before}
+
 # Beside a thread whose async ops (fused bursts, through the background thread) are in
 # flight: both paths at once, and every result right.
 def burst_thread():
@@ -136,13 +149,14 @@ def run(np_, env=None):
 @pytest.mark.parametrize("np_", [2, 3])
 def test_blocking_calls_run_their_own_cycles_with_right_results(np_):
     for r, body in enumerate(run(np_)):
-        loop = body["loop"]
         # A peer's idle round (every 20 ms) can meet a caller's round before its own op
         # came: that call then goes on in the background thread. Most do not.
-        assert loop["caller_cycles"] >= loop["calls"] // 2, f"rank {r}: {loop}"
+        for kind in ("loop", "sync"):
+            assert body[kind]["caller_cycles"] >= body[kind]["calls"] // 2, f"rank {r}: {body}"
 
 
 @pytest.mark.parametrize("setting", ["HVDLITE_CALLER_CYCLE", "HVDLITE_SHM_ALLREDUCE"])
 def test_no_caller_cycles_when_turned_off_or_where_a_cycle_calls_mpi(setting):
     for r, body in enumerate(run(2, env={setting: "0"})):
         assert body["loop"]["caller_cycles"] == 0, f"rank {r}: {body['loop']}"
+        assert body["sync"]["caller_cycles"] == 0, f"rank {r}: {body['sync']}"

@@ -153,11 +153,11 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_poll(hvdlite_handle_t handle, int32_t* d
 }
 
 HVDLITE_EXPORT hvdlite_status_t hvdlite_wait(hvdlite_handle_t handle, double timeout_s) {
-  return Guard([&] { return hvdlite::Core::Get().handles().Wait(handle, timeout_s); });
+  return Guard([&] { return hvdlite::Core::Get().Wait(handle, timeout_s, false); });
 }
 
 HVDLITE_EXPORT hvdlite_status_t hvdlite_wait_release(hvdlite_handle_t handle, double timeout_s) {
-  return Guard([&] { return hvdlite::Core::Get().handles().Wait(handle, timeout_s, true); });
+  return Guard([&] { return hvdlite::Core::Get().Wait(handle, timeout_s, true); });
 }
 
 HVDLITE_EXPORT hvdlite_status_t hvdlite_release_ended(const hvdlite_handle_t* handles, int32_t n,

@@ -35,6 +35,10 @@ class Core {
   // (the caller counts as blocked from before the enqueue, so no burst is gathered).
   Status EnqueueAndWait(const hvdlite_tensor_t* tensor, double timeout_s, bool release,
                         hvdlite_handle_t* out, Status* op_status);
+  // HandleTable::Wait of op h (hvdlite_wait), whose caller first runs h's cycle itself
+  // where EnqueueAndWait's would, if h is its rank's only op, not yet in a cycle, of at
+  // most kCallerCycleMaxBytes of host memory: a synchronize right after an async call.
+  Status Wait(hvdlite_handle_t h, double timeout_s, bool release);
   // Sends a refusal of the op named name to the coordinator (see hvdlite_refuse).
   Status Refuse(int32_t op, const char* name, int32_t process_set, const std::string& reason);
   // join()'s caller gave up: see hvdlite_leave_join. Goes with the refusals (a request
@@ -76,7 +80,9 @@ class Core {
   // switches less per blocking call: the wake of the background thread and the wake of
   // the caller (docs/performance.md). Returns whether h has ended; if not, the
   // background thread is woken to go on with it.
-  bool RunCallerCycle(hvdlite_handle_t h, const char* name);
+  // popped: h's request is in fresh_, alone (else nothing runs and the background
+  // thread is woken).
+  bool RunCallerCycle(hvdlite_handle_t h, bool popped);
   // Whether a caller holding cycle_mutex_ may run a cycle (RunCallerCycle) as things
   // stand: every set of this rank makes no MPI call, no refusal waits to be sent, the
   // loop goes on.

@@ -146,11 +146,25 @@ Status Core::EnqueueAndWait(const hvdlite_tensor_t* tensor, double timeout_s, bo
     return s;
   }
   if (token.owns_lock()) {
-    RunCallerCycle(*out, tensor->op == HVDLITE_OP_JOIN ? kJoinName : tensor->name);
+    RunCallerCycle(*out, queue_.PopAlone(tensor->op == HVDLITE_OP_JOIN ? kJoinName : tensor->name,
+                                         &fresh_));
     token.unlock();
   }
   *op_status = handles_.Wait(*out, timeout_s, release, true);
   return Status::OK();
+}
+
+Status Core::Wait(hvdlite_handle_t h, double timeout_s, bool release) {
+  bool announced = false;
+  if (config_.caller_cycle && timeout_s != 0) {
+    std::unique_lock<std::mutex> token(cycle_mutex_, std::try_to_lock);
+    if (token.owns_lock() && CallerMayCycle() && queue_.PopOnly(h, kCallerCycleMaxBytes, &fresh_)) {
+      handles_.Announce();  // a caller blocked on its result from now, as EnqueueAndWait's
+      announced = true;
+      RunCallerCycle(h, true);
+    }
+  }
+  return handles_.Wait(h, timeout_s, release, announced);
 }
 
 Status Core::ProcessSet(int32_t id, std::shared_ptr<const ProcessSetMembers>* out) const {

@@ -118,9 +118,9 @@ void Core::Loop() {
       queue_.WaitForQuiet(kQuiet, Clock::now() + cycle, handles_.blocked());
     }
     std::unique_lock<std::mutex> token(cycle_mutex_);
-    // The wait timed out, but a caller's cycle ran meanwhile (its own op's): the idle
-    // time counts from that cycle.
-    if (!work && !woken && !cycles_ended_ && last_cycle_.load() != last && queue_.Size() == 0) continue;
+    // A caller's cycle ran meanwhile and left nothing for this one (it ran its own op,
+    // perhaps the one that woke this wait): the idle time counts from that cycle.
+    if (!woken && !cycles_ended_ && last_cycle_.load() != last && queue_.Size() == 0) continue;
     Status s;
     bool go_on = false;
     if (cycles_ended_) {
@@ -202,8 +202,8 @@ bool Core::CallerMayCycle() {
   return can;
 }
 
-bool Core::RunCallerCycle(hvdlite_handle_t h, const char* name) {
-  if (queue_.PopAlone(name, &fresh_)) {
+bool Core::RunCallerCycle(hvdlite_handle_t h, bool popped) {
+  if (popped) {
     counters_.caller_cycles++;
     Status s;
     RunCycle(false, &s);

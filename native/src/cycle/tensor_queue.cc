@@ -50,6 +50,21 @@ bool TensorQueue::PopAlone(const std::string& name, std::vector<TensorEntry*>* o
   return true;
 }
 
+bool TensorQueue::PopOnly(hvdlite_handle_t h, int64_t max_bytes, std::vector<TensorEntry*>* out) {
+  out->clear();
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (entries_.size() != 1 || pending_.size() != 1) return false;
+  TensorEntry* e = pending_.front();
+  const Request& q = e->request;
+  if (e->handle != h || q.device >= 0 || NumElements(q.shape) * ElementSize(q.dtype) > max_bytes) {
+    return false;
+  }
+  pending_.clear();
+  e->popped = true;
+  out->push_back(e);
+  return true;
+}
+
 void TensorQueue::PopPending(std::vector<TensorEntry*>* out) {
   out->clear();
   std::lock_guard<std::mutex> lock(mutex_);

@@ -46,6 +46,10 @@ class TensorQueue {
   // popped before and is still in flight: an op that then runs this cycle is that one.
   // Else false, and nothing popped. Other pending entries stay for the next pop.
   bool PopAlone(const std::string& name, std::vector<TensorEntry*>* out);
+  // The entry of handle h popped into out, if it is the only entry of this rank (none
+  // other pending or in flight), of host memory and of at most max_bytes of input;
+  // else false, and nothing popped.
+  bool PopOnly(hvdlite_handle_t h, int64_t max_bytes, std::vector<TensorEntry*>* out);
   TensorEntry* Find(const std::string& name);
   // Find for a list of names under one lock (null for a name not in flight).
   template <typename NameOf, typename T>
