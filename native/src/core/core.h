@@ -73,15 +73,13 @@ class Core {
   // when the loop must end, *s saying why if not a shutdown.
   bool RunCycle(bool pop, Status* s);
   bool RunCycleUnguarded(bool pop);  // RunCycle's body: may throw
-  // A thread blocked on op h (named name, host memory, just enqueued without waking the
-  // background thread), holding cycle_mutex_: runs one cycle itself when that cycle
-  // can only run h (nothing else of this rank in flight) and makes no MPI call (every
-  // set of this rank on one host: ProcessSetState::CyclesWithoutMpi). Two task
-  // switches less per blocking call: the wake of the background thread and the wake of
-  // the caller (docs/performance.md). Returns whether h has ended; if not, the
-  // background thread is woken to go on with it.
-  // popped: h's request is in fresh_, alone (else nothing runs and the background
-  // thread is woken).
+  // A thread blocked on op h, holding cycle_mutex_, whose request it popped alone
+  // (popped: EnqueueAndWait's TensorQueue::PopAlone of an op just enqueued without
+  // waking the background thread, or Wait's PopOnly of its rank's only op): runs one
+  // cycle itself, which can then only run h and makes no MPI call (CallerMayCycle). Two
+  // task switches less per blocking call: the wake of the background thread and the
+  // wake of the caller (docs/performance.md). Returns whether h has ended; if not (or
+  // not popped), the background thread is woken to go on with it.
   bool RunCallerCycle(hvdlite_handle_t h, bool popped);
   // Whether a caller holding cycle_mutex_ may run a cycle (RunCallerCycle) as things
   // stand: every set of this rank makes no MPI call, no refusal waits to be sent, the
