@@ -15,7 +15,7 @@ import numpy as np
 
 from hvdlite import errors
 from hvdlite._native import check, ffi, lib
-from hvdlite.handle import _WAIT_SLICE_S, Handle, OpHandle
+from hvdlite.handle import _WAIT_SLICE_S, Handle, OpHandle, _orphans, reap_orphans
 
 # Reduction ops (values read from the library).
 Average = lib.HVDLITE_AVERAGE
@@ -317,6 +317,18 @@ def submit(kept, input_ptr, output_ptr, keepalive, finisher, name, result):
 def submit_wait(kept, input_ptr, output_ptr, keepalive, finisher, name, result):
     """``submit``, the op also waited for in the same call of the core: its Handle,
     ended unless the wait's first slice passed first."""
+    return _submit_wait(kept, input_ptr, output_ptr, keepalive, finisher, name, result, False)
+
+
+def run(kept, input_ptr, output_ptr, keepalive, finisher, name, result):
+    """``submit_wait(...).wait()``: the op's result (its error raised). An op that ended
+    within the wait's first slice, the usual case, makes no Handle."""
+    return _submit_wait(kept, input_ptr, output_ptr, keepalive, finisher, name, result, True)
+
+
+def _submit_wait(kept, input_ptr, output_ptr, keepalive, finisher, name, result, wait):
+    if _orphans:  # as a Handle's making does: a call that makes none releases them too
+        reap_orphans()
     try:
         cell, op_status = _cells.wait_cells
     except AttributeError:
@@ -325,18 +337,36 @@ def submit_wait(kept, input_ptr, output_ptr, keepalive, finisher, name, result):
     # An op with a finisher keeps its handle for the finisher to read (the Handle's own
     # wait then finds it ended).
     cell[0] = 0
+    ended = False
     try:
         status = _enqueue_buffers_wait(kept[0], input_ptr, output_ptr, _WAIT_SLICE_S,
                                        finisher is None, cell, op_status)
+        if wait and status == _OK and op_status[0] == _OK:
+            # Ended and released by the core, or a small core result copied out.
+            if finisher is None:
+                ended = True
+            elif type(finisher) is CoreResult:
+                result = finisher.take(cell[0])
+                ended = result is not None
     finally:
         # Wrapped even when an exception (Ctrl-C during the wait) arrives as the call
         # returns: dropped, the handle of an op still running keeps its buffers until it
         # ends (the orphans of handle.py).
-        handle = _waited(cell[0], op_status[0], keepalive, finisher, name,
-                         result) if cell[0] else None
+        handle = None if ended or not cell[0] else _waited(
+            cell[0], op_status[0], keepalive, finisher, name, result)
+    if ended:
+        return result
     if status != _OK:
         check(status)
-    return handle
+    if not wait:
+        return handle
+    try:
+        return handle.wait()
+    except errors.InvalidArgumentError as error:
+        # The op failed on every rank: not this rank's refusal to send (a blocking call
+        # waits inside its refusing wrapper, hvdlite._refusals).
+        error.refusal_sent = True
+        raise
 
 
 def _waited(handle_id, status, keepalive, finisher, name, result):

@@ -42,7 +42,7 @@ from hvdlite._refusals import note_names, refuse, refusing  # noqa: F401
 from hvdlite._checks import output_array as _output_array
 from hvdlite._checks import writable_contiguous as _writable_contiguous
 from hvdlite._enqueue import submit as _submit
-from hvdlite._enqueue import submit_wait as _submit_wait
+from hvdlite._enqueue import run as _run
 from hvdlite._refusals import _attempt
 from hvdlite.errors import InvalidArgumentError
 from hvdlite.handle import Handle, OpHandle  # noqa: F401
@@ -116,7 +116,7 @@ def _kept_call(kind, name, array, args):
 
 def _submit_kept(submit, kept, array, out, name):
     """Submits the op of a call that repeats a kept one (``submit``: ``_enqueue.submit``
-    or ``submit_wait``), with ``array``'s and ``out``'s buffers."""
+    or ``run``), with ``array``'s and ``out``'s buffers."""
     if kept.finisher is not None:  # the core allocates the result
         return submit(kept.template, from_buffer(array), ffi.NULL, (array,), kept.finisher, name,
                       None)
@@ -158,6 +158,13 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
         DuplicateNameError: a tensor of that name is in flight.
         NotInitializedError: before init() or after shutdown().
     """
+    return _allreduce(_submit, array, name, op, prescale_factor, postscale_factor, out,
+                      process_set)
+
+
+def _allreduce(submit, array, name, op, prescale_factor, postscale_factor, out, process_set):
+    """``allreduce_async``, with ``submit`` as its last step (as ``_allgather``'s); not
+    Adasum's blocking form (``allreduce``)."""
     last = _repeats.get(name) if type(name) is str else None
     if (last is not None and last.array() is array and last.op is op
             and last.prescale is prescale_factor and last.postscale is postscale_factor
@@ -173,7 +180,7 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
         else:
             out = _output_array(out, last.shape, last.dtype, name)
             output_ptr = last.keep_output(out)
-        return _submit(last.template, last.input_ptr, output_ptr, (array, out), None, name, out)
+        return submit(last.template, last.input_ptr, output_ptr, (array, out), None, name, out)
     named = name is not None
     _attempt.names = ()  # a new call: forget the last one's names (see _refusals)
     try:
@@ -187,7 +194,7 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
         out = _output_array(out, arr.shape, arr.dtype, name)
         template = _enqueue.template(ALLREDUCE, name, code, arr.shape, op, prescale_factor,
                                      postscale_factor, 0, psid, -1)
-        handle = _submit(template, from_buffer(arr), from_buffer(out), (arr, out), None, name,
+        submitted = submit(template, from_buffer(arr), from_buffer(out), (arr, out), None, name,
                          out)
     except InvalidArgumentError as error:
         _refusals.refused(ALLREDUCE, error)
@@ -195,7 +202,7 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
     if named and arr is array:
         _enqueue.remember(_repeats, name, _Repeat(arr, out, op, prescale_factor, postscale_factor,
                                                   process_set, template))
-    return handle
+    return submitted
 
 
 def allreduce(array, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
@@ -212,8 +219,11 @@ def allreduce(array, name=None, op=Average, prescale_factor=1.0, postscale_facto
             ``allreduce_async``.
         HorovodInternalError: the collective failed (e.g. MismatchError across ranks).
     """
-    return synchronize(_enqueue.at_once(allreduce_async, array, name, op, prescale_factor,
-                                        postscale_factor, out, process_set))
+    if op == Adasum:  # its own ops (hvdlite.adasum), the first waited for at once
+        return synchronize(_enqueue.at_once(allreduce_async, array, name, op, prescale_factor,
+                                            postscale_factor, out, process_set))
+    return _allreduce(_run, array, name, op, prescale_factor, postscale_factor, out,
+                      process_set)
 
 
 @refusing(ALLREDUCE)
@@ -301,8 +311,8 @@ def allgather_async(array, name=None, process_set=global_process_set):
 
 @refusing(ALLGATHER)
 def _allgather(submit, array, name, process_set):
-    """``allgather_async``, whose handle ``submit`` makes (``_enqueue.submit``, or
-    ``_enqueue.submit_wait`` for a blocking call)."""
+    """``allgather_async``, with ``submit`` as its last step: ``_enqueue.submit`` (the
+    call returns a Handle), or ``_enqueue.run`` for a blocking call (its result)."""
     args = (process_set,)
     kept = _kept_call(ALLGATHER, name, array, args)
     if kept is not None:
@@ -315,9 +325,9 @@ def _allgather(submit, array, name, process_set):
     finisher = _enqueue.CoreResult(arr.dtype, arr.shape[1:], arr.shape[0] * size)
     template = _enqueue.template(ALLGATHER, name, code, arr.shape, Average, 1.0, 1.0, 0, psid,
                                  -1)
-    handle = submit(template, from_buffer(arr), ffi.NULL, (arr,), finisher, name, None)
+    submitted = submit(template, from_buffer(arr), ffi.NULL, (arr,), finisher, name, None)
     _keep_call(ALLGATHER, name, named, arr, array, args, psid, template, finisher)
-    return handle
+    return submitted
 
 
 def allgather(array, name=None, process_set=global_process_set):
@@ -325,7 +335,7 @@ def allgather(array, name=None, process_set=global_process_set):
 
     See ``allgather_async``; raises HorovodInternalError subclasses if it fails.
     """
-    return _allgather(_submit_wait, array, name, process_set).wait()
+    return _allgather(_run, array, name, process_set)
 
 
 def broadcast_async(array, root_rank, name=None, out=None, process_set=global_process_set):
@@ -351,7 +361,7 @@ def broadcast_async(array, root_rank, name=None, out=None, process_set=global_pr
 
 @refusing(BROADCAST)
 def _broadcast(submit, array, root_rank, name, out, process_set):
-    """``broadcast_async``, whose handle ``submit`` makes (as ``_allgather``'s)."""
+    """``broadcast_async``, with ``submit`` as its last step (as ``_allgather``'s)."""
     args = (root_rank, process_set)
     kept = _kept_call(BROADCAST, name, array, args)
     if kept is not None:
@@ -364,9 +374,9 @@ def _broadcast(submit, array, root_rank, name, out, process_set):
     out = _checks.output_array(out, arr.shape, arr.dtype, name)
     template = _enqueue.template(BROADCAST, name, code, arr.shape, Average, 1.0, 1.0, root,
                                  psid, -1)
-    handle = submit(template, from_buffer(arr), from_buffer(out), (arr, out), None, name, out)
+    submitted = submit(template, from_buffer(arr), from_buffer(out), (arr, out), None, name, out)
     _keep_call(BROADCAST, name, named, arr, array, args, psid, template)
-    return handle
+    return submitted
 
 
 def broadcast(array, root_rank, name=None, out=None, process_set=global_process_set):
@@ -374,7 +384,7 @@ def broadcast(array, root_rank, name=None, out=None, process_set=global_process_
 
     See ``broadcast_async``; raises HorovodInternalError subclasses if it fails.
     """
-    return _broadcast(_submit_wait, array, root_rank, name, out, process_set).wait()
+    return _broadcast(_run, array, root_rank, name, out, process_set)
 
 
 def alltoall_async(array, splits=None, name=None, process_set=global_process_set):
@@ -401,7 +411,7 @@ def alltoall_async(array, splits=None, name=None, process_set=global_process_set
 
 @refusing(ALLTOALL)
 def _alltoall(submit, array, splits, name, process_set):
-    """``alltoall_async``, whose handle ``submit`` makes (as ``_allgather``'s)."""
+    """``alltoall_async``, with ``submit`` as its last step (as ``_allgather``'s)."""
     args = (splits, process_set)
     kept = _kept_call(ALLTOALL, name, array, args)
     if kept is not None:
@@ -415,11 +425,11 @@ def _alltoall(submit, array, splits, name, process_set):
     finisher = _enqueue.CoreResult(arr.dtype, arr.shape[1:], arr.shape[0], size)
     template = _enqueue.template(ALLTOALL, name, code, arr.shape, Average, 1.0, 1.0, 0, psid, -1,
                                  checked)
-    handle = submit(template, from_buffer(arr), ffi.NULL, (arr,), finisher, name, None)
+    submitted = submit(template, from_buffer(arr), ffi.NULL, (arr,), finisher, name, None)
     # Kept only for splits that cannot change behind its back (a list could, in place).
     if splits is None or type(splits) is tuple:
         _keep_call(ALLTOALL, name, named, arr, array, args, psid, template, finisher)
-    return handle
+    return submitted
 
 
 def alltoall(array, splits=None, name=None, process_set=global_process_set):
@@ -427,7 +437,7 @@ def alltoall(array, splits=None, name=None, process_set=global_process_set):
 
     See ``alltoall_async``; raises HorovodInternalError subclasses if it fails.
     """
-    return _alltoall(_submit_wait, array, splits, name, process_set).wait()
+    return _alltoall(_run, array, splits, name, process_set)
 
 
 def reducescatter_async(array, name=None, op=Average, prescale_factor=1.0,
@@ -456,7 +466,7 @@ def reducescatter_async(array, name=None, op=Average, prescale_factor=1.0,
 @refusing(REDUCESCATTER)
 def _reducescatter(submit, array, name, op, prescale_factor, postscale_factor, out,
                    process_set):
-    """``reducescatter_async``, whose handle ``submit`` makes (as ``_allgather``'s)."""
+    """``reducescatter_async``, with ``submit`` as its last step (as ``_allgather``'s)."""
     args = (op, prescale_factor, postscale_factor, process_set)
     kept = _kept_call(REDUCESCATTER, name, array, args)
     if kept is not None:
@@ -471,12 +481,12 @@ def _reducescatter(submit, array, name, op, prescale_factor, postscale_factor, o
     out = _checks.output_array(out, out_shape, arr.dtype, name)
     template = _enqueue.template(REDUCESCATTER, name, code, arr.shape, op, prescale_factor,
                                  postscale_factor, 0, psid, -1)
-    handle = submit(template, from_buffer(arr), from_buffer(out), (arr, out), None, name, out)
+    submitted = submit(template, from_buffer(arr), from_buffer(out), (arr, out), None, name, out)
     # A zero factor's sign shows in the results, yet 0.0 == -0.0 (see _enqueue.template).
     if prescale_factor and postscale_factor:
         _keep_call(REDUCESCATTER, name, named, arr, array, args, psid, template,
                    out_shape=out_shape)
-    return handle
+    return submitted
 
 
 def reducescatter(array, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
@@ -486,8 +496,8 @@ def reducescatter(array, name=None, op=Average, prescale_factor=1.0, postscale_f
 
     See ``reducescatter_async``; raises HorovodInternalError subclasses if it fails.
     """
-    return _reducescatter(_submit_wait, array, name, op, prescale_factor, postscale_factor,
-                          out, process_set).wait()
+    return _reducescatter(_run, array, name, op, prescale_factor, postscale_factor, out,
+                          process_set)
 
 
 def _group_members(kind, arrays, name, outs=None, process_set_id=0):
