@@ -105,7 +105,7 @@ def test_init_queries_shutdown(native, run_py):
                           "collectives", "fused_collectives", "shm_collectives", "tensors",
                           "bytes", "errors", "wire_bytes", "hierarchical_collectives",
                           "nccl_collectives", "staged_collectives", "nccl_us",
-                          "waiting_threads", "caller_cycles"}
+                          "waiting_threads", "caller_cycles", "carried_collectives"}
     assert stats["tensors"] >= 1 and stats["cycles"] >= 1
     assert "already initialized" in out.stderr
 

@@ -223,6 +223,7 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_stats(hvdlite_stats_t* out) {
     out->nccl_us = c.nccl_us;
     out->waiting_threads = hvdlite::Core::Get().handles().blocked().load();
     out->caller_cycles = c.caller_cycles;
+    out->carried_collectives = c.carried_collectives;
     return hvdlite::Status::OK();
   });
 }

@@ -350,12 +350,21 @@ void MpiBackend::set_caller_waiting(bool waiting) {
   if (cross_) cross_->set_caller_waiting(caller_waiting_);
 }
 
-Status MpiBackend::AndBits(std::vector<uint64_t>* bits) {
+uint8_t* MpiBackend::Companion(int64_t bytes) {
+  return bytes <= ShmCollectives::kCompanionBytes && ShmRound(0) ? host_->shm().Companion() : nullptr;
+}
+
+int64_t MpiBackend::PeerCompanion(int k, const uint8_t** data, int64_t* bytes) const {
+  return carried_ ? host_->shm().PeerCompanion(k, data, bytes) : -1;
+}
+
+Status MpiBackend::AndBits(std::vector<uint64_t>* bits, int64_t tag, int64_t bytes) {
   const int64_t words = static_cast<int64_t>(bits->size());
+  carried_ = ShmRound(words);
+  if (carried_) return host_->shm().AndBits(bits->data(), words, tag, bytes);
   if (alone_) return Status::OK();  // the AND of one vector
   void* comm = comm_;
   if (host_ && words <= ShmCollectives::kMaxBitsWords) {
-    if (shared_memory()) return host_->shm().AndBits(bits->data(), words);
     if (cross_every_rank_) {
       // The host's AND through shared memory, then the hosts' over the network, each
       // rank with the ranks of its local rank (the cross layer): every rank ends with

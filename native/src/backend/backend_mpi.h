@@ -70,7 +70,15 @@ class MpiBackend {
   // go through shared memory (AndBits where the vector fits there), so that a cycle
   // there makes no MPI call (CyclesWithoutMpi); otherwise through nonblocking MPI
   // polled with a backoff.
-  Status AndBits(std::vector<uint64_t>* bits);
+  //
+  // A small op's data may ride with the bit vector through shared memory (a companion:
+  // ShmCollectives::AndBits): Companion(bytes) is where this rank writes it for its
+  // next AndBits, null where that round cannot carry it (not one host's shared memory,
+  // or too large); AndBits then takes its tag (-1: none) and length, and PeerCompanion
+  // gives rank k's after it (tag -1 where none came, or the round carried none).
+  Status AndBits(std::vector<uint64_t>* bits, int64_t tag = -1, int64_t bytes = 0);
+  uint8_t* Companion(int64_t bytes);
+  int64_t PeerCompanion(int k, const uint8_t** data, int64_t* bytes) const;
   // Rank 0 receives every rank's blob; others get an empty vector.
   Status GatherBlobs(const std::vector<uint8_t>& mine, std::vector<std::vector<uint8_t>>* all);
   Status BroadcastBlob(std::vector<uint8_t>* blob);  // from rank 0
@@ -112,6 +120,10 @@ class MpiBackend {
   // Whether the allreduce goes through shared memory (every rank of this communicator
   // on one host).
   bool shared_memory() const { return host_ != nullptr && !layered_allreduce_; }
+  // Whether the coordination round goes through one host's shared memory alone.
+  bool ShmRound(int64_t words) const {
+    return !alone_ && shared_memory() && words <= ShmCollectives::kMaxBitsWords;
+  }
   // A framework thread of this process waits for a blocking op's result: the
   // shared-memory waits of small collectives may poll before they sleep
   // (ShmCollectives::set_waits_may_poll), and the MPI waits across hosts for the
@@ -168,6 +180,7 @@ class MpiBackend {
   int global_rank_ = 0;   // this rank in the job (the world's communicator)
   bool spans_hosts_ = false;  // this communicator's ranks are on more than one host
   bool alone_ = false;        // it has one rank: a blocking call never waits for a peer
+  bool carried_ = false;      // the last AndBits went through shared memory (companions came)
   // A caller waits and this host has a core for each of its ranks (set_caller_waiting,
   // each cycle): WaitBackoff's polls, and the shared-memory waits, poll longer before
   // they sleep. The cycle's thread.

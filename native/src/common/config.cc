@@ -89,6 +89,9 @@ Status LoadConfig(Config* c) {
   if (const char* m = std::getenv("HVDLITE_CALLER_CYCLE")) {
     c->caller_cycle = !(std::string(m) == "0" || std::string(m) == "false");
   }
+  if (const char* m = std::getenv("HVDLITE_CARRY_DATA")) {
+    c->carry_data = !(std::string(m) == "0" || std::string(m) == "false");
+  }
   if (!(s = ReadSwitch("HVDLITE_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE",
                        &c->hierarchical_allreduce)).ok() ||
       !(s = ReadSwitch("HVDLITE_HIERARCHICAL_ALLGATHER", "HVDLITE_HIERARCHICAL_ALLGATHER",

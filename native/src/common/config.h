@@ -44,6 +44,9 @@ struct Config {
   // background thread (by default, on one host, it runs the collective's cycle itself
   // when nothing else of this rank is in flight: Core::RunCallerCycle).
   bool caller_cycle = true;
+  // HVDLITE_CARRY_DATA=0: a small cached op alone in its round never rides with the
+  // coordination (by default, on one host, its data does: ProcessSetState::Carry).
+  bool carry_data = true;
   // HVDLITE_HIERARCHICAL_ALLREDUCE=0/1 (or Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE;
   // ours wins when both are set): -1 when unset, the hierarchical allreduce then on
   // with more than one host and more than one rank on each (topology_layers.h).

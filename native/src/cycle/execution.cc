@@ -141,6 +141,7 @@ void ProcessSetState::Execute(const std::vector<Response>& ready) {
     }
     i = end;
   }
+  carried_.clear();  // its data is the peers' again from the next round on
 }
 
 // ready[begin, ends[n]) is one collective, a run of compatible allreduces fused under
@@ -254,12 +255,16 @@ void ProcessSetState::ExecuteAllreduce(const std::vector<const Response*>& fused
   const AllreduceTuning tuning = Tuning();
   const AllreduceAlgorithm algorithm = mpi_->ChooseAllreduce(tuning);
   const auto step = [&](const char* name) { activities.Done(name); };
-  Status s = first.on_device ? AllreduceStaged(entries, pieces, options, tuning, step)
-                             : mpi_->Allreduce(pieces, options, tuning, &fusion_, step);
+  const bool carried = fused.size() == 1 && entries[0] && first.name == carried_;
+  Status s = carried          ? ReduceCarried(first, entries[0], options)
+             : first.on_device ? AllreduceStaged(entries, pieces, options, tuning, step)
+                               : mpi_->Allreduce(pieces, options, tuning, &fusion_, step);
+  if (carried) activities.Done("CARRIED_ALLREDUCE");
   if (tl) timeline_.EndAll(names);  // ALLREDUCE
   const int64_t bytes = total * ElementSize(options.dtype);
   counters_.collectives++;
-  if (algorithm == AllreduceAlgorithm::kSharedMemory) counters_.shm_collectives++;
+  if (carried) counters_.carried_collectives++;
+  if (carried || algorithm == AllreduceAlgorithm::kSharedMemory) counters_.shm_collectives++;
   if (algorithm == AllreduceAlgorithm::kLayers) counters_.hierarchical_collectives++;
   if (fused.size() > 1) counters_.fused_collectives++;
   counters_.bytes += bytes;
@@ -410,6 +415,14 @@ Status ProcessSetState::ExecuteBroadcast(const Response& r, TensorEntry* e, OpTa
   if (rank_ == r.root_rank && e && e->output != e->input && nbytes > 0) {
     std::memcpy(e->output, e->input, nbytes);
   }
+  if (e && r.name == carried_) {  // the root's data came with the round
+    if (rank_ != r.root_rank) std::memcpy(target, carried_parts_[r.root_rank], nbytes);
+    tally->moved = nbytes;
+    tally->activity = "CARRIED_BROADCAST";
+    counters_.shm_collectives++;
+    counters_.carried_collectives++;
+    return Status::OK();
+  }
   Status s = mpi_->Bcast(target, nbytes, r.root_rank);
   tally->moved = nbytes;
   if (mpi_->hierarchical_broadcast()) counters_.hierarchical_collectives++;
@@ -418,6 +431,15 @@ Status ProcessSetState::ExecuteBroadcast(const Response& r, TensorEntry* e, OpTa
     tally->activity = "SHM_BROADCAST";
   }
   return s;
+}
+
+Status ProcessSetState::ReduceCarried(const Response& r, TensorEntry* e, const AllreduceOptions& options) {
+  // As the shared-memory allreduce reduces (each element once, in rank order, then
+  // postscaled and divided), so the same bits on every member.
+  const int64_t n = NumElements(r.shape);
+  ReduceElements(e->output, carried_parts_, n, options.dtype, options.reduce_op);
+  ScaledCopy(e->output, e->output, n, options.dtype, options.postscale, options.divisor);
+  return Status::OK();
 }
 
 Status ProcessSetState::ExecuteAlltoall(const Response& r, TensorEntry* e, OpOutput* out, OpTally* tally) {

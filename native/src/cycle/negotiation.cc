@@ -5,6 +5,9 @@
 #include "cycle/process_set.h"
 
 #include <algorithm>
+#include <cstring>
+
+#include "common/elementwise.h"
 
 namespace hvdlite {
 namespace {
@@ -144,10 +147,12 @@ bool ProcessSetState::Coordinate(Clock::time_point now, const RoundFlags& mine, 
   }
   for (size_t i = 0; i < words; ++i) bits[1 + words + i] = ~0ull;
   for (int64_t slot : invalid_slots_) bits[1 + words + slot / 64] &= ~(1ull << (slot % 64));
+  int64_t carried_bytes = 0;
+  const int64_t carried_slot = Carry(&carried_bytes);
   invalid_slots_.clear();
   if (tuned) autotune_.Publish(&bits[1 + 2 * words]);
 
-  Status s = mpi_->AndBits(&bits);
+  Status s = mpi_->AndBits(&bits, carried_slot, carried_bytes);
   if (!s.ok()) return EndLoop(s);
   if (tuned) autotune_.Adopt(&bits[1 + 2 * words], now);
   flags = ~bits[0];
@@ -189,10 +194,53 @@ bool ProcessSetState::Coordinate(Clock::time_point now, const RoundFlags& mine, 
       counters_.cache_hits++;
     }
   }
+  carried_.clear();
+  if (carried_slot >= 0 && Carried(carried_slot, *ready)) carried_ = ready->front().name;
   if (timeline_.active() && !ready->empty()) {
     std::vector<const std::string*> cached_names;
     for (const Response& r : *ready) cached_names.push_back(&r.name);
     timeline_.InstantAll(cached_names, "all ranks ready", "\"cached\": true");
+  }
+  return true;
+}
+
+int64_t ProcessSetState::Carry(int64_t* bytes) {
+  // Only a rank's only request (nothing uncached, no other cached op, no join) is
+  // carried: then the op is the round's only cached one wherever every member carries
+  // it, and ready holds it alone.
+  if (!config_.carry_data || cached_pending_.size() != 1 || !uncached_.empty() || join_active_ ||
+      local_joined_) {
+    return -1;
+  }
+  const int64_t slot = cached_pending_.begin()->first;
+  if (invalid_slots_.count(slot)) return -1;
+  const Response& r = cache_->Get(slot);
+  if (r.on_device || (r.op != HVDLITE_OP_ALLREDUCE && r.op != HVDLITE_OP_BROADCAST)) return -1;
+  const int64_t n = NumElements(r.shape), nbytes = n * ElementSize(r.dtype);
+  uint8_t* companion = nbytes > 0 ? mpi_->Companion(nbytes) : nullptr;
+  TensorEntry* e = companion ? queue_.Find(r.name) : nullptr;
+  if (!e || !e->input) return -1;
+  if (r.op == HVDLITE_OP_ALLREDUCE) {
+    ScaledCopy(companion, e->input, n, r.dtype, r.prescale, 1);  // as the shared-memory allreduce's copy in
+    *bytes = nbytes;
+  } else if (rank_ == r.root_rank) {
+    std::memcpy(companion, e->input, nbytes);
+    *bytes = nbytes;
+  }
+  return slot;
+}
+
+bool ProcessSetState::Carried(int64_t slot, const std::vector<Response>& ready) {
+  // Every member reads every member's companion: the same answer everywhere.
+  if (ready.size() != 1 || !cache_->Has(slot) || ready.front().name != cache_->Get(slot).name) return false;
+  const Response& r = ready.front();
+  const int64_t nbytes = NumElements(r.shape) * ElementSize(r.dtype);
+  carried_parts_.assign(size_, nullptr);
+  for (int k = 0; k < size_; ++k) {
+    int64_t bytes = 0;
+    if (mpi_->PeerCompanion(k, &carried_parts_[k], &bytes) != slot) return false;
+    const bool sends = r.op == HVDLITE_OP_ALLREDUCE || k == r.root_rank;
+    if (sends && bytes != nbytes) return false;
   }
   return true;
 }

@@ -40,7 +40,7 @@ struct Counters {
   std::atomic<int64_t> cycles{0}, coordinator_gathers{0}, cache_hits{0}, cache_misses{0},
       collectives{0}, fused_collectives{0}, tensors{0}, bytes{0}, errors{0}, shm_collectives{0},
       wire_bytes{0}, hierarchical_collectives{0}, nccl_collectives{0}, staged_collectives{0},
-      nccl_us{0}, caller_cycles{0};
+      nccl_us{0}, caller_cycles{0}, carried_collectives{0};
 };
 
 // Bytes one rank sends to the others in a collective whose buffer (allreduce) or result
@@ -151,6 +151,15 @@ class ProcessSetState {
   BitsLayout Bits() const;
   bool Coordinate(Clock::time_point now, const RoundFlags& mine, bool* any_uncached,
                   RoundFlags* heard, std::vector<Response>* ready);
+  // A carried op: the data of a small cached allreduce or broadcast of host tensors
+  // that is this rank's only request rides with the coordination round (the round's
+  // companion, MpiBackend::Companion), so that, when every member's came, the op runs
+  // from those copies without a meeting of its own. Carry writes this rank's (before the
+  // round) and returns its tag, the op's cache slot, or -1 where this round carries
+  // none; *bytes: how many it wrote. Carried (after the round, ready as the round left
+  // it) says whether every member carried that op, and keeps their data for Execute.
+  int64_t Carry(int64_t* bytes);
+  bool Carried(int64_t slot, const std::vector<Response>& ready);
   bool Negotiate(Clock::time_point now, std::vector<Response>* ready);
   void Execute(const std::vector<Response>& ready);
   // Steps of Execute: which ready responses run as one collective (the end of each
@@ -175,6 +184,8 @@ class ProcessSetState {
   Status RunOp(const Response& r, TensorEntry* e, OpOutput* out, OpTally* tally);
   Status ExecuteAllgather(const Response& r, TensorEntry* e, OpOutput* out, OpTally* tally);
   Status ExecuteBroadcast(const Response& r, TensorEntry* e, OpTally* tally);
+  // The carried op's data path: its result from every member's carried data.
+  Status ReduceCarried(const Response& r, TensorEntry* e, const AllreduceOptions& options);
   Status ExecuteAlltoall(const Response& r, TensorEntry* e, OpOutput* out, OpTally* tally);
   Status ExecuteReducescatter(const Response& r, TensorEntry* e, OpTally* tally);
   // GPU tensors (gpu_execution.cc): ready[begin, end) through NCCL, or staged through
@@ -230,6 +241,10 @@ class ProcessSetState {
   bool local_joined_ = false;
   std::optional<Request> leave_join_;
   bool failed_ = false;  // a transport failure: the loop ends after this round
+  // The op this round carried (Carried): its name ("" when none) and each member's
+  // data, in set rank order (in shared memory until the next round).
+  std::string carried_;
+  std::vector<const uint8_t*> carried_parts_;
   int64_t queue_start_us_ = 0;  // timeline: when this cycle's operations began to queue
 
   GpuPath gpu_path_ = GpuPath::kUndecided;

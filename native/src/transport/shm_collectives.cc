@@ -97,6 +97,22 @@ uint64_t* ShmCollectives::Bits(int rank, int set) const {
 
 uint8_t* ShmCollectives::Out(int rank, int set) const { return In(rank, set) + kChunkBytes; }
 
+int64_t* ShmCollectives::CompanionHead(int rank, int set) const {
+  return reinterpret_cast<int64_t*>(segments_[rank] + kControlBytes + 2 * kMaxBitsWords * 8 +
+                                    set * kCompanionArea);
+}
+
+uint8_t* ShmCollectives::Companion() const {
+  return reinterpret_cast<uint8_t*>(CompanionHead(rank_, bits_set_)) + 64;
+}
+
+int64_t ShmCollectives::PeerCompanion(int k, const uint8_t** data, int64_t* bytes) const {
+  const int64_t* head = CompanionHead(k, bits_set_ ^ 1);  // AndBits flipped bits_set_
+  *data = reinterpret_cast<const uint8_t*>(head) + 64;
+  *bytes = head[1];
+  return head[0];
+}
+
 int ShmCollectives::DeadPeer() const {
   for (int k = 0; k < size_; ++k) {
     if (k != rank_ && !ProcessAlive(pids_[k])) return k;
@@ -180,9 +196,12 @@ Status ShmCollectives::AfterWait() {
                                              ") ended during a shared-memory collective");
 }
 
-Status ShmCollectives::AndBits(uint64_t* bits, int64_t words) {
+Status ShmCollectives::AndBits(uint64_t* bits, int64_t words, int64_t tag, int64_t bytes) {
   poll_ = may_poll_;
   std::memcpy(Bits(rank_, bits_set_), bits, words * sizeof(uint64_t));
+  int64_t* head = CompanionHead(rank_, bits_set_);
+  head[0] = tag;
+  head[1] = tag < 0 ? 0 : bytes;
   Status s = Meet();
   if (!s.ok()) return s;
   for (int k = 0; k < size_; ++k) {

@@ -66,6 +66,12 @@
 // does not cut short). Two areas alternate, as the slots do: an area is written again
 // two calls later, after a barrier every rank passed once done reading it.
 //
+// Beside each bit-vector area, a companion area carries a small op's data with the
+// vector (ProcessSetState's carried op: the data of a cached op that is its rank's only
+// one, which every rank reads after the AND, so that the op takes no meeting of its
+// own). It is written before the barrier and alternates with the bit-vector areas, so a
+// rank reads its peers' companions until its next AndBits.
+//
 // The cycle's thread only (core/loop.cc: the background thread, or a caller's cycle).
 #pragma once
 
@@ -89,7 +95,11 @@ class ShmCollectives {
   // Each segment: the barrier's control block (used in rank 0's), two bit-vector
   // areas, then the two sets of in and out slots.
   static constexpr int64_t kControlBytes = 4096;
-  static constexpr int64_t kHeaderBytes = kControlBytes + 2 * kMaxBitsWords * 8;
+  // Data carried with the bit vector (a companion), per rank: at most this many bytes.
+  static constexpr int64_t kCompanionBytes = 16 * 1024;
+  // Each companion area: its tag and length (64 bytes, for alignment), then the data.
+  static constexpr int64_t kCompanionArea = 64 + kCompanionBytes;
+  static constexpr int64_t kHeaderBytes = kControlBytes + 2 * kMaxBitsWords * 8 + 2 * kCompanionArea;
   static constexpr int64_t kSegmentBytes = kHeaderBytes + 4 * kChunkBytes;
 
   // segments[k]: rank k's segment as mapped in this process (each one's control area
@@ -156,7 +166,14 @@ class ShmCollectives {
 
   // bits[i] = AND over ranks of every rank's bits[i]; words <= kMaxBitsWords. Every
   // rank calls it with the same length, in the same order relative to Allreduce.
-  Status AndBits(uint64_t* bits, int64_t words);
+  // tag: this rank's companion (-1: none), whose `bytes` (<= kCompanionBytes) it wrote
+  // to Companion() before the call.
+  Status AndBits(uint64_t* bits, int64_t words, int64_t tag = -1, int64_t bytes = 0);
+  // Where this rank writes the companion of its next AndBits.
+  uint8_t* Companion() const;
+  // Rank k's companion in the last AndBits: its tag (-1: none), *data and *bytes. Valid
+  // until this rank's next AndBits.
+  int64_t PeerCompanion(int k, const uint8_t** data, int64_t* bytes) const;
   // Every rank arrives before any leaves (the barrier op); a rank that waits sleeps.
   Status Barrier();
 
@@ -165,6 +182,8 @@ class ShmCollectives {
 
  private:
   uint64_t* Bits(int rank, int set) const;
+  // Rank `rank`'s companion area `set`: [tag, bytes] then the data at +64.
+  int64_t* CompanionHead(int rank, int set) const;
   uint8_t* In(int rank, int set) const;
   uint8_t* Out(int rank, int set) const;
   // A set's in and out slots as one area of kAreaBytes (ReduceScatter and Allgather).
