@@ -4,10 +4,12 @@ and every collective against values numpy computes from the ranks' known inputs.
 
 Layouts: 2 hosts x 2 ranks, uneven 3 + 1, 1 rank per host (2 and 3 hosts), and ranks
 placed round-robin over the hosts (hydra's -ppn 1: a host's ranks are not contiguous).
-One job per layout checks everything and reports its failures in one result line.
+One job per layout checks everything and reports its failures in one result line. With
+one rank per host, small ops carried by the coordination round (the direct exchange).
 """
 import pytest
 
+import test_carried_ops
 from cluster_harness import run_cluster_job
 from harness import describe
 
@@ -151,3 +153,17 @@ def test_ranks_in_one_host_of_the_cluster_share_memory(cluster2):
     # which follows the hosts given to mpiexec, so it never spans two hosts).
     reports = _run_and_check(cluster2, "h1:2", ["h1", "h1"])
     assert all(rep["shm_collectives"] > 0 for rep in reports), reports
+
+
+@pytest.mark.parametrize("hosts", ["h1:1,h2:1", "h1:1,h2:1,h3:1"], ids=["2x1", "3x1"])
+def test_small_ops_carried_by_the_direct_round(make_cluster, hosts):
+    # One rank per host: the coordination is one exchange of every rank's record, which
+    # carries a small cached op's data (tests/multirank/test_carried_ops.py, whose job
+    # this runs with carrying on and off): the same bits either way; from 3 ranks on,
+    # only what no order of reduction changes is carried (MPI's order is its own).
+    size = hosts.count(",") + 1
+    cluster = make_cluster(size)
+    test_carried_ops.carried_runs(
+        lambda env: run_cluster_job(cluster, hosts, test_carried_ops.SCRIPT, timeout=JOB_TIMEOUT,
+                                    env=env),
+        size, order_free_only=size > 2)

@@ -286,6 +286,15 @@ Status MpiBackend::SetUpLayers(const LayerSettings& settings, const MpiTopology&
     MPI_Comm_free(static_cast<MPI_Comm*>(c));
     delete static_cast<MPI_Comm*>(c);
   }
+  rank_ = topo.rank;
+  size_ = topo.size;
+  if (s.ok()) {
+    // Every rank must choose the same round (DirectRound's messages against an
+    // MPI_Iallreduce would wait forever): agreed here, once.
+    int direct = !host_ && spans_hosts_ && topo.size <= kDirectRanks ? 1 : 0, all_direct = 0;
+    s = Check(MPI_Allreduce(&direct, &all_direct, 1, MPI_INT, MPI_MIN, Comm(comm_)), "MPI_Allreduce (round)");
+    direct_round_ = all_direct == 1;
+  }
   return s;
 }
 
@@ -315,7 +324,7 @@ void MpiBackend::Shutdown(bool finalize) {
 }
 
 Status MpiBackend::WaitBackoff(void* request, const char* what, std::chrono::microseconds max_sleep,
-                               int64_t bytes) {
+                               int64_t bytes, int count) {
   InMpiCall in_mpi(what);
   MPI_Request* req = static_cast<MPI_Request*>(request);
   // A blocking caller waits: a small transfer's end (or the coordination's) is due
@@ -324,7 +333,7 @@ Status MpiBackend::WaitBackoff(void* request, const char* what, std::chrono::mic
   PollBackoff backoff(max_sleep, spin ? PollBackoff::kCallerSpin : PollBackoff::kSpin);
   while (true) {
     int flag = 0;
-    int rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE);
+    int rc = count == 1 ? MPI_Test(req, &flag, MPI_STATUS_IGNORE) : MPI_Testall(count, req, &flag, MPI_STATUSES_IGNORE);
     if (rc != MPI_SUCCESS) return Check(rc, what);
     if (flag) return Status::OK();
     backoff.Pause();
@@ -351,17 +360,76 @@ void MpiBackend::set_caller_waiting(bool waiting) {
 }
 
 uint8_t* MpiBackend::Companion(int64_t bytes) {
-  return bytes <= ShmCollectives::kCompanionBytes && ShmRound(0) ? host_->shm().Companion() : nullptr;
+  if (bytes > ShmCollectives::kCompanionBytes) return nullptr;
+  if (ShmRound(0)) return host_->shm().Companion();
+  if (!direct_round_) return nullptr;
+  const size_t most = kRecordHead + ShmCollectives::kCompanionBytes;
+  if (record_.size() < most) record_.resize(most);  // DirectRound keeps what is written
+  return record_.data() + kRecordHead;
 }
 
 int64_t MpiBackend::PeerCompanion(int k, const uint8_t** data, int64_t* bytes) const {
-  return carried_ ? host_->shm().PeerCompanion(k, data, bytes) : -1;
+  if (round_ == Round::kShm) return host_->shm().PeerCompanion(k, data, bytes);
+  if (round_ != Round::kDirect) return -1;
+  const uint8_t* record = k == rank_ ? record_.data() : records_[k].data();
+  const int64_t* head = reinterpret_cast<const int64_t*>(record);
+  *data = record + kRecordHead;
+  *bytes = head[1];
+  return head[0];
+}
+
+Status MpiBackend::DirectRound(std::vector<uint64_t>* bits, int64_t tag, int64_t bytes) {
+  // One trip: every rank's record to every other, received into room for the largest
+  // (a companion's length need not be known ahead), then ANDed here.
+  const int64_t words = static_cast<int64_t>(bits->size());
+  const int64_t carried = tag < 0 ? 0 : bytes;
+  const auto bits_at = [](int64_t companion) { return kRecordHead + (companion + 7) / 8 * 8; };
+  const size_t most = static_cast<size_t>(bits_at(ShmCollectives::kCompanionBytes) + words * 8);
+  if (record_.size() < most) record_.resize(most);
+  int64_t* head = reinterpret_cast<int64_t*>(record_.data());
+  head[0] = tag;
+  head[1] = carried;
+  std::memcpy(record_.data() + bits_at(carried), bits->data(), words * 8);
+  records_.resize(size_);
+  std::vector<MPI_Request> requests;
+  requests.reserve(2 * (size_ - 1));
+  InMpiCall in_mpi("MPI_Isend/MPI_Irecv (coordination)");
+  for (int peer = 0; peer < size_ && requests.size() < requests.capacity(); ++peer) {
+    if (peer == rank_) continue;
+    if (records_[peer].size() < most) records_[peer].resize(most);
+    requests.emplace_back();
+    Status s = Check(MPI_Irecv(records_[peer].data(), static_cast<int>(most), MPI_BYTE, peer, kRoundTag,
+                               Comm(comm_), &requests.back()),
+                     "MPI_Irecv (coordination)");
+    if (!s.ok()) return s;
+    requests.emplace_back();
+    s = Check(MPI_Isend(record_.data(), static_cast<int>(bits_at(carried) + words * 8), MPI_BYTE, peer,
+                        kRoundTag, Comm(comm_), &requests.back()),
+              "MPI_Isend (coordination)");
+    if (!s.ok()) return s;
+  }
+  Status s = WaitBackoff(requests.data(), "MPI_Isend/MPI_Irecv (coordination)", PollBackoff::kWaitMaxSleep,
+                         carried, static_cast<int>(requests.size()));
+  if (!s.ok()) return s;
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) continue;
+    const int64_t* theirs = reinterpret_cast<const int64_t*>(records_[peer].data());
+    if (theirs[1] < 0 || theirs[1] > ShmCollectives::kCompanionBytes) {
+      return Status(HVDLITE_ERR_MPI, "rank " + std::to_string(peer) +
+                                               "'s coordination record is malformed (companion of " +
+                                               std::to_string(theirs[1]) + " bytes)");
+    }
+    const uint64_t* their_bits = reinterpret_cast<const uint64_t*>(records_[peer].data() + bits_at(theirs[1]));
+    for (int64_t i = 0; i < words; ++i) (*bits)[i] &= their_bits[i];
+  }
+  return Status::OK();
 }
 
 Status MpiBackend::AndBits(std::vector<uint64_t>* bits, int64_t tag, int64_t bytes) {
   const int64_t words = static_cast<int64_t>(bits->size());
-  carried_ = ShmRound(words);
-  if (carried_) return host_->shm().AndBits(bits->data(), words, tag, bytes);
+  round_ = ShmRound(words) ? Round::kShm : direct_round_ ? Round::kDirect : Round::kMpi;
+  if (round_ == Round::kShm) return host_->shm().AndBits(bits->data(), words, tag, bytes);
+  if (round_ == Round::kDirect) return DirectRound(bits, tag, bytes);
   if (alone_) return Status::OK();  // the AND of one vector
   void* comm = comm_;
   if (host_ && words <= ShmCollectives::kMaxBitsWords) {

@@ -71,11 +71,15 @@ class MpiBackend {
   // there makes no MPI call (CyclesWithoutMpi); otherwise through nonblocking MPI
   // polled with a backoff.
   //
-  // A small op's data may ride with the bit vector through shared memory (a companion:
-  // ShmCollectives::AndBits): Companion(bytes) is where this rank writes it for its
-  // next AndBits, null where that round cannot carry it (not one host's shared memory,
-  // or too large); AndBits then takes its tag (-1: none) and length, and PeerCompanion
-  // gives rank k's after it (tag -1 where none came, or the round carried none).
+  // A small set whose ranks are each alone on their host ANDs by one direct exchange
+  // of every rank's vector (DirectRound) instead.
+  //
+  // A small op's data may ride with the bit vector (a companion), through shared memory
+  // (ShmCollectives::AndBits) or in the direct exchange's messages: Companion(bytes) is
+  // where this rank writes it for its next AndBits, null where that round cannot carry
+  // it (the AND of hosts of several ranks, or an MPI_Iallreduce; or too large); AndBits
+  // then takes its tag (-1: none) and length, and PeerCompanion gives rank k's after it
+  // (tag -1 where none came, or the round carried none).
   Status AndBits(std::vector<uint64_t>* bits, int64_t tag = -1, int64_t bytes = 0);
   uint8_t* Companion(int64_t bytes);
   int64_t PeerCompanion(int k, const uint8_t** data, int64_t* bytes) const;
@@ -162,8 +166,10 @@ class MpiBackend {
   // bytes: a data collective's size (0 for the coordination's waits); up to
   // kCallerSpinMaxBytes, the wait spins for PollBackoff::kCallerSpin before it sleeps
   // while a caller blocks on the result (set_caller_waiting).
+  // count: requests (an array of MPI_Request) that must all complete.
   Status WaitBackoff(void* request, const char* what,
-                     std::chrono::microseconds max_sleep = PollBackoff::kWaitMaxSleep, int64_t bytes = 0);
+                     std::chrono::microseconds max_sleep = PollBackoff::kWaitMaxSleep, int64_t bytes = 0,
+                     int count = 1);
   static constexpr int64_t kCallerSpinMaxBytes = 16 * 1024;
   // Runs a data collective: call(nullptr) makes the blocking MPI call, call(request)
   // (an MPI_Request*) posts the nonblocking one; returns an MPI error code. Blocking on
@@ -180,7 +186,24 @@ class MpiBackend {
   int global_rank_ = 0;   // this rank in the job (the world's communicator)
   bool spans_hosts_ = false;  // this communicator's ranks are on more than one host
   bool alone_ = false;        // it has one rank: a blocking call never waits for a peer
-  bool carried_ = false;      // the last AndBits went through shared memory (companions came)
+  // How the last AndBits went: companions came with the shared memory's and the direct
+  // exchange's rounds.
+  enum class Round { kMpi, kShm, kDirect };
+  Round round_ = Round::kMpi;
+  // The coordination of a set of at most kDirectRanks ranks, each alone on its host, as
+  // one exchange of every rank's record with every other (decided alike on every rank in
+  // SetUpLayers): across hosts, where an MPI_Iallreduce of a few words takes a network
+  // trip as well (recursive doubling: log2(size) of them), and the records have room for
+  // a companion. A record: a 64-byte head (tag, companion bytes), the companion, then
+  // the bit vector at the next multiple of 8.
+  static constexpr int kDirectRanks = 8;
+  static constexpr int kRecordHead = 64;
+  static constexpr int kRoundTag = 7301;  // no other point-to-point message uses comm_
+  int rank_ = 0, size_ = 1;               // in comm_
+  bool direct_round_ = false;
+  std::vector<uint8_t> record_;                // this rank's
+  std::vector<std::vector<uint8_t>> records_;  // the peers' (each sized for the largest)
+  Status DirectRound(std::vector<uint64_t>* bits, int64_t tag, int64_t bytes);
   // A caller waits and this host has a core for each of its ranks (set_caller_waiting,
   // each cycle): WaitBackoff's polls, and the shared-memory waits, poll longer before
   // they sleep. The cycle's thread.

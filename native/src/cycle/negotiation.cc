@@ -13,6 +13,15 @@ namespace hvdlite {
 namespace {
 
 // Timeline names of the negotiation, by HVDLITE_OP_*.
+// Whether an allreduce's result cannot depend on the order its ranks' values are
+// combined in: two ranks (each step of every reduction is commutative, a 16-bit float's
+// rounded once either way), Min and Max, integers.
+bool OrderFree(const Response& r, int size) {
+  const int32_t d = r.dtype;
+  return size <= 2 || r.reduce_op == HVDLITE_MIN || r.reduce_op == HVDLITE_MAX ||
+         !(d == HVDLITE_FLOAT16 || d == HVDLITE_BFLOAT16 || d == HVDLITE_FLOAT32 || d == HVDLITE_FLOAT64);
+}
+
 const char* const kNegotiateActivity[] = {"NEGOTIATE_ALLREDUCE", "NEGOTIATE_ALLGATHER",
                                           "NEGOTIATE_BROADCAST", "NEGOTIATE_ALLTOALL",
                                           "NEGOTIATE_REDUCESCATTER", "NEGOTIATE_BARRIER",
@@ -216,6 +225,11 @@ int64_t ProcessSetState::Carry(int64_t* bytes) {
   if (invalid_slots_.count(slot)) return -1;
   const Response& r = cache_->Get(slot);
   if (r.on_device || (r.op != HVDLITE_OP_ALLREDUCE && r.op != HVDLITE_OP_BROADCAST)) return -1;
+  // Carried, an allreduce reduces in rank order, as the data path does through shared
+  // memory; MPI's own order (across hosts) may give other bits in a float's last place
+  // from 3 ranks on, so there only what no order changes is carried: every result then
+  // the same bits whether its op was carried or not.
+  if (r.op == HVDLITE_OP_ALLREDUCE && !mpi_->shared_memory() && !OrderFree(r, size_)) return -1;
   const int64_t n = NumElements(r.shape), nbytes = n * ElementSize(r.dtype);
   uint8_t* companion = nbytes > 0 ? mpi_->Companion(nbytes) : nullptr;
   TensorEntry* e = companion ? queue_.Find(r.name) : nullptr;
