@@ -394,7 +394,7 @@ Status MpiBackend::DirectRound(std::vector<uint64_t>* bits, int64_t tag, int64_t
   std::vector<MPI_Request> requests;
   requests.reserve(2 * (size_ - 1));
   InMpiCall in_mpi("MPI_Isend/MPI_Irecv (coordination)");
-  for (int peer = 0; peer < size_ && requests.size() < requests.capacity(); ++peer) {
+  for (int peer = 0; peer < size_; ++peer) {
     if (peer == rank_) continue;
     if (records_[peer].size() < most) records_[peer].resize(most);
     requests.emplace_back();
