@@ -12,7 +12,6 @@
 namespace hvdlite {
 namespace {
 
-// Timeline names of the negotiation, by HVDLITE_OP_*.
 // Whether an allreduce's result cannot depend on the order its ranks' values are
 // combined in: two ranks (each step of every reduction is commutative, a 16-bit float's
 // rounded once either way), Min and Max, integers.
@@ -22,6 +21,7 @@ bool OrderFree(const Response& r, int size) {
          !(d == HVDLITE_FLOAT16 || d == HVDLITE_BFLOAT16 || d == HVDLITE_FLOAT32 || d == HVDLITE_FLOAT64);
 }
 
+// Timeline names of the negotiation, by HVDLITE_OP_*.
 const char* const kNegotiateActivity[] = {"NEGOTIATE_ALLREDUCE", "NEGOTIATE_ALLGATHER",
                                           "NEGOTIATE_BROADCAST", "NEGOTIATE_ALLTOALL",
                                           "NEGOTIATE_REDUCESCATTER", "NEGOTIATE_BARRIER",
