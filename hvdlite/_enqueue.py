@@ -337,7 +337,7 @@ def _submit_wait(kept, input_ptr, output_ptr, keepalive, finisher, name, result,
     # An op with a finisher keeps its handle for the finisher to read (the Handle's own
     # wait then finds it ended).
     cell[0] = 0
-    ended = False
+    ended = taken = False
     try:
         status = _enqueue_buffers_wait(kept[0], input_ptr, output_ptr, _WAIT_SLICE_S,
                                        finisher is None, cell, op_status)
@@ -346,14 +346,20 @@ def _submit_wait(kept, input_ptr, output_ptr, keepalive, finisher, name, result,
             if finisher is None:
                 ended = True
             elif type(finisher) is CoreResult:
+                taken = True
                 result = finisher.take(cell[0])
                 ended = result is not None
     finally:
         # Wrapped even when an exception (Ctrl-C during the wait) arrives as the call
         # returns: dropped, the handle of an op still running keeps its buffers until it
-        # ends (the orphans of handle.py).
-        handle = None if ended or not cell[0] else _waited(
-            cell[0], op_status[0], keepalive, finisher, name, result)
+        # ends (the orphans of handle.py). A result take tried (it outgrew the guess, or
+        # failed) is not tried again: the Handle's finisher reads it.
+        if ended or not cell[0]:
+            handle = None
+        elif taken:
+            handle = Handle([cell[0]], finisher, keepalive, name, None, succeeded=True)
+        else:
+            handle = _waited(cell[0], op_status[0], keepalive, finisher, name, result)
     if ended:
         return result
     if status != _OK:

@@ -159,11 +159,11 @@ def test_ranks_in_one_host_of_the_cluster_share_memory(cluster2):
 def test_small_ops_carried_by_the_direct_round(make_cluster, hosts):
     # One rank per host: the coordination is one exchange of every rank's record, which
     # carries a small cached op's data (tests/multirank/test_carried_ops.py, whose job
-    # this runs with carrying on and off): the same bits either way; from 3 ranks on,
-    # only what no order of reduction changes is carried (MPI's order is its own).
+    # this runs with carrying on and off): the same bits either way, since only what no
+    # order of reduction changes is carried (MPI's order is its own).
     size = hosts.count(",") + 1
     cluster = make_cluster(size)
     test_carried_ops.carried_runs(
         lambda env: run_cluster_job(cluster, hosts, test_carried_ops.SCRIPT, timeout=JOB_TIMEOUT,
                                     env=env),
-        size, order_free_only=size > 2)
+        size, across_hosts=True)

@@ -168,7 +168,8 @@ typedef struct {
   int64_t caller_cycles;       /* cycles run by a thread blocked on its op rather than by
                                 * the background thread (one host: HVDLITE_CALLER_CYCLE) */
   int64_t carried_collectives; /* of the collectives, those whose data rode with the
-                                * coordination round (one host: HVDLITE_CARRY_DATA) */
+                                * coordination round (one host, or hosts of one rank:
+                                * HVDLITE_CARRY_DATA) */
 } hvdlite_stats_t;
 
 /* Starts the core: MPI (unless already initialized, e.g. by mpi4py), the background

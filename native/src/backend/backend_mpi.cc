@@ -291,7 +291,7 @@ Status MpiBackend::SetUpLayers(const LayerSettings& settings, const MpiTopology&
   if (s.ok()) {
     // Every rank must choose the same round (DirectRound's messages against an
     // MPI_Iallreduce would wait forever): agreed here, once.
-    int direct = !host_ && spans_hosts_ && topo.size <= kDirectRanks ? 1 : 0, all_direct = 0;
+    int direct = topo.local_size == 1 && spans_hosts_ && topo.size <= kDirectRanks ? 1 : 0, all_direct = 0;
     s = Check(MPI_Allreduce(&direct, &all_direct, 1, MPI_INT, MPI_MIN, Comm(comm_)), "MPI_Allreduce (round)");
     direct_round_ = all_direct == 1;
   }
@@ -359,9 +359,9 @@ void MpiBackend::set_caller_waiting(bool waiting) {
   if (cross_) cross_->set_caller_waiting(caller_waiting_);
 }
 
-uint8_t* MpiBackend::Companion(int64_t bytes) {
+uint8_t* MpiBackend::Companion(int64_t bytes, int64_t words) {
   if (bytes > ShmCollectives::kCompanionBytes) return nullptr;
-  if (ShmRound(0)) return host_->shm().Companion();
+  if (ShmRound(words)) return host_->shm().Companion();
   if (!direct_round_) return nullptr;
   const size_t most = kRecordHead + ShmCollectives::kCompanionBytes;
   if (record_.size() < most) record_.resize(most);  // DirectRound keeps what is written

@@ -75,13 +75,14 @@ class MpiBackend {
   // of every rank's vector (DirectRound) instead.
   //
   // A small op's data may ride with the bit vector (a companion), through shared memory
-  // (ShmCollectives::AndBits) or in the direct exchange's messages: Companion(bytes) is
-  // where this rank writes it for its next AndBits, null where that round cannot carry
-  // it (the AND of hosts of several ranks, or an MPI_Iallreduce; or too large); AndBits
+  // (ShmCollectives::AndBits) or in the direct exchange's messages: Companion(bytes,
+  // words) is where this rank writes it for its next AndBits (of a vector of `words`),
+  // null where that round cannot carry it (the AND of hosts of several ranks, or an
+  // MPI_Iallreduce; or too large); AndBits
   // then takes its tag (-1: none) and length, and PeerCompanion gives rank k's after it
   // (tag -1 where none came, or the round carried none).
   Status AndBits(std::vector<uint64_t>* bits, int64_t tag = -1, int64_t bytes = 0);
-  uint8_t* Companion(int64_t bytes);
+  uint8_t* Companion(int64_t bytes, int64_t words);
   int64_t PeerCompanion(int k, const uint8_t** data, int64_t* bytes) const;
   // Rank 0 receives every rank's blob; others get an empty vector.
   Status GatherBlobs(const std::vector<uint8_t>& mine, std::vector<std::vector<uint8_t>>* all);

@@ -45,7 +45,8 @@ struct Config {
   // when nothing else of this rank is in flight: Core::RunCallerCycle).
   bool caller_cycle = true;
   // HVDLITE_CARRY_DATA=0: a small cached op alone in its round never rides with the
-  // coordination (by default, on one host, its data does: ProcessSetState::Carry).
+  // coordination (by default, on one host or across hosts of one rank each, its data
+  // does: ProcessSetState::Carry).
   bool carry_data = true;
   // HVDLITE_HIERARCHICAL_ALLREDUCE=0/1 (or Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE;
   // ours wins when both are set): -1 when unset, the hierarchical allreduce then on

@@ -27,9 +27,10 @@
 //     else an MPI_Iallreduce(BAND)) tells every rank which cached tensors are ready
 //     everywhere, which slots to drop, and whether anyone has uncached requests, has
 //     joined, asked to shut down, or has ops in flight in another set (RoundFlags);
-//     through shared memory, a small cached allreduce or broadcast that is its rank's
-//     only request carries its data with it (ProcessSetState::Carry), and runs from
-//     those copies in step 4 where every member's came;
+//     through shared memory, or the direct exchange across hosts of one rank each
+//     (MpiBackend::DirectRound), a small cached allreduce or broadcast that is its
+//     rank's only request carries its data with it (ProcessSetState::Carry), and runs
+//     from those copies in step 4 where every member's came;
 //  3. only if someone has uncached requests: gather them on the set's rank 0, whose
 //     Controller checks them across ranks and broadcasts the new responses;
 //  4. execute cached-ready responses (slot order) then new ones (broadcast order),

@@ -264,7 +264,9 @@ void ProcessSetState::ExecuteAllreduce(const std::vector<const Response*>& fused
   const int64_t bytes = total * ElementSize(options.dtype);
   counters_.collectives++;
   if (carried) counters_.carried_collectives++;
-  if (carried || algorithm == AllreduceAlgorithm::kSharedMemory) counters_.shm_collectives++;
+  if (carried ? mpi_->shared_memory() : algorithm == AllreduceAlgorithm::kSharedMemory) {
+    counters_.shm_collectives++;
+  }
   if (algorithm == AllreduceAlgorithm::kLayers) counters_.hierarchical_collectives++;
   if (fused.size() > 1) counters_.fused_collectives++;
   counters_.bytes += bytes;
@@ -419,7 +421,7 @@ Status ProcessSetState::ExecuteBroadcast(const Response& r, TensorEntry* e, OpTa
     if (rank_ != r.root_rank) std::memcpy(target, carried_parts_[r.root_rank], nbytes);
     tally->moved = nbytes;
     tally->activity = "CARRIED_BROADCAST";
-    counters_.shm_collectives++;
+    if (mpi_->shared_memory()) counters_.shm_collectives++;
     counters_.carried_collectives++;
     return Status::OK();
   }

@@ -13,12 +13,14 @@ namespace hvdlite {
 namespace {
 
 // Whether an allreduce's result cannot depend on the order its ranks' values are
-// combined in: two ranks (each step of every reduction is commutative, a 16-bit float's
-// rounded once either way), Min and Max, integers.
+// combined in: integers (any op: exact, or wrapping alike), and floats' sums, averages
+// and products of two ranks (one commutative step; a NaN's payload aside). Not floats'
+// Min and Max: with a NaN or zeros of both signs, which one comes out depends on the
+// order.
 bool OrderFree(const Response& r, int size) {
   const int32_t d = r.dtype;
-  return size <= 2 || r.reduce_op == HVDLITE_MIN || r.reduce_op == HVDLITE_MAX ||
-         !(d == HVDLITE_FLOAT16 || d == HVDLITE_BFLOAT16 || d == HVDLITE_FLOAT32 || d == HVDLITE_FLOAT64);
+  const bool floating = d == HVDLITE_FLOAT16 || d == HVDLITE_BFLOAT16 || d == HVDLITE_FLOAT32 || d == HVDLITE_FLOAT64;
+  return !floating || (size <= 2 && r.reduce_op != HVDLITE_MIN && r.reduce_op != HVDLITE_MAX);
 }
 
 // Timeline names of the negotiation, by HVDLITE_OP_*.
@@ -157,7 +159,7 @@ bool ProcessSetState::Coordinate(Clock::time_point now, const RoundFlags& mine, 
   for (size_t i = 0; i < words; ++i) bits[1 + words + i] = ~0ull;
   for (int64_t slot : invalid_slots_) bits[1 + words + slot / 64] &= ~(1ull << (slot % 64));
   int64_t carried_bytes = 0;
-  const int64_t carried_slot = Carry(&carried_bytes);
+  const int64_t carried_slot = Carry(static_cast<int64_t>(bits.size()), &carried_bytes);
   invalid_slots_.clear();
   if (tuned) autotune_.Publish(&bits[1 + 2 * words]);
 
@@ -213,7 +215,7 @@ bool ProcessSetState::Coordinate(Clock::time_point now, const RoundFlags& mine, 
   return true;
 }
 
-int64_t ProcessSetState::Carry(int64_t* bytes) {
+int64_t ProcessSetState::Carry(int64_t words, int64_t* bytes) {
   // Only a rank's only request (nothing uncached, no other cached op, no join) is
   // carried: then the op is the round's only cached one wherever every member carries
   // it, and ready holds it alone.
@@ -226,12 +228,12 @@ int64_t ProcessSetState::Carry(int64_t* bytes) {
   const Response& r = cache_->Get(slot);
   if (r.on_device || (r.op != HVDLITE_OP_ALLREDUCE && r.op != HVDLITE_OP_BROADCAST)) return -1;
   // Carried, an allreduce reduces in rank order, as the data path does through shared
-  // memory; MPI's own order (across hosts) may give other bits in a float's last place
-  // from 3 ranks on, so there only what no order changes is carried: every result then
-  // the same bits whether its op was carried or not.
+  // memory; MPI's own order (across hosts) may give other bits in a float's last place,
+  // so there only what no order changes is carried: every result then the same bits
+  // whether its op was carried or not.
   if (r.op == HVDLITE_OP_ALLREDUCE && !mpi_->shared_memory() && !OrderFree(r, size_)) return -1;
   const int64_t n = NumElements(r.shape), nbytes = n * ElementSize(r.dtype);
-  uint8_t* companion = nbytes > 0 ? mpi_->Companion(nbytes) : nullptr;
+  uint8_t* companion = nbytes > 0 ? mpi_->Companion(nbytes, words) : nullptr;
   TensorEntry* e = companion ? queue_.Find(r.name) : nullptr;
   if (!e || !e->input) return -1;
   if (r.op == HVDLITE_OP_ALLREDUCE) {

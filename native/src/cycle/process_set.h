@@ -155,10 +155,10 @@ class ProcessSetState {
   // that is this rank's only request rides with the coordination round (the round's
   // companion, MpiBackend::Companion), so that, when every member's came, the op runs
   // from those copies without a meeting of its own. Carry writes this rank's (before the
-  // round) and returns its tag, the op's cache slot, or -1 where this round carries
-  // none; *bytes: how many it wrote. Carried (after the round, ready as the round left
+  // round, whose vector has `words`) and returns its tag, the op's cache slot, or -1
+  // where this round carries none; *bytes: how many it wrote. Carried (after the round, ready as the round left
   // it) says whether every member carried that op, and keeps their data for Execute.
-  int64_t Carry(int64_t* bytes);
+  int64_t Carry(int64_t words, int64_t* bytes);
   bool Carried(int64_t slot, const std::vector<Response>& ready);
   bool Negotiate(Clock::time_point now, std::vector<Response>* ready);
   void Execute(const std::vector<Response>& ready);

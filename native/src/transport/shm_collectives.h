@@ -97,9 +97,12 @@ class ShmCollectives {
   static constexpr int64_t kControlBytes = 4096;
   // Data carried with the bit vector (a companion), per rank: at most this many bytes.
   static constexpr int64_t kCompanionBytes = 16 * 1024;
-  // Each companion area: its tag and length (64 bytes, for alignment), then the data.
-  static constexpr int64_t kCompanionArea = 64 + kCompanionBytes;
+  // Each companion area: its tag and length (64 bytes, for alignment), then the data;
+  // padded so that the slots after the header start on a page, as they did without.
+  static constexpr int64_t kCompanionArea = 20 * 1024;
+  static_assert(kCompanionArea >= 64 + kCompanionBytes, "a companion fits its area");
   static constexpr int64_t kHeaderBytes = kControlBytes + 2 * kMaxBitsWords * 8 + 2 * kCompanionArea;
+  static_assert(kHeaderBytes % 4096 == 0, "the slots start on a page");
   static constexpr int64_t kSegmentBytes = kHeaderBytes + 4 * kChunkBytes;
 
   // segments[k]: rank k's segment as mapped in this process (each one's control area
