@@ -354,12 +354,8 @@ def _submit_wait(kept, input_ptr, output_ptr, keepalive, finisher, name, result,
         # returns: dropped, the handle of an op still running keeps its buffers until it
         # ends (the orphans of handle.py). A result take tried (it outgrew the guess, or
         # failed) is not tried again: the Handle's finisher reads it.
-        if ended or not cell[0]:
-            handle = None
-        elif taken:
-            handle = Handle([cell[0]], finisher, keepalive, name, None, succeeded=True)
-        else:
-            handle = _waited(cell[0], op_status[0], keepalive, finisher, name, result)
+        handle = None if ended or not cell[0] else _waited(
+            cell[0], op_status[0], keepalive, finisher, name, result, take=not taken)
     if ended:
         return result
     if status != _OK:
@@ -375,12 +371,13 @@ def _submit_wait(kept, input_ptr, output_ptr, keepalive, finisher, name, result,
         raise
 
 
-def _waited(handle_id, status, keepalive, finisher, name, result):
+def _waited(handle_id, status, keepalive, finisher, name, result, take=True):
     """The handle of an op enqueued and waited for in one call (``submit`` in
-    ``at_once``), whose wait returned ``status``."""
+    ``at_once``), whose wait returned ``status``; ``take``: a small result may still be
+    copied out (not where that was tried already)."""
     if finisher is None:
         return OpHandle.after_wait(handle_id, status, keepalive, name, result)
-    if status == _OK and type(finisher) is CoreResult:
+    if status == _OK and take and type(finisher) is CoreResult:
         taken = finisher.take(handle_id)
         if taken is not None:
             return OpHandle.after_wait(handle_id, status, None, name, taken)

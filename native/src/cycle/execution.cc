@@ -263,8 +263,9 @@ void ProcessSetState::ExecuteAllreduce(const std::vector<const Response*>& fused
   if (tl) timeline_.EndAll(names);  // ALLREDUCE
   const int64_t bytes = total * ElementSize(options.dtype);
   counters_.collectives++;
-  if (carried) counters_.carried_collectives++;
-  if (carried ? mpi_->shared_memory() : algorithm == AllreduceAlgorithm::kSharedMemory) {
+  if (carried) {
+    CountCarried();
+  } else if (algorithm == AllreduceAlgorithm::kSharedMemory) {
     counters_.shm_collectives++;
   }
   if (algorithm == AllreduceAlgorithm::kLayers) counters_.hierarchical_collectives++;
@@ -421,8 +422,7 @@ Status ProcessSetState::ExecuteBroadcast(const Response& r, TensorEntry* e, OpTa
     if (rank_ != r.root_rank) std::memcpy(target, carried_parts_[r.root_rank], nbytes);
     tally->moved = nbytes;
     tally->activity = "CARRIED_BROADCAST";
-    if (mpi_->shared_memory()) counters_.shm_collectives++;
-    counters_.carried_collectives++;
+    CountCarried();
     return Status::OK();
   }
   Status s = mpi_->Bcast(target, nbytes, r.root_rank);
@@ -433,6 +433,11 @@ Status ProcessSetState::ExecuteBroadcast(const Response& r, TensorEntry* e, OpTa
     tally->activity = "SHM_BROADCAST";
   }
   return s;
+}
+
+void ProcessSetState::CountCarried() {
+  counters_.carried_collectives++;
+  if (mpi_->shared_memory()) counters_.shm_collectives++;  // not the direct round's
 }
 
 Status ProcessSetState::ReduceCarried(const Response& r, TensorEntry* e, const AllreduceOptions& options) {

@@ -186,6 +186,7 @@ class ProcessSetState {
   Status ExecuteBroadcast(const Response& r, TensorEntry* e, OpTally* tally);
   // The carried op's data path: its result from every member's carried data.
   Status ReduceCarried(const Response& r, TensorEntry* e, const AllreduceOptions& options);
+  void CountCarried();
   Status ExecuteAlltoall(const Response& r, TensorEntry* e, OpOutput* out, OpTally* tally);
   Status ExecuteReducescatter(const Response& r, TensorEntry* e, OpTally* tally);
   // GPU tensors (gpu_execution.cc): ready[begin, end) through NCCL, or staged through

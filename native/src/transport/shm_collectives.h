@@ -93,7 +93,7 @@ class ShmCollectives {
   // Longest bit vector AndBits takes (a response cache of up to ~65,000 entries).
   static constexpr int64_t kMaxBitsWords = 2048;
   // Each segment: the barrier's control block (used in rank 0's), two bit-vector
-  // areas, then the two sets of in and out slots.
+  // areas, two companion areas, then the two sets of in and out slots.
   static constexpr int64_t kControlBytes = 4096;
   // Data carried with the bit vector (a companion), per rank: at most this many bytes.
   static constexpr int64_t kCompanionBytes = 16 * 1024;
