@@ -5,11 +5,16 @@ and every collective against values numpy computes from the ranks' known inputs.
 Layouts: 2 hosts x 2 ranks, uneven 3 + 1, 1 rank per host (2 and 3 hosts), and ranks
 placed round-robin over the hosts (hydra's -ppn 1: a host's ranks are not contiguous).
 One job per layout checks everything and reports its failures in one result line. With
-one rank per host, small ops carried by the coordination round (the direct exchange).
+one rank per host, small ops carried by the coordination round (the direct exchange), and
+the ranks of the cluster's hosts counted as sharing this machine's cores.
 """
+import os
+
 import pytest
 
+import needs
 import test_carried_ops
+import test_thread_sched
 from cluster_harness import run_cluster_job
 from harness import describe
 
@@ -167,3 +172,24 @@ def test_small_ops_carried_by_the_direct_round(make_cluster, hosts):
         lambda env: run_cluster_job(cluster, hosts, test_carried_ops.SCRIPT, timeout=JOB_TIMEOUT,
                                     env=env),
         size, across_hosts=True)
+
+
+@pytest.mark.parametrize("hosts", ["h1:1,h2:1", "h1:1,h2:1,h3:1"], ids=["2x1", "3x1"])
+def test_ranks_of_one_machine_share_its_cores_whatever_their_host_names(make_cluster, hosts):
+    # The namespace hosts are one kernel's: their ranks share this machine's cores, each
+    # host name notwithstanding. Where they outnumber the cores (3 ranks on this 2-core
+    # machine) a background thread must not be real-time (equal real-time priorities do
+    # not share a core), though each rank is alone on its host.
+    size = hosts.count(",") + 1
+    cores = len(os.sched_getaffinity(0))
+    if size <= cores and not test_thread_sched.REALTIME_PERMITTED:
+        needs.need("realtime", test_thread_sched.REALTIME_MISSING)
+    result = run_cluster_job(make_cluster(3), hosts, test_thread_sched.SCRIPT, timeout=JOB_TIMEOUT,
+                             env=test_thread_sched.UNSET)
+    assert result.returncode == 0, describe(result)
+    want = os.SCHED_FIFO if size <= cores else os.SCHED_OTHER
+    for rank in range(size):
+        assert result.result(rank)["sum"] == [sum(k + i for k in range(size)) for i in range(4)]
+        loop, _ = test_thread_sched.loop_and_others(result, rank)
+        assert loop == want, (f"rank {rank} of {size} on {cores} cores: background thread policy "
+                              f"{loop}, expected {want}\n{describe(result)}")

@@ -7,7 +7,8 @@ is bound and every rank says why. Expected cores come from this process's own af
 which the job inherits.
 
 The background thread is real-time (SCHED_FIFO) where the kernel permits it and every
-local rank can have a core, unless HVDLITE_BACKGROUND_REALTIME=0; no other thread is.
+rank sharing its cores (on this machine, whatever the host names: tests/cluster) can have
+one, unless HVDLITE_BACKGROUND_REALTIME=0; no other thread is.
 Whether the kernel permits it is asked of the kernel here, by a process of our own.
 
 A bad value of either variable fails init with an error naming it.
@@ -302,7 +303,7 @@ def test_background_realtime_asked_with_more_ranks_than_cores_warns():
         assert result.result(rank)["sum"] == [sum(k + i for k in range(2)) for i in range(4)]
         stderr = result.stderr_text(rank)
         assert "HVDLITE_BACKGROUND_REALTIME=1" in stderr, describe(result)
-        assert "more ranks on this host (2) than cores this process may use (1)" in stderr, describe(result)
+        assert "2 ranks share 1 core (the ranks on this machine" in stderr, describe(result)
 
 
 @pytest.mark.parametrize("var,value,says", [

@@ -151,6 +151,16 @@ Status MpiBackend::Init(int64_t comm_f2c, bool thread_multiple, const LayerSetti
   Status s = Check(MPI_Comm_dup(base, &Comm(comm_)), "MPI_Comm_dup");
   if (!s.ok()) return s;
   MPI_Comm_rank(Comm(comm_), &global_rank_);
+  // Which ranks share this one's cores, from every rank's place (a process set's
+  // backend takes the world's: its non-members' threads share the cores all the same).
+  int size = 1;
+  MPI_Comm_size(Comm(comm_), &size);
+  const CorePlace mine = ThisCorePlace();
+  std::vector<CorePlace> all(size);
+  s = Check(MPI_Allgather(&mine, sizeof(mine), MPI_BYTE, all.data(), sizeof(mine), MPI_BYTE, Comm(comm_)),
+            "MPI_Allgather (core places)");
+  if (!s.ok()) return s;
+  sharing_ = CountSharing(mine, all);
   return Attach(layers, topo);
 }
 
@@ -162,6 +172,7 @@ Status MpiBackend::InitSubset(const MpiBackend& parent, bool member, const Layer
                    "MPI_Comm_split (process set)");
   if (!s.ok() || !member) return s;
   global_rank_ = parent.global_rank_;
+  sharing_ = parent.sharing_;
   comm_ = new MPI_Comm(sub);
   MpiTopology topo;
   return Attach(layers, &topo);
@@ -172,6 +183,7 @@ Status MpiBackend::Attach(const LayerSettings& layers, MpiTopology* topo) {
   MPI_Comm_set_errhandler(Comm(comm_), MPI_ERRORS_RETURN);
   MPI_Comm_rank(Comm(comm_), &topo->rank);
   MPI_Comm_size(Comm(comm_), &topo->size);
+  topo->sharing = sharing_;
   for (int kind = 0; kind < 2; ++kind) {
     for (int op = 0; op < 5; ++op) {
       MPI_Op* mop = new MPI_Op;
@@ -225,7 +237,7 @@ Status MpiBackend::SetUpLayers(const LayerSettings& settings, const MpiTopology&
   spans_hosts_ = std::count_if(places.begin(), places.end(),
                                [](const RankPlace& p) { return p.local_rank == 0; }) > 1;
   alone_ = topo.size == 1;
-  cores_for_each_ = CoresAtStartCount() >= topo.local_size;
+  cores_for_each_ = !sharing_.crowded();
   if (s.ok() && !plan.error.empty()) {
     // Every rank found the same disagreement: end MPI together, as a failed init must.
     for (void* c : {local, cross}) MPI_Comm_free(static_cast<MPI_Comm*>(c));

@@ -21,6 +21,7 @@
 #include "common/allreduce_options.h"
 #include "common/common.h"
 #include "common/fusion_buffer.h"
+#include "common/thread_sched.h"
 #include "algorithms/hierarchical_allgather.h"
 #include "algorithms/hierarchical_allreduce.h"
 #include "algorithms/hierarchical_broadcast.h"
@@ -45,6 +46,7 @@ enum class AllreduceAlgorithm { kLayers, kSharedMemory, kMpi };
 struct MpiTopology {
   int rank = 0, size = 1, local_rank = 0, local_size = 1, cross_rank = 0, cross_size = 1;
   bool threads_multiple = false;
+  CoreSharing sharing;  // the ranks that share this one's cores (of the world's ranks)
 };
 
 class MpiBackend {
@@ -209,7 +211,8 @@ class MpiBackend {
   // each cycle): WaitBackoff's polls, and the shared-memory waits, poll longer before
   // they sleep. The cycle's thread.
   bool caller_waiting_ = false;
-  bool cores_for_each_ = false;  // at least one core per rank of this host
+  bool cores_for_each_ = false;  // at least one core per rank sharing them (sharing_)
+  CoreSharing sharing_;
   std::vector<void*> ops_;  // user-defined reductions for 16-bit floats
   // The layers in use: host_ alone (every rank on one host, shared memory), all three
   // (hierarchical allreduce), or none (flat MPI).

@@ -6,7 +6,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -88,6 +90,37 @@ void SetNormal() {
 
 }  // namespace
 
+CorePlace ThisCorePlace() {
+  CorePlace place = {};
+  // One id per boot of the kernel, read alike in every container and network namespace.
+  FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r");
+  const size_t n = f ? std::fread(place.kernel, 1, sizeof(place.kernel) - 1, f) : 0;
+  if (f) std::fclose(f);
+  if (n == 0) gethostname(place.kernel, sizeof(place.kernel) - 1);  // as a host name groups
+  std::string why;
+  for (int c : CoresAtStart(&why)) {
+    if (c < 1024) place.cores[c / 64] |= uint64_t{1} << (c % 64);
+  }
+  return place;
+}
+
+CoreSharing CountSharing(const CorePlace& mine, const std::vector<CorePlace>& all) {
+  CoreSharing sharing;
+  sharing.ranks = 0;
+  uint64_t cores[16] = {};
+  for (const CorePlace& p : all) {
+    if (std::memcmp(p.kernel, mine.kernel, sizeof(mine.kernel)) != 0) continue;
+    bool meet = false;
+    for (int w = 0; w < 16; ++w) meet = meet || (p.cores[w] & mine.cores[w]) != 0;
+    if (!meet) continue;
+    sharing.ranks++;
+    for (int w = 0; w < 16; ++w) cores[w] |= p.cores[w];
+  }
+  for (uint64_t w : cores) sharing.cores += __builtin_popcountll(w);
+  sharing.ranks = std::max(sharing.ranks, 1);
+  return sharing;
+}
+
 int CoresAtStartCount() {
   std::string why;
   return static_cast<int>(CoresAtStart(&why).size());
@@ -107,12 +140,16 @@ bool PlaceThread(int tid, int cpu) {
   return sched_setaffinity(tid, sizeof(set), &set) == 0;
 }
 
-bool RequestRealtime(int local_size, std::string* why) {
-  const std::vector<int> cores = CoresAtStart(why);
-  if (cores.empty()) return false;
-  if (local_size > static_cast<int>(cores.size())) {
-    *why = "more ranks on this host (" + std::to_string(local_size) + ") than cores this process may use (" +
-           std::to_string(cores.size()) + "): real-time threads of equal priority do not share a core";
+bool RequestRealtime(const CoreSharing& sharing, std::string* why) {
+  if (sharing.cores == 0) {
+    *why = "cannot read which cores this process may use";
+    return false;
+  }
+  if (sharing.crowded()) {
+    *why = std::to_string(sharing.ranks) + " ranks share " + std::to_string(sharing.cores) +
+           (sharing.cores == 1 ? " core" : " cores") +
+           " (the ranks on this machine whose cores meet this one's, whatever their host names): "
+           "real-time threads of equal priority do not share a core";
     return false;
   }
   if (!SetRealtime()) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,28 @@ bool RequestShortSlice(long slice_ns);
 
 // The background thread's slice: the shortest the kernel takes.
 constexpr long kBackgroundSliceNs = 100000;
+
+// Where a rank runs, as far as cores go: the running kernel and the cores the process
+// could use at start. A host name says less: the containers (or network namespaces) of
+// one machine each have their own, and their ranks share its cores all the same.
+struct CorePlace {
+  char kernel[64];     // the kernel's boot id (the host name where it cannot be read)
+  uint64_t cores[16];  // bit c: core c (the first 1024)
+};
+CorePlace ThisCorePlace();
+
+// The ranks that share cores with this one: those on its kernel whose cores meet its
+// own, itself included, and how many cores they have between them. Where ranks > cores
+// a core is shared by several ranks' threads, and a thread that spins or runs real-time
+// takes it from the others: waits sleep sooner, the background thread keeps the normal
+// policy, and it does not follow the caller to its core.
+struct CoreSharing {
+  int ranks = 1;
+  int cores = 0;
+  bool crowded() const { return ranks > cores; }
+};
+// mine among every rank's places (`all`, in any order).
+CoreSharing CountSharing(const CorePlace& mine, const std::vector<CorePlace>& all);
 
 // Makes the calling thread real-time: SCHED_FIFO at the lowest priority, so that a wake
 // takes a core from a normal thread at once, not after the tens of microseconds a short
@@ -29,11 +52,11 @@ constexpr long kBackgroundSliceNs = 100000;
 // so the background thread waits on futexes and in sleeping polls (their first ~10 us
 // excepted), and runs MPI calls that spin until a peer arrives (blocking collectives on
 // one host, communicator changes) under NormalPriorityScope. Threads it starts get the
-// normal policy (SCHED_RESET_ON_FORK). Refused, with *why set, when this process may use
-// fewer cores than there are ranks on its host (local_size): real-time threads of equal
-// priority do not share a core by time slices. And refused when the kernel refuses
-// (CAP_SYS_NICE, which containers often drop, or an RLIMIT_RTPRIO of at least 1).
-bool RequestRealtime(int local_size, std::string* why);
+// normal policy (SCHED_RESET_ON_FORK). Refused, with *why set, where more ranks share
+// this process's cores than there are cores among them (CoreSharing): real-time threads
+// of equal priority do not share a core by time slices. And refused when the kernel
+// refuses (CAP_SYS_NICE, which containers often drop, or an RLIMIT_RTPRIO of at least 1).
+bool RequestRealtime(const CoreSharing& sharing, std::string* why);
 // Back to the normal policy and the short slice, for good (before shutting down).
 // Nothing if the thread is not real-time.
 void LeaveRealtime();

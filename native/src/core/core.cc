@@ -47,7 +47,7 @@ void BindThisRank(const MpiTopology& topo) {
 void MakeBackgroundRealtime(const Config& config, const MpiTopology& topo) {
   if (config.background_realtime == 0) return;
   std::string why;
-  if (RequestRealtime(topo.local_size, &why)) {
+  if (RequestRealtime(topo.sharing, &why)) {
     HVDLITE_LOG(DEBUG) << "background thread real-time (SCHED_FIFO)";
   } else if (config.background_realtime == 1) {
     HVDLITE_LOG(WARNING) << "HVDLITE_BACKGROUND_REALTIME=1: the background thread stays at normal priority: " << why;
@@ -124,9 +124,9 @@ Status Core::Init(int64_t comm_f2c) {
     if (st.ok()) {
       topo_ = topo;
       SetLogRank(topo.rank);
-      // The GPU's stream end is polled before the wait sleeps, unless this host's ranks
-      // outnumber its cores (one process-wide device, so one world-wide rule).
-      gpu_.set_may_poll(CoresAtStartCount() >= topo.local_size);
+      // The GPU's stream end is polled before the wait sleeps, unless the ranks sharing
+      // these cores outnumber them (one process-wide device, so one world-wide rule).
+      gpu_.set_may_poll(!topo.sharing.crowded());
       if (config_.bind_to_core) BindThisRank(topo);
       follow_caller_ = !config_.bind_to_core && topo.local_size == 1 && CoresAtStartCount() >= 2;
       if (topo.rank == 0 && !config_.timeline_path.empty()) {
