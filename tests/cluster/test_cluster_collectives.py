@@ -174,6 +174,21 @@ def test_small_ops_carried_by_the_direct_round(make_cluster, hosts):
         size, across_hosts=True)
 
 
+@pytest.mark.parametrize("hosts", ["h1:2,h2:2", "h1:2,h2:2,h3:2"], ids=["2x2", "3x2"])
+def test_small_ops_carried_by_the_layered_round(make_cluster, hosts):
+    # Hosts of 2 ranks: the round ANDs on each host through shared memory, then across
+    # hosts by one exchange among the ranks of one local rank, and a small op's data
+    # rides in both steps (each host's reduced over its ranks, then the hosts' in host
+    # order: what the hierarchical allreduce computes, so every op is carried and every
+    # result has the same bits as without carrying).
+    size = 2 * (hosts.count(",") + 1)
+    cluster = make_cluster(size // 2)
+    test_carried_ops.carried_runs(
+        lambda env: run_cluster_job(cluster, hosts, test_carried_ops.SCRIPT, timeout=JOB_TIMEOUT,
+                                    env=env),
+        size)
+
+
 @pytest.mark.parametrize("hosts", ["h1:1,h2:1", "h1:1,h2:1,h3:1"], ids=["2x1", "3x1"])
 def test_ranks_of_one_machine_share_its_cores_whatever_their_host_names(make_cluster, hosts):
     # The namespace hosts are one kernel's: their ranks share this machine's cores, each

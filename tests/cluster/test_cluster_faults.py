@@ -81,7 +81,7 @@ def _shared_dir():
 
 @pytest.mark.parametrize("hosts", ["h1:2,h2:2", "h1:1,h2:1"], ids=["2x2", "2x1"])
 def test_a_rank_killed_on_another_host(cluster2, hosts):
-    # 2 x 1: the coordination is the direct exchange of records (MpiBackend::DirectRound).
+    # 2 x 1: the coordination is the direct exchange of records (MpiBackend::ExchangeRecords).
     victim = 3 if hosts == "h1:2,h2:2" else 1
     survivors = list(range(victim))
     with _shared_dir() as out_dir:

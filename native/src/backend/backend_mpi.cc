@@ -301,12 +301,14 @@ Status MpiBackend::SetUpLayers(const LayerSettings& settings, const MpiTopology&
   rank_ = topo.rank;
   size_ = topo.size;
   if (s.ok()) {
-    // Every rank must choose the same round (DirectRound's messages against an
+    // Every rank must choose the same round (ExchangeRecords' messages against an
     // MPI_Iallreduce would wait forever): agreed here, once.
     int direct = topo.local_size == 1 && spans_hosts_ && topo.size <= kDirectRanks ? 1 : 0, all_direct = 0;
     s = Check(MPI_Allreduce(&direct, &all_direct, 1, MPI_INT, MPI_MIN, Comm(comm_)), "MPI_Allreduce (round)");
     direct_round_ = all_direct == 1;
   }
+  // The same on every rank: the plan is, and so is the hosts' number.
+  layered_round_ = cross_every_rank_ && cross_->size() <= kDirectRanks;
   return s;
 }
 
@@ -323,6 +325,7 @@ void MpiBackend::Shutdown(bool finalize) {
   if (host_) host_->Close(finalize);
   cross_.reset();
   cross_every_rank_ = false;
+  layered_round_ = false;
   host_.reset();
   if (finalize) {
     for (void* p : ops_) MPI_Op_free(static_cast<MPI_Op*>(p));
@@ -373,24 +376,96 @@ void MpiBackend::set_caller_waiting(bool waiting) {
 
 uint8_t* MpiBackend::Companion(int64_t bytes, int64_t words) {
   if (bytes > ShmCollectives::kCompanionBytes) return nullptr;
-  if (ShmRound(words)) return host_->shm().Companion();
-  if (!direct_round_) return nullptr;
-  const size_t most = kRecordHead + ShmCollectives::kCompanionBytes;
-  if (record_.size() < most) record_.resize(most);  // DirectRound keeps what is written
-  return record_.data() + kRecordHead;
+  switch (RoundFor(words)) {
+    case Round::kShm:
+    case Round::kLayered:  // the host's step first
+      return host_->shm().Companion();
+    case Round::kDirect: {
+      const size_t most = kRecordHead + ShmCollectives::kCompanionBytes;
+      if (record_.size() < most) record_.resize(most);  // ExchangeRecords keeps what is written
+      return record_.data() + kRecordHead;
+    }
+    default:
+      return nullptr;
+  }
 }
 
-int64_t MpiBackend::PeerCompanion(int k, const uint8_t** data, int64_t* bytes) const {
+int MpiBackend::RoundRanks() const {
+  switch (round_) {
+    case Round::kShm: return host_->shm().size();
+    case Round::kDirect: return size_;
+    case Round::kLayered: return cross_->size();
+    default: return 0;
+  }
+}
+
+int64_t MpiBackend::RoundRecord(int k, const uint8_t** data, int64_t* bytes) const {
   if (round_ == Round::kShm) return host_->shm().PeerCompanion(k, data, bytes);
-  if (round_ != Round::kDirect) return -1;
-  const uint8_t* record = k == rank_ ? record_.data() : records_[k].data();
+  const uint8_t* record = k == record_rank_ ? record_.data() : records_[k].data();
   const int64_t* head = reinterpret_cast<const int64_t*>(record);
   *data = record + kRecordHead;
   *bytes = head[1];
   return head[0];
 }
 
-Status MpiBackend::DirectRound(std::vector<uint64_t>* bits, int64_t tag, int64_t bytes) {
+bool MpiBackend::CarriedParts(const CarriedOp& carried, std::vector<const uint8_t*>* parts) const {
+  // An allreduce: every record with the op's data. A broadcast: the root's, the one
+  // record with data (the others carry the tag alone); in the layered round the record
+  // from the root's host, which forwards the root's data.
+  parts->clear();
+  const int n = carried.tag < 0 ? 0 : RoundRanks();
+  for (int k = 0; k < n; ++k) {
+    const uint8_t* data = nullptr;
+    int64_t bytes = 0;
+    if (RoundRecord(k, &data, &bytes) != carried.tag) return false;
+    if (bytes == carried.nbytes) {
+      parts->push_back(data);
+    } else if (carried.root < 0 || bytes != 0) {
+      return false;
+    }
+  }
+  return n > 0 && (carried.root < 0 ? static_cast<int>(parts->size()) == n : parts->size() == 1);
+}
+
+bool MpiBackend::CarriesInDataOrder(int64_t words, const AllreduceTuning& tuning) const {
+  const Round round = RoundFor(words);
+  return round == Round::kShm ||
+         (round == Round::kLayered && ChooseAllreduce(tuning) == AllreduceAlgorithm::kLayers);
+}
+
+int64_t MpiBackend::CombineHost(const CarriedOp& carried, int64_t* bytes) {
+  // Every rank of the host reads the same companions: all decide alike, and an
+  // allreduce's sum has the same bits on each (as the layered allreduce's shared-memory
+  // reduce-scatter: each rank's prescaled data, in rank order).
+  ShmCollectives& shm = host_->shm();
+  *bytes = 0;
+  if (carried.tag < 0) return -1;
+  std::vector<const uint8_t*> parts;
+  for (int k = 0; k < shm.size(); ++k) {
+    const uint8_t* data = nullptr;
+    int64_t n = 0;
+    if (shm.PeerCompanion(k, &data, &n) != carried.tag) return -1;
+    if (n == carried.nbytes) {
+      parts.push_back(data);
+    } else if (carried.root < 0 || n != 0) {
+      return -1;
+    }
+  }
+  uint8_t* out = record_.data() + kRecordHead;
+  if (carried.root < 0) {
+    ReduceElements(out, parts, carried.count, carried.dtype, carried.reduce_op);
+    *bytes = carried.nbytes;
+  } else if (parts.size() == 1) {  // the root is on this host
+    std::memcpy(out, parts[0], carried.nbytes);
+    *bytes = carried.nbytes;
+  } else if (!parts.empty()) {
+    return -1;
+  }
+  return carried.tag;
+}
+
+Status MpiBackend::ExchangeRecords(void* comm, int rank, int size, std::vector<uint64_t>* bits,
+                                   int64_t tag, int64_t bytes) {
   // One trip: every rank's record to every other, received into room for the largest
   // (a companion's length need not be known ahead), then ANDed here.
   const int64_t words = static_cast<int64_t>(bits->size());
@@ -402,29 +477,30 @@ Status MpiBackend::DirectRound(std::vector<uint64_t>* bits, int64_t tag, int64_t
   head[0] = tag;
   head[1] = carried;
   std::memcpy(record_.data() + bits_at(carried), bits->data(), words * 8);
-  records_.resize(size_);
+  record_rank_ = rank;
+  records_.resize(size);
   std::vector<MPI_Request> requests;
-  requests.reserve(2 * (size_ - 1));
+  requests.reserve(2 * (size - 1));
   InMpiCall in_mpi("MPI_Isend/MPI_Irecv (coordination)");
-  for (int peer = 0; peer < size_; ++peer) {
-    if (peer == rank_) continue;
+  for (int peer = 0; peer < size; ++peer) {
+    if (peer == rank) continue;
     if (records_[peer].size() < most) records_[peer].resize(most);
     requests.emplace_back();
     Status s = Check(MPI_Irecv(records_[peer].data(), static_cast<int>(most), MPI_BYTE, peer, kRoundTag,
-                               Comm(comm_), &requests.back()),
+                               Comm(comm), &requests.back()),
                      "MPI_Irecv (coordination)");
     if (!s.ok()) return s;
     requests.emplace_back();
     s = Check(MPI_Isend(record_.data(), static_cast<int>(bits_at(carried) + words * 8), MPI_BYTE, peer,
-                        kRoundTag, Comm(comm_), &requests.back()),
+                        kRoundTag, Comm(comm), &requests.back()),
               "MPI_Isend (coordination)");
     if (!s.ok()) return s;
   }
   Status s = WaitBackoff(requests.data(), "MPI_Isend/MPI_Irecv (coordination)", PollBackoff::kWaitMaxSleep,
                          carried, static_cast<int>(requests.size()));
   if (!s.ok()) return s;
-  for (int peer = 0; peer < size_; ++peer) {
-    if (peer == rank_) continue;
+  for (int peer = 0; peer < size; ++peer) {
+    if (peer == rank) continue;
     const int64_t* theirs = reinterpret_cast<const int64_t*>(records_[peer].data());
     if (theirs[1] < 0 || theirs[1] > ShmCollectives::kCompanionBytes) {
       return Status(HVDLITE_ERR_MPI, "rank " + std::to_string(peer) +
@@ -437,25 +513,41 @@ Status MpiBackend::DirectRound(std::vector<uint64_t>* bits, int64_t tag, int64_t
   return Status::OK();
 }
 
-Status MpiBackend::AndBits(std::vector<uint64_t>* bits, int64_t tag, int64_t bytes) {
+Status MpiBackend::AndBits(std::vector<uint64_t>* bits, const CarriedOp& carried) {
   const int64_t words = static_cast<int64_t>(bits->size());
-  round_ = ShmRound(words) ? Round::kShm : direct_round_ ? Round::kDirect : Round::kMpi;
-  if (round_ == Round::kShm) return host_->shm().AndBits(bits->data(), words, tag, bytes);
-  if (round_ == Round::kDirect) return DirectRound(bits, tag, bytes);
+  round_ = RoundFor(words);
+  // What this rank wrote into Companion(): an allreduce's data, a broadcast root's.
+  const int64_t mine = carried.tag < 0 || (carried.root >= 0 && carried.root != rank_) ? 0 : carried.nbytes;
+  switch (round_) {
+    case Round::kShm:
+      return host_->shm().AndBits(bits->data(), words, carried.tag, mine);
+    case Round::kDirect:
+      return ExchangeRecords(comm_, rank_, size_, bits, carried.tag, mine);
+    case Round::kLayered: {
+      // The host's AND through shared memory, then the hosts' by one exchange among the
+      // ranks of this local rank (the cross layer): every rank ends with the AND of all
+      // after one network trip among as many ranks as hosts, where MPI's allreduce over
+      // every rank takes log2(size) trips, its host's peers over the network transport
+      // too (namespace cluster, 2 hosts x 2 ranks, a 4 KiB allreduce: rank 0's round,
+      // enqueue to "all ranks ready", 615 -> 58 us). A carried op's data rides in both.
+      Status s = host_->shm().AndBits(bits->data(), words, carried.tag, mine);
+      if (!s.ok()) return s;
+      const size_t most = kRecordHead + ShmCollectives::kCompanionBytes;
+      if (record_.size() < most) record_.resize(most);
+      int64_t bytes = 0;
+      const int64_t tag = CombineHost(carried, &bytes);
+      return ExchangeRecords(cross_->comm(), cross_->rank(), cross_->size(), bits, tag, bytes);
+    }
+    default:
+      break;
+  }
   if (alone_) return Status::OK();  // the AND of one vector
   void* comm = comm_;
-  if (host_ && words <= ShmCollectives::kMaxBitsWords) {
-    if (cross_every_rank_) {
-      // The host's AND through shared memory, then the hosts' over the network, each
-      // rank with the ranks of its local rank (the cross layer): every rank ends with
-      // the AND of all, after one network step among as many ranks as hosts, where
-      // MPI's allreduce over every rank takes log2(size) steps, its host's peers over
-      // the network transport too (namespace cluster, 2 hosts x 2 ranks, a 4 KiB
-      // allreduce: rank 0's round, enqueue to "all ranks ready", 615 -> 58 us).
-      Status s = host_->shm().AndBits(bits->data(), words);
-      if (!s.ok()) return s;
-      comm = cross_->comm();
-    }
+  if (host_ && cross_every_rank_ && words <= ShmCollectives::kMaxBitsWords) {
+    // More hosts than an exchange serves: the host's AND, then MPI's among the hosts.
+    Status s = host_->shm().AndBits(bits->data(), words);
+    if (!s.ok()) return s;
+    comm = cross_->comm();
   }
   InMpiCall in_mpi("MPI_Iallreduce (coordination)");
   MPI_Request req;

@@ -39,6 +39,18 @@ struct AllreduceTuning {
   int64_t shm_chunk_bytes = 0;  // ShmCollectives::set_chunk_bytes
 };
 
+// A small op whose data rides with a coordination round (ProcessSetState::Carry): its
+// cache slot as the round's tag (-1: none), its bytes, and what a host's step of the
+// layered round needs to combine its ranks' data. Every rank of an allreduce (its data
+// prescaled) and a broadcast's root write their data into Companion() first.
+struct CarriedOp {
+  int64_t tag = -1;
+  int64_t nbytes = 0;
+  int64_t count = 0;
+  int32_t dtype = 0, reduce_op = 0;
+  int root = -1;  // a broadcast's root; -1: an allreduce
+};
+
 // The algorithms an allreduce may run by: over the topology layers (hierarchical or
 // leader), through shared memory on one host, or over MPI.
 enum class AllreduceAlgorithm { kLayers, kSharedMemory, kMpi };
@@ -74,18 +86,27 @@ class MpiBackend {
   // polled with a backoff.
   //
   // A small set whose ranks are each alone on their host ANDs by one direct exchange
-  // of every rank's vector (DirectRound) instead.
+  // of every rank's vector (ExchangeRecords) instead; hosts of several ranks each, as
+  // many ranks on each and at most kDirectRanks of them, AND on each host through shared
+  // memory, then by that exchange among the ranks of one local rank (the layered round).
   //
   // A small op's data may ride with the bit vector (a companion), through shared memory
-  // (ShmCollectives::AndBits) or in the direct exchange's messages: Companion(bytes,
-  // words) is where this rank writes it for its next AndBits (of a vector of `words`),
-  // null where that round cannot carry it (the AND of hosts of several ranks, or an
-  // MPI_Iallreduce; or too large); AndBits
-  // then takes its tag (-1: none) and length, and PeerCompanion gives rank k's after it
-  // (tag -1 where none came, or the round carried none).
-  Status AndBits(std::vector<uint64_t>* bits, int64_t tag = -1, int64_t bytes = 0);
+  // (ShmCollectives::AndBits), in the direct exchange's records or in both steps of the
+  // layered round: Companion(bytes, words) is where this rank writes it for its next
+  // AndBits (of a vector of `words`), null where that round cannot carry it (an
+  // MPI_Iallreduce, or too large); AndBits then takes the op (CarriedOp), and
+  // CarriedParts gives the data that came with the round.
+  Status AndBits(std::vector<uint64_t>* bits, const CarriedOp& carried = CarriedOp());
   uint8_t* Companion(int64_t bytes, int64_t words);
-  int64_t PeerCompanion(int k, const uint8_t** data, int64_t* bytes) const;
+  // After AndBits: whether every rank carried `carried` (the same answer on every rank:
+  // each reads the same records); then *parts holds, for an allreduce, every rank's
+  // data in rank order (each prescaled; the layered round: each host's, reduced over its
+  // ranks in rank order, in host order), for a broadcast the root's alone.
+  bool CarriedParts(const CarriedOp& carried, std::vector<const uint8_t*>* parts) const;
+  // Whether an allreduce carried by the next round of `words` is reduced in the order
+  // its data path would reduce it (through shared memory, or over the hosts' layers),
+  // so that every result has the same bits carried or not.
+  bool CarriesInDataOrder(int64_t words, const AllreduceTuning& tuning) const;
   // Rank 0 receives every rank's blob; others get an empty vector.
   Status GatherBlobs(const std::vector<uint8_t>& mine, std::vector<std::vector<uint8_t>>* all);
   Status BroadcastBlob(std::vector<uint8_t>* blob);  // from rank 0
@@ -189,10 +210,20 @@ class MpiBackend {
   int global_rank_ = 0;   // this rank in the job (the world's communicator)
   bool spans_hosts_ = false;  // this communicator's ranks are on more than one host
   bool alone_ = false;        // it has one rank: a blocking call never waits for a peer
-  // How the last AndBits went: companions came with the shared memory's and the direct
-  // exchange's rounds.
-  enum class Round { kMpi, kShm, kDirect };
+  // How the last AndBits went: companions came with the shared memory's, the direct
+  // exchange's and the layered rounds.
+  enum class Round { kMpi, kShm, kDirect, kLayered };
   Round round_ = Round::kMpi;
+  Round RoundFor(int64_t words) const {
+    if (ShmRound(words)) return Round::kShm;
+    if (direct_round_) return Round::kDirect;
+    if (layered_round_ && words <= ShmCollectives::kMaxBitsWords) return Round::kLayered;
+    return Round::kMpi;
+  }
+  // Record k of the last round's exchange (its tag and companion), or of the host's
+  // shared memory (kShm): k a rank of the exchange (kLayered: of the cross layer).
+  int64_t RoundRecord(int k, const uint8_t** data, int64_t* bytes) const;
+  int RoundRanks() const;
   // The coordination of a set of at most kDirectRanks ranks, each alone on its host, as
   // one exchange of every rank's record with every other (decided alike on every rank in
   // SetUpLayers): across hosts, where an MPI_Iallreduce of a few words takes a network
@@ -204,9 +235,18 @@ class MpiBackend {
   static constexpr int kRoundTag = 7301;  // no other point-to-point message uses comm_
   int rank_ = 0, size_ = 1;               // in comm_
   bool direct_round_ = false;
+  bool layered_round_ = false;  // hosts of one size, at most kDirectRanks of them
   std::vector<uint8_t> record_;                // this rank's
   std::vector<std::vector<uint8_t>> records_;  // the peers' (each sized for the largest)
-  Status DirectRound(std::vector<uint64_t>* bits, int64_t tag, int64_t bytes);
+  int record_rank_ = 0;                        // this rank's place among them
+  // One exchange of records among the `size` ranks of `comm` (this one `rank`).
+  Status ExchangeRecords(void* comm, int rank, int size, std::vector<uint64_t>* bits, int64_t tag,
+                         int64_t bytes);
+  // The layered round's host step, after the host's AND: the host's companions
+  // combined into this rank's record (a broadcast's root's data, an allreduce's sum
+  // over the host's ranks in rank order) where every rank of the host carried the op;
+  // returns the record's tag (-1: not carried) and sets *bytes.
+  int64_t CombineHost(const CarriedOp& carried, int64_t* bytes);
   // A caller waits and this host has a core for each of its ranks (set_caller_waiting,
   // each cycle): WaitBackoff's polls, and the shared-memory waits, poll longer before
   // they sleep. The cycle's thread.

@@ -23,14 +23,15 @@
 // RunCycle; process_set.h says why that order cannot deadlock):
 //  1. sort the set's new requests: each is a response-cache hit (its slot's bit will be
 //     set), a changed cache entry (its slot is invalidated everywhere), or uncached;
-//  2. one AND over [flags | hit bits | invalid bits] (through shared memory on one host,
-//     else an MPI_Iallreduce(BAND)) tells every rank which cached tensors are ready
-//     everywhere, which slots to drop, and whether anyone has uncached requests, has
-//     joined, asked to shut down, or has ops in flight in another set (RoundFlags);
-//     through shared memory, or the direct exchange across hosts of one rank each
-//     (MpiBackend::DirectRound), a small cached allreduce or broadcast that is its
-//     rank's only request carries its data with it (ProcessSetState::Carry), and runs
-//     from those copies in step 4 where every member's came;
+//  2. one AND over [flags | hit bits | invalid bits] (through shared memory on one host;
+//     across up to 8 hosts one exchange of records, after the host's AND through shared
+//     memory where hosts have several ranks; else an MPI_Iallreduce(BAND)) tells every
+//     rank which cached tensors are ready everywhere, which slots to drop, and whether
+//     anyone has uncached requests, has joined, asked to shut down, or has ops in flight
+//     in another set (RoundFlags); except with the MPI_Iallreduce, a small cached
+//     allreduce or broadcast that is its rank's only request carries its data with it
+//     (ProcessSetState::Carry, MpiBackend::AndBits), and runs from those copies in step
+//     4 where every member's came;
 //  3. only if someone has uncached requests: gather them on the set's rank 0, whose
 //     Controller checks them across ranks and broadcasts the new responses;
 //  4. execute cached-ready responses (slot order) then new ones (broadcast order),

@@ -419,7 +419,7 @@ Status ProcessSetState::ExecuteBroadcast(const Response& r, TensorEntry* e, OpTa
     std::memcpy(e->output, e->input, nbytes);
   }
   if (e && r.name == carried_) {  // the root's data came with the round
-    if (rank_ != r.root_rank) std::memcpy(target, carried_parts_[r.root_rank], nbytes);
+    if (rank_ != r.root_rank) std::memcpy(target, carried_parts_[0], nbytes);
     tally->moved = nbytes;
     tally->activity = "CARRIED_BROADCAST";
     CountCarried();

@@ -158,12 +158,11 @@ bool ProcessSetState::Coordinate(Clock::time_point now, const RoundFlags& mine, 
   }
   for (size_t i = 0; i < words; ++i) bits[1 + words + i] = ~0ull;
   for (int64_t slot : invalid_slots_) bits[1 + words + slot / 64] &= ~(1ull << (slot % 64));
-  int64_t carried_bytes = 0;
-  const int64_t carried_slot = Carry(static_cast<int64_t>(bits.size()), &carried_bytes);
+  const CarriedOp carried = Carry(static_cast<int64_t>(bits.size()));
   invalid_slots_.clear();
   if (tuned) autotune_.Publish(&bits[1 + 2 * words]);
 
-  Status s = mpi_->AndBits(&bits, carried_slot, carried_bytes);
+  Status s = mpi_->AndBits(&bits, carried);
   if (!s.ok()) return EndLoop(s);
   if (tuned) autotune_.Adopt(&bits[1 + 2 * words], now);
   flags = ~bits[0];
@@ -206,7 +205,7 @@ bool ProcessSetState::Coordinate(Clock::time_point now, const RoundFlags& mine, 
     }
   }
   carried_.clear();
-  if (carried_slot >= 0 && Carried(carried_slot, *ready)) carried_ = ready->front().name;
+  if (carried.tag >= 0 && Carried(carried, *ready)) carried_ = ready->front().name;
   if (timeline_.active() && !ready->empty()) {
     std::vector<const std::string*> cached_names;
     for (const Response& r : *ready) cached_names.push_back(&r.name);
@@ -215,50 +214,53 @@ bool ProcessSetState::Coordinate(Clock::time_point now, const RoundFlags& mine, 
   return true;
 }
 
-int64_t ProcessSetState::Carry(int64_t words, int64_t* bytes) {
+CarriedOp ProcessSetState::Carry(int64_t words) {
   // Only a rank's only request (nothing uncached, no other cached op, no join) is
   // carried: then the op is the round's only cached one wherever every member carries
   // it, and ready holds it alone.
+  CarriedOp none;
   if (!config_.carry_data || cached_pending_.size() != 1 || !uncached_.empty() || join_active_ ||
       local_joined_) {
-    return -1;
+    return none;
   }
   const int64_t slot = cached_pending_.begin()->first;
-  if (invalid_slots_.count(slot)) return -1;
+  if (invalid_slots_.count(slot)) return none;
   const Response& r = cache_->Get(slot);
-  if (r.on_device || (r.op != HVDLITE_OP_ALLREDUCE && r.op != HVDLITE_OP_BROADCAST)) return -1;
-  // Carried, an allreduce reduces in rank order, as the data path does through shared
-  // memory; MPI's own order (across hosts) may give other bits in a float's last place,
-  // so there only what no order changes is carried: every result then the same bits
-  // whether its op was carried or not.
-  if (r.op == HVDLITE_OP_ALLREDUCE && !mpi_->shared_memory() && !OrderFree(r, size_)) return -1;
+  if (r.on_device || (r.op != HVDLITE_OP_ALLREDUCE && r.op != HVDLITE_OP_BROADCAST)) return none;
+  // Carried, an allreduce reduces as its data path would through shared memory or over
+  // the hosts' layers (in rank order, then host order); MPI's own order (a flat
+  // allreduce across hosts) may give other bits in a float's last place, so there only
+  // what no order changes is carried: every result then the same bits whether its op was
+  // carried or not.
+  if (r.op == HVDLITE_OP_ALLREDUCE && !mpi_->CarriesInDataOrder(words, Tuning()) && !OrderFree(r, size_)) {
+    return none;
+  }
   const int64_t n = NumElements(r.shape), nbytes = n * ElementSize(r.dtype);
   uint8_t* companion = nbytes > 0 ? mpi_->Companion(nbytes, words) : nullptr;
   TensorEntry* e = companion ? queue_.Find(r.name) : nullptr;
-  if (!e || !e->input) return -1;
-  if (r.op == HVDLITE_OP_ALLREDUCE) {
+  if (!e || !e->input) return none;
+  const bool broadcast = r.op == HVDLITE_OP_BROADCAST;
+  if (!broadcast) {
     ScaledCopy(companion, e->input, n, r.dtype, r.prescale, 1);  // as the shared-memory allreduce's copy in
-    *bytes = nbytes;
   } else if (rank_ == r.root_rank) {
     std::memcpy(companion, e->input, nbytes);
-    *bytes = nbytes;
   }
-  return slot;
+  CarriedOp carried;
+  carried.tag = slot;
+  carried.nbytes = nbytes;
+  carried.count = n;
+  carried.dtype = r.dtype;
+  carried.reduce_op = r.reduce_op == HVDLITE_AVERAGE ? HVDLITE_SUM : r.reduce_op;  // divided after
+  carried.root = broadcast ? r.root_rank : -1;
+  return carried;
 }
 
-bool ProcessSetState::Carried(int64_t slot, const std::vector<Response>& ready) {
-  // Every member reads every member's companion: the same answer everywhere.
-  if (ready.size() != 1 || !cache_->Has(slot) || ready.front().name != cache_->Get(slot).name) return false;
-  const Response& r = ready.front();
-  const int64_t nbytes = NumElements(r.shape) * ElementSize(r.dtype);
-  carried_parts_.assign(size_, nullptr);
-  for (int k = 0; k < size_; ++k) {
-    int64_t bytes = 0;
-    if (mpi_->PeerCompanion(k, &carried_parts_[k], &bytes) != slot) return false;
-    const bool sends = r.op == HVDLITE_OP_ALLREDUCE || k == r.root_rank;
-    if (sends && bytes != nbytes) return false;
+bool ProcessSetState::Carried(const CarriedOp& carried, const std::vector<Response>& ready) {
+  // Every member reads the same records: the same answer everywhere.
+  if (ready.size() != 1 || !cache_->Has(carried.tag) || ready.front().name != cache_->Get(carried.tag).name) {
+    return false;
   }
-  return true;
+  return mpi_->CarriedParts(carried, &carried_parts_);
 }
 
 bool ProcessSetState::Negotiate(Clock::time_point now, std::vector<Response>* ready) {

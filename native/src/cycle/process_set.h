@@ -155,11 +155,11 @@ class ProcessSetState {
   // that is this rank's only request rides with the coordination round (the round's
   // companion, MpiBackend::Companion), so that, when every member's came, the op runs
   // from those copies without a meeting of its own. Carry writes this rank's (before the
-  // round, whose vector has `words`) and returns its tag, the op's cache slot, or -1
-  // where this round carries none; *bytes: how many it wrote. Carried (after the round, ready as the round left
+  // round, whose vector has `words`) and returns the op (tag: its cache slot, or -1
+  // where this round carries none). Carried (after the round, ready as the round left
   // it) says whether every member carried that op, and keeps their data for Execute.
-  int64_t Carry(int64_t words, int64_t* bytes);
-  bool Carried(int64_t slot, const std::vector<Response>& ready);
+  CarriedOp Carry(int64_t words);
+  bool Carried(const CarriedOp& carried, const std::vector<Response>& ready);
   bool Negotiate(Clock::time_point now, std::vector<Response>* ready);
   void Execute(const std::vector<Response>& ready);
   // Steps of Execute: which ready responses run as one collective (the end of each
@@ -242,8 +242,9 @@ class ProcessSetState {
   bool local_joined_ = false;
   std::optional<Request> leave_join_;
   bool failed_ = false;  // a transport failure: the loop ends after this round
-  // The op this round carried (Carried): its name ("" when none) and each member's
-  // data, in set rank order (in shared memory until the next round).
+  // The op this round carried (Carried): its name ("" when none) and the data that
+  // came with the round (MpiBackend::CarriedParts; in shared memory or the round's
+  // records until the next round).
   std::string carried_;
   std::vector<const uint8_t*> carried_parts_;
   int64_t queue_start_us_ = 0;  // timeline: when this cycle's operations began to queue
