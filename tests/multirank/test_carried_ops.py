@@ -1,14 +1,14 @@
 """A small cached op that is its rank's only one rides with the coordination round.
 
-On one host the coordination round goes through shared memory; a cached allreduce or
-broadcast of at most 16 KiB of host memory that is a rank's only request writes its
-data beside the round's bit vector (ProcessSetState::Carry), and when every member
+On one host the coordination round goes through shared memory; a cached allreduce,
+allgather or broadcast of at most 16 KiB of host memory that is a rank's only request
+writes its data beside the round's bit vector (ProcessSetState::Carry), and when every member
 carried the same op, each computes the result from those copies after the round: the
 op takes no meeting of its own (``stats()["carried_collectives"]`` counts them).
 
 In real 2- and 3-rank jobs, each run twice, with ``HVDLITE_CARRY_DATA`` on and off:
 every dtype and reduction, scale factors, in place and with ``out=``, a broadcast from
-every root, a process set, sizes on both sides of the limit, async ops waited for at
+every root, allgathers of a different number of rows from each rank, a process set, sizes on both sides of the limit, async ops waited for at
 once, a rank that has two ops pending while its peer has one (nothing carried then,
 results right), and a join. Results are checked against numpy where they are exact,
 and every result's bytes must be the same with and without carrying (the carried
@@ -59,6 +59,7 @@ if bfloat16 is not None:
 # Across hosts only what no order of reduction changes is carried: exact (broadcasts,
 # integers) and, with 2 ranks, float_sums (floats' Sum, Average, Product).
 before, calls, exact_calls, float_sums = carried(), 0, 0, 0
+gathers, gathers_carried = 0, 0
 for step in range(12):
     for dt in dtypes:
         key = np.dtype(dt).name
@@ -76,8 +77,15 @@ for step in range(12):
         root = step % size
         got = hvd.broadcast(mine, root, name=f"bc.{key}")
         check(["broadcast", key, step], got, contribution(root, 300, dt, step))
-        calls += 2
-        exact_calls += 1 + exact
+        # An allgather of rows of every rank's own count (rank r: r + 1 rows).
+        rows = [contribution(k, (k + 1) * 30, dt, step).reshape(k + 1, 30) for k in range(size)]
+        ag_before = carried()
+        got = hvd.allgather(rows[rank], name=f"ag.{key}")
+        gathers_carried += carried() - ag_before
+        check(["allgather", key, step], got, np.concatenate(rows))
+        gathers += 1
+        calls += 3
+        exact_calls += 2 + exact
         float_sums += not exact
     # Integers: exact against numpy.
     every = [contribution(k, 300, np.int64, step) for k in range(size)]
@@ -97,7 +105,8 @@ for step in range(12):
     calls += 5
     exact_calls += 5
 out["loop"] = {"calls": calls, "exact": exact_calls, "float_sums": float_sums,
-               "carried": carried() - before}
+               "carried": carried() - before, "gathers": gathers,
+               "gathers carried": gathers_carried}
 
 # Sizes: 16 KiB may be carried, anything larger never is.
 for n, tag in ((4096, "at limit"), (4097, "over limit"), (60000, "large")):
@@ -188,6 +197,7 @@ def carried_runs(run_job_with, np_, across_hosts=False):
         if across_hosts:
             carriable = loop["exact"] + (loop["float_sums"] if np_ == 2 else 0)
         assert carriable // 2 <= loop["carried"] <= carriable, f"rank {r}: {loop}"
+        assert loop["gathers"] // 2 <= loop["gathers carried"], f"rank {r}: {loop}"
         assert on[r]["at limit"] >= 3 and on[r]["sync"] >= 5, f"rank {r}: {on[r]}"
         assert on[r]["over limit"] == 0 and on[r]["large"] == 0, f"rank {r}: {on[r]}"
         if np_ > 2 and r < 2:

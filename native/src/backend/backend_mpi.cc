@@ -238,6 +238,10 @@ Status MpiBackend::SetUpLayers(const LayerSettings& settings, const MpiTopology&
                                [](const RankPlace& p) { return p.local_rank == 0; }) > 1;
   alone_ = topo.size == 1;
   cores_for_each_ = !sharing_.crowded();
+  consecutive_hosts_ = true;
+  for (int r = 0; r < topo.size; ++r) {
+    consecutive_hosts_ = consecutive_hosts_ && places[r].host == r - places[r].local_rank;
+  }
   if (s.ok() && !plan.error.empty()) {
     // Every rank found the same disagreement: end MPI together, as a failed init must.
     for (void* c : {local, cross}) MPI_Comm_free(static_cast<MPI_Comm*>(c));
@@ -408,17 +412,22 @@ int64_t MpiBackend::RoundRecord(int k, const uint8_t** data, int64_t* bytes) con
   return head[0];
 }
 
-bool MpiBackend::CarriedParts(const CarriedOp& carried, std::vector<const uint8_t*>* parts) const {
+bool MpiBackend::CarriedParts(const CarriedOp& carried, std::vector<const uint8_t*>* parts,
+                               std::vector<int64_t>* lengths) const {
   // An allreduce: every record with the op's data. A broadcast: the root's, the one
   // record with data (the others carry the tag alone); in the layered round the record
-  // from the root's host, which forwards the root's data.
+  // from the root's host, which forwards the root's data. An allgather: every record.
   parts->clear();
+  lengths->clear();
   const int n = carried.tag < 0 ? 0 : RoundRanks();
   for (int k = 0; k < n; ++k) {
     const uint8_t* data = nullptr;
     int64_t bytes = 0;
     if (RoundRecord(k, &data, &bytes) != carried.tag) return false;
-    if (bytes == carried.nbytes) {
+    if (carried.gather) {
+      parts->push_back(data);
+      lengths->push_back(bytes);
+    } else if (bytes == carried.nbytes) {
       parts->push_back(data);
     } else if (carried.root < 0 || bytes != 0) {
       return false;
@@ -439,20 +448,28 @@ int64_t MpiBackend::CombineHost(const CarriedOp& carried, int64_t* bytes) {
   // reduce-scatter: each rank's prescaled data, in rank order).
   ShmCollectives& shm = host_->shm();
   *bytes = 0;
-  if (carried.tag < 0) return -1;
+  if (carried.tag < 0 || (carried.gather && !consecutive_hosts_)) return -1;
   std::vector<const uint8_t*> parts;
+  std::vector<int64_t> lengths;
   for (int k = 0; k < shm.size(); ++k) {
     const uint8_t* data = nullptr;
     int64_t n = 0;
     if (shm.PeerCompanion(k, &data, &n) != carried.tag) return -1;
-    if (n == carried.nbytes) {
+    if (carried.gather || n == carried.nbytes) {
       parts.push_back(data);
+      lengths.push_back(n);
     } else if (carried.root < 0 || n != 0) {
       return -1;
     }
   }
   uint8_t* out = record_.data() + kRecordHead;
-  if (carried.root < 0) {
+  if (carried.gather) {  // the host's ranks' parts, in rank order
+    for (size_t k = 0; k < parts.size(); ++k) {
+      if (*bytes + lengths[k] > ShmCollectives::kCompanionBytes) return -1;
+      std::memcpy(out + *bytes, parts[k], lengths[k]);
+      *bytes += lengths[k];
+    }
+  } else if (carried.root < 0) {
     ReduceElements(out, parts, carried.count, carried.dtype, carried.reduce_op);
     *bytes = carried.nbytes;
   } else if (parts.size() == 1) {  // the root is on this host

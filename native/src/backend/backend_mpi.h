@@ -42,13 +42,15 @@ struct AllreduceTuning {
 // A small op whose data rides with a coordination round (ProcessSetState::Carry): its
 // cache slot as the round's tag (-1: none), its bytes, and what a host's step of the
 // layered round needs to combine its ranks' data. Every rank of an allreduce (its data
-// prescaled) and a broadcast's root write their data into Companion() first.
+// prescaled) or an allgather and a broadcast's root write their data into Companion()
+// first.
 struct CarriedOp {
   int64_t tag = -1;
-  int64_t nbytes = 0;
+  int64_t nbytes = 0;  // an allgather: this rank's part
   int64_t count = 0;
   int32_t dtype = 0, reduce_op = 0;
-  int root = -1;  // a broadcast's root; -1: an allreduce
+  int root = -1;        // a broadcast's root; -1: an allreduce or allgather
+  bool gather = false;  // an allgather
 };
 
 // The algorithms an allreduce may run by: over the topology layers (hierarchical or
@@ -101,8 +103,12 @@ class MpiBackend {
   // After AndBits: whether every rank carried `carried` (the same answer on every rank:
   // each reads the same records); then *parts holds, for an allreduce, every rank's
   // data in rank order (each prescaled; the layered round: each host's, reduced over its
-  // ranks in rank order, in host order), for a broadcast the root's alone.
-  bool CarriedParts(const CarriedOp& carried, std::vector<const uint8_t*>* parts) const;
+  // ranks in rank order, in host order), for a broadcast the root's alone; for an
+  // allgather every rank's in rank order (the layered round: each host's ranks'
+  // concatenated, in host order, where hosts hold consecutive ranks) with their lengths
+  // in *lengths, for the caller to check.
+  bool CarriedParts(const CarriedOp& carried, std::vector<const uint8_t*>* parts,
+                    std::vector<int64_t>* lengths) const;
   // Whether an allreduce carried by the next round of `words` is reduced in the order
   // its data path would reduce it (through shared memory, or over the hosts' layers),
   // so that every result has the same bits carried or not.
@@ -236,6 +242,7 @@ class MpiBackend {
   int rank_ = 0, size_ = 1;               // in comm_
   bool direct_round_ = false;
   bool layered_round_ = false;  // hosts of one size, at most kDirectRanks of them
+  bool consecutive_hosts_ = false;  // host k holds ranks k * local_size, k * local_size + 1, ...
   std::vector<uint8_t> record_;                // this rank's
   std::vector<std::vector<uint8_t>> records_;  // the peers' (each sized for the largest)
   int record_rank_ = 0;                        // this rank's place among them

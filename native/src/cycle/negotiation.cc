@@ -226,7 +226,8 @@ CarriedOp ProcessSetState::Carry(int64_t words) {
   const int64_t slot = cached_pending_.begin()->first;
   if (invalid_slots_.count(slot)) return none;
   const Response& r = cache_->Get(slot);
-  if (r.on_device || (r.op != HVDLITE_OP_ALLREDUCE && r.op != HVDLITE_OP_BROADCAST)) return none;
+  const bool gather = r.op == HVDLITE_OP_ALLGATHER;
+  if (r.on_device || (r.op != HVDLITE_OP_ALLREDUCE && r.op != HVDLITE_OP_BROADCAST && !gather)) return none;
   // Carried, an allreduce reduces as its data path would through shared memory or over
   // the hosts' layers (in rank order, then host order); MPI's own order (a flat
   // allreduce across hosts) may give other bits in a float's last place, so there only
@@ -235,14 +236,16 @@ CarriedOp ProcessSetState::Carry(int64_t words) {
   if (r.op == HVDLITE_OP_ALLREDUCE && !mpi_->CarriesInDataOrder(words, Tuning()) && !OrderFree(r, size_)) {
     return none;
   }
-  const int64_t n = NumElements(r.shape), nbytes = n * ElementSize(r.dtype);
+  // An allgather's part: this rank's rows (the cached response has every rank's).
+  const int64_t n = gather ? r.first_dims[rank_] * RowElements(r.shape) : NumElements(r.shape);
+  const int64_t nbytes = n * ElementSize(r.dtype);
   uint8_t* companion = nbytes > 0 ? mpi_->Companion(nbytes, words) : nullptr;
   TensorEntry* e = companion ? queue_.Find(r.name) : nullptr;
   if (!e || !e->input) return none;
   const bool broadcast = r.op == HVDLITE_OP_BROADCAST;
-  if (!broadcast) {
+  if (r.op == HVDLITE_OP_ALLREDUCE) {
     ScaledCopy(companion, e->input, n, r.dtype, r.prescale, 1);  // as the shared-memory allreduce's copy in
-  } else if (rank_ == r.root_rank) {
+  } else if (gather || rank_ == r.root_rank) {
     std::memcpy(companion, e->input, nbytes);
   }
   CarriedOp carried;
@@ -252,6 +255,7 @@ CarriedOp ProcessSetState::Carry(int64_t words) {
   carried.dtype = r.dtype;
   carried.reduce_op = r.reduce_op == HVDLITE_AVERAGE ? HVDLITE_SUM : r.reduce_op;  // divided after
   carried.root = broadcast ? r.root_rank : -1;
+  carried.gather = gather;
   return carried;
 }
 
@@ -260,7 +264,21 @@ bool ProcessSetState::Carried(const CarriedOp& carried, const std::vector<Respon
   if (ready.size() != 1 || !cache_->Has(carried.tag) || ready.front().name != cache_->Get(carried.tag).name) {
     return false;
   }
-  return mpi_->CarriedParts(carried, &carried_parts_);
+  const Response& r = ready.front();
+  if (!mpi_->CarriedParts(carried, &carried_parts_, &carried_lengths_)) return false;
+  if (!carried.gather) return true;
+  // An allgather's parts: every rank's rows, or (the layered round) each host's ranks'
+  // together, hosts of as many consecutive ranks each.
+  const int parts = static_cast<int>(carried_parts_.size());
+  if (parts == 0 || size_ % parts != 0) return false;
+  const int64_t row = RowElements(r.shape) * ElementSize(r.dtype);
+  const int per = size_ / parts;
+  for (int k = 0; k < parts; ++k) {
+    int64_t bytes = 0;
+    for (int j = k * per; j < (k + 1) * per; ++j) bytes += r.first_dims[j] * row;
+    if (carried_lengths_[k] != bytes) return false;
+  }
+  return true;
 }
 
 bool ProcessSetState::Negotiate(Clock::time_point now, std::vector<Response>* ready) {

@@ -151,8 +151,8 @@ class ProcessSetState {
   BitsLayout Bits() const;
   bool Coordinate(Clock::time_point now, const RoundFlags& mine, bool* any_uncached,
                   RoundFlags* heard, std::vector<Response>* ready);
-  // A carried op: the data of a small cached allreduce or broadcast of host tensors
-  // that is this rank's only request rides with the coordination round (the round's
+  // A carried op: the data of a small cached allreduce, allgather or broadcast of host
+  // tensors that is this rank's only request rides with the coordination round (the round's
   // companion, MpiBackend::Companion), so that, when every member's came, the op runs
   // from those copies without a meeting of its own. Carry writes this rank's (before the
   // round, whose vector has `words`) and returns the op (tag: its cache slot, or -1
@@ -247,6 +247,7 @@ class ProcessSetState {
   // records until the next round).
   std::string carried_;
   std::vector<const uint8_t*> carried_parts_;
+  std::vector<int64_t> carried_lengths_;  // an allgather's parts' bytes
   int64_t queue_start_us_ = 0;  // timeline: when this cycle's operations began to queue
 
   GpuPath gpu_path_ = GpuPath::kUndecided;
