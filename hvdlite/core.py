@@ -192,7 +192,7 @@ def stats():
     packing, the collective, unpacking, to the end of its stream), caller_cycles (cycles
     run by a thread blocked on its own small op rather than by the background thread:
     one host, ``HVDLITE_CALLER_CYCLE``), carried_collectives (of the collectives, those
-    whose data rode with the coordination round: one host, or hosts of one rank each,
+    whose data rode with the coordination round: one host, or up to 8 hosts,
     ``HVDLITE_CARRY_DATA``); and
     one that is not a count since init,
     waiting_threads: the threads waiting for a result right now (a blocking op's caller
