@@ -1,19 +1,21 @@
 """A small cached op that is its rank's only one rides with the coordination round.
 
 On one host the coordination round goes through shared memory; a cached allreduce,
-allgather or broadcast of at most 16 KiB of host memory that is a rank's only request
-writes its data beside the round's bit vector (ProcessSetState::Carry), and when every member
-carried the same op, each computes the result from those copies after the round: the
-op takes no meeting of its own (``stats()["carried_collectives"]`` counts them).
+allgather, broadcast, alltoall or reducescatter of at most 16 KiB of host memory that is
+a rank's only request writes its data beside the round's bit vector
+(ProcessSetState::Carry), and when every member carried the same op, each computes the
+result from those copies after the round: the op takes no meeting of its own
+(``stats()["carried_collectives"]`` counts them).
 
 In real 2- and 3-rank jobs, each run twice, with ``HVDLITE_CARRY_DATA`` on and off:
 every dtype and reduction, scale factors, in place and with ``out=``, a broadcast from
-every root, allgathers of a different number of rows from each rank, a process set, sizes on both sides of the limit, async ops waited for at
-once, a rank that has two ops pending while its peer has one (nothing carried then,
-results right), and a join. Results are checked against numpy where they are exact,
-and every result's bytes must be the same with and without carrying (the carried
-reduction reduces in rank order, as the shared-memory allreduce does). The count of
-carried collectives is most of a loop's with carrying on and zero with it off.
+every root, allgathers of a different number of rows from each rank, alltoalls of
+uneven splits, reducescatters, a process set, sizes on both sides of the limit, async
+ops waited for at once, a rank that has two ops pending while its peer has one (nothing
+carried then, results right), and a join. Results are checked against numpy where they
+are exact, and every result's bytes must be the same with and without carrying (the
+carried reduction reduces in rank order, as the shared-memory allreduce does). The count
+of carried collectives is most of a loop's with carrying on and zero with it off.
 """
 import pytest
 
@@ -28,7 +30,7 @@ import hvdlite as hvd
 
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
-out = {"wrong": [], "digests": {}}
+out = {"wrong": [], "digests": {}, "own": {}}
 try:
     from ml_dtypes import bfloat16
 except ImportError:
@@ -59,7 +61,16 @@ if bfloat16 is not None:
 # Across hosts only what no order of reduction changes is carried: exact (broadcasts,
 # integers) and, with 2 ranks, float_sums (floats' Sum, Average, Product).
 before, calls, exact_calls, float_sums = carried(), 0, 0, 0
-gathers, gathers_carried = 0, 0
+kinds = {}  # kind: [calls, carried]
+
+def counted(kind, call):
+    before = carried()
+    result = call()
+    tally = kinds.setdefault(kind, [0, 0])
+    tally[0] += 1
+    tally[1] += carried() - before
+    return result
+
 for step in range(12):
     for dt in dtypes:
         key = np.dtype(dt).name
@@ -79,14 +90,25 @@ for step in range(12):
         check(["broadcast", key, step], got, contribution(root, 300, dt, step))
         # An allgather of rows of every rank's own count (rank r: r + 1 rows).
         rows = [contribution(k, (k + 1) * 30, dt, step).reshape(k + 1, 30) for k in range(size)]
-        ag_before = carried()
-        got = hvd.allgather(rows[rank], name=f"ag.{key}")
-        gathers_carried += carried() - ag_before
+        got = counted("allgather", lambda: hvd.allgather(rows[rank], name=f"ag.{key}"))
         check(["allgather", key, step], got, np.concatenate(rows))
-        gathers += 1
-        calls += 3
-        exact_calls += 2 + exact
-        float_sums += not exact
+        # An alltoall: rank k sends k + j + 1 rows of 20 to rank j.
+        sent = [contribution(k, sum(k + j + 1 for j in range(size)) * 20, dt, step).reshape(-1, 20)
+                for k in range(size)]
+        got, got_splits = counted("alltoall", lambda: hvd.alltoall(
+            sent[rank], splits=[rank + j + 1 for j in range(size)], name=f"a2a.{key}"))
+        check(["alltoall", key, step], got, np.concatenate(
+            [sent[k][sum(k + j + 1 for j in range(rank)):][:k + rank + 1] for k in range(size)]))
+        check(["alltoall splits", key, step], got_splits, [k + rank + 1 for k in range(size)])
+        # A reducescatter of 3 rows per rank (its bits compared with carrying off); those
+        # of integers are carried everywhere.
+        op = hvd.Sum if step % 2 else hvd.Average
+        got = counted("reducescatter" if exact else "float reducescatter", lambda: hvd.reducescatter(
+            contribution(rank, size * 3 * 20, dt, step).reshape(-1, 20), name=f"rs.{key}.{op}", op=op))
+        out["own"][f"rs.{key}.{step}"] = hashlib.sha256(got.tobytes()).hexdigest()  # a shard
+        calls += 5  # scaled, broadcast, allgather, alltoall, reducescatter
+        exact_calls += 3 + 2 * exact
+        float_sums += 2 * (not exact)
     # Integers: exact against numpy.
     every = [contribution(k, 300, np.int64, step) for k in range(size)]
     check(["sum int64", step], hvd.allreduce(every[rank], name="exact.sum", op=hvd.Sum), sum(every))
@@ -105,8 +127,7 @@ for step in range(12):
     calls += 5
     exact_calls += 5
 out["loop"] = {"calls": calls, "exact": exact_calls, "float_sums": float_sums,
-               "carried": carried() - before, "gathers": gathers,
-               "gathers carried": gathers_carried}
+               "carried": carried() - before, "kinds": kinds}
 
 # Sizes: 16 KiB may be carried, anything larger never is.
 for n, tag in ((4096, "at limit"), (4097, "over limit"), (60000, "large")):
@@ -188,6 +209,7 @@ def carried_runs(run_job_with, np_, across_hosts=False):
     for r in range(np_):
         # Every result, bit for bit, as without carrying, on every rank.
         assert on[r]["digests"] == off[r]["digests"], f"rank {r}: carried results differ"
+        assert on[r]["own"] == off[r]["own"], f"rank {r}: carried reducescatter results differ"
         assert on[r]["digests"] == on[0]["digests"], f"rank {r}: results differ across ranks"
         # Carried: most of a loop of blocking calls (a peer's idle round may meet a
         # caller's before its op came), the 16 KiB op, the waited-for async op, the
@@ -197,7 +219,9 @@ def carried_runs(run_job_with, np_, across_hosts=False):
         if across_hosts:
             carriable = loop["exact"] + (loop["float_sums"] if np_ == 2 else 0)
         assert carriable // 2 <= loop["carried"] <= carriable, f"rank {r}: {loop}"
-        assert loop["gathers"] // 2 <= loop["gathers carried"], f"rank {r}: {loop}"
+        for kind in ("allgather", "alltoall", "reducescatter"):  # each carried too
+            calls, kind_carried = loop["kinds"][kind]
+            assert calls // 2 <= kind_carried, f"rank {r}: {kind} {loop}"
         assert on[r]["at limit"] >= 3 and on[r]["sync"] >= 5, f"rank {r}: {on[r]}"
         assert on[r]["over limit"] == 0 and on[r]["large"] == 0, f"rank {r}: {on[r]}"
         if np_ > 2 and r < 2:

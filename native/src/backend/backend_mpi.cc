@@ -150,6 +150,8 @@ Status MpiBackend::Init(int64_t comm_f2c, bool thread_multiple, const LayerSetti
   comm_ = new MPI_Comm(MPI_COMM_NULL);
   Status s = Check(MPI_Comm_dup(base, &Comm(comm_)), "MPI_Comm_dup");
   if (!s.ok()) return s;
+  // Failures come back as codes that become statuses instead of aborting the job.
+  MPI_Comm_set_errhandler(Comm(comm_), MPI_ERRORS_RETURN);
   MPI_Comm_rank(Comm(comm_), &global_rank_);
   // Which ranks share this one's cores, from every rank's place (a process set's
   // backend takes the world's: its non-members' threads share the cores all the same).

@@ -238,7 +238,9 @@ class MpiBackend {
   // the bit vector at the next multiple of 8.
   static constexpr int kDirectRanks = 8;
   static constexpr int kRecordHead = 64;
-  static constexpr int kRoundTag = 7301;  // no other point-to-point message uses comm_
+  // No other point-to-point message uses comm_; on the cross layer's communicator
+  // CrossLayer's use the tags of its slots (0, 1).
+  static constexpr int kRoundTag = 7301;
   int rank_ = 0, size_ = 1;               // in comm_
   bool direct_round_ = false;
   bool layered_round_ = false;  // hosts of one size, at most kDirectRanks of them

@@ -128,7 +128,7 @@ Status Core::Init(int64_t comm_f2c) {
       // these cores outnumber them (one process-wide device, so one world-wide rule).
       gpu_.set_may_poll(!topo.sharing.crowded());
       if (config_.bind_to_core) BindThisRank(topo);
-      follow_caller_ = !config_.bind_to_core && topo.local_size == 1 && CoresAtStartCount() >= 2;
+      follow_caller_ = !config_.bind_to_core && topo.sharing.ranks == 1 && topo.sharing.cores >= 2;
       if (topo.rank == 0 && !config_.timeline_path.empty()) {
         st = timeline_.Start(config_.timeline_path, config_.timeline_mark_cycles);
       }

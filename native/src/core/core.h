@@ -102,9 +102,9 @@ class Core {
   // enqueued without a wait or a GPU tensor comes (the thread then works beside the
   // training threads; threads CUDA and NCCL start from it inherit its cores). Any
   // thread; changes under place_mutex_, which also guards loop_tid_ (0 once the loop
-  // thread has ended). Only for the one rank of a host with 2 cores or more
-  // (follow_caller_, set at init): there a wake elsewhere finds an idle core. Where a
-  // host's ranks keep its cores busy a wake finds a busy core anyway (2 ranks on 2 cores:
+  // thread has ended). Only for a rank that shares its 2 cores or more with no other
+  // (follow_caller_, set at init from MpiTopology::sharing): there a wake elsewhere
+  // finds an idle core. Where ranks keep their cores busy a wake finds a busy core anyway (2 ranks on 2 cores:
   // no gain, allgather of 64 KiB 59 -> 79 us), and two real-time threads held on one
   // core would not share it; never with HVDLITE_BIND_TO=core (the rank's share binds it).
   void PlaceLoop(int cpu);

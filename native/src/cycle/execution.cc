@@ -474,6 +474,21 @@ Status ProcessSetState::ExecuteAlltoall(const Response& r, TensorEntry* e, OpOut
     total += recv[k];
   }
   out->Allocate(total);
+  if (e && r.name == carried_) {  // every rank's input came with the round
+    uint8_t* at = out->data.get();
+    for (int k = 0; k < size; ++k) {
+      int64_t skip = 0;  // rank k's rows for the ranks before this one
+      for (int j = 0; j < me; ++j) skip += r.splits[static_cast<size_t>(k) * size + j] * row;
+      std::memcpy(at, carried_ranks_[k] + skip, recv[k]);
+      at += recv[k];
+    }
+    tally->moved = total;
+    tally->sent_away = 0;
+    for (int k = 0; k < size; ++k) tally->sent_away += k == me ? 0 : send[k];
+    tally->activity = "CARRIED_ALLTOALL";
+    CountCarried();
+    return Status::OK();
+  }
   // Through shared memory every rank's row of the matrix is needed, in bytes.
   std::vector<int64_t> matrix;
   if (mpi_->ShmGathers()) {
@@ -496,25 +511,38 @@ Status ProcessSetState::ExecuteReducescatter(const Response& r, TensorEntry* e, 
   const int elem = ElementSize(r.dtype);
   const std::vector<int64_t> counts = ScatterCounts(r.shape, size);
   const int64_t total = NumElements(r.shape);
-  const void* in = e->input;
-  // MPI forbids aliased buffers: an in-place (or overlapping) call reduces a copy.
-  auto in_at = reinterpret_cast<uintptr_t>(e->input);
-  auto out_at = reinterpret_cast<uintptr_t>(e->output);
-  bool overlap = total > 0 && counts[me] > 0 && out_at < in_at + total * elem &&
-                 in_at < out_at + counts[me] * elem;
-  if (r.prescale != 1.0 || overlap) {
-    uint8_t* scratch = fusion_.Get(total * elem);
-    ScaledCopy(scratch, e->input, total, r.dtype, r.prescale, 1);
-    in = scratch;
+  const bool average = r.reduce_op == HVDLITE_AVERAGE;
+  Status s;
+  if (r.name == carried_) {
+    // Every rank's input came with the round, prescaled: this rank's shard of each,
+    // reduced in rank order (the order of the shared-memory reduce-scatter).
+    int64_t first = 0;
+    for (int k = 0; k < me; ++k) first += counts[k];
+    std::vector<const uint8_t*> shards(carried_parts_.size());
+    for (size_t k = 0; k < shards.size(); ++k) shards[k] = carried_parts_[k] + first * elem;
+    ReduceElements(e->output, shards, counts[me], r.dtype, average ? HVDLITE_SUM : r.reduce_op);
+    tally->activity = "CARRIED_REDUCESCATTER";
+    CountCarried();
+  } else {
+    const void* in = e->input;
+    // MPI forbids aliased buffers: an in-place (or overlapping) call reduces a copy.
+    auto in_at = reinterpret_cast<uintptr_t>(e->input);
+    auto out_at = reinterpret_cast<uintptr_t>(e->output);
+    bool overlap = total > 0 && counts[me] > 0 && out_at < in_at + total * elem &&
+                   in_at < out_at + counts[me] * elem;
+    if (r.prescale != 1.0 || overlap) {
+      uint8_t* scratch = fusion_.Get(total * elem);
+      ScaledCopy(scratch, e->input, total, r.dtype, r.prescale, 1);
+      in = scratch;
+    }
+    s = mpi_->ReduceScatter(in, e->output, counts, r.dtype, average ? HVDLITE_SUM : r.reduce_op);
   }
-  bool average = r.reduce_op == HVDLITE_AVERAGE;
-  Status s = mpi_->ReduceScatter(in, e->output, counts, r.dtype, average ? HVDLITE_SUM : r.reduce_op);
   if (s.ok()) {
     ScaledCopy(e->output, e->output, counts[me], r.dtype, r.postscale,
                average ? std::max(1, r.contributors) : 1);
   }
   tally->moved = total * elem;
-  if (mpi_->ShmGathers()) {
+  if (mpi_->ShmGathers() && r.name != carried_) {
     counters_.shm_collectives++;
     tally->activity = "SHM_REDUCESCATTER";
   }

@@ -205,7 +205,9 @@ bool ProcessSetState::Coordinate(Clock::time_point now, const RoundFlags& mine, 
     }
   }
   carried_.clear();
-  if (carried.tag >= 0 && Carried(carried, *ready)) carried_ = ready->front().name;
+  if (carried.tag >= 0 && Carried(carried, static_cast<int64_t>(bits.size()), *ready)) {
+    carried_ = ready->front().name;
+  }
   if (timeline_.active() && !ready->empty()) {
     std::vector<const std::string*> cached_names;
     for (const Response& r : *ready) cached_names.push_back(&r.name);
@@ -213,6 +215,21 @@ bool ProcessSetState::Coordinate(Clock::time_point now, const RoundFlags& mine, 
   }
   return true;
 }
+
+namespace {
+
+// What rank k of `size` puts into the round for a carried op of response r: an
+// allgather's rows, an alltoall's whole input, the whole tensor of the others.
+int64_t CarriedBytes(const Response& r, int k, int size) {
+  const int64_t row = RowElements(r.shape) * ElementSize(r.dtype);
+  if (r.op == HVDLITE_OP_ALLGATHER) return r.first_dims[k] * row;
+  if (r.op != HVDLITE_OP_ALLTOALL) return NumElements(r.shape) * ElementSize(r.dtype);
+  int64_t rows = 0;
+  for (int j = 0; j < size; ++j) rows += r.splits[static_cast<size_t>(k) * size + j];
+  return rows * row;
+}
+
+}  // namespace
 
 CarriedOp ProcessSetState::Carry(int64_t words) {
   // Only a rank's only request (nothing uncached, no other cached op, no join) is
@@ -226,25 +243,28 @@ CarriedOp ProcessSetState::Carry(int64_t words) {
   const int64_t slot = cached_pending_.begin()->first;
   if (invalid_slots_.count(slot)) return none;
   const Response& r = cache_->Get(slot);
-  const bool gather = r.op == HVDLITE_OP_ALLGATHER;
-  if (r.on_device || (r.op != HVDLITE_OP_ALLREDUCE && r.op != HVDLITE_OP_BROADCAST && !gather)) return none;
-  // Carried, an allreduce reduces as its data path would through shared memory or over
-  // the hosts' layers (in rank order, then host order); MPI's own order (a flat
-  // allreduce across hosts) may give other bits in a float's last place, so there only
-  // what no order changes is carried: every result then the same bits whether its op was
-  // carried or not.
-  if (r.op == HVDLITE_OP_ALLREDUCE && !mpi_->CarriesInDataOrder(words, Tuning()) && !OrderFree(r, size_)) {
-    return none;
-  }
-  // An allgather's part: this rank's rows (the cached response has every rank's).
-  const int64_t n = gather ? r.first_dims[rank_] * RowElements(r.shape) : NumElements(r.shape);
-  const int64_t nbytes = n * ElementSize(r.dtype);
+  if (r.on_device) return none;
+  const size_t size = static_cast<size_t>(size_);
+  const bool gather = (r.op == HVDLITE_OP_ALLGATHER && r.first_dims.size() == size) ||
+                      (r.op == HVDLITE_OP_ALLTOALL && r.splits.size() == size * size);
+  const bool reduce = r.op == HVDLITE_OP_ALLREDUCE || r.op == HVDLITE_OP_REDUCESCATTER;
+  if (!gather && !reduce && r.op != HVDLITE_OP_BROADCAST) return none;
+  // Carried, a reduction reduces as its data path would through shared memory (an
+  // allreduce also over the hosts' layers: in rank order, then host order); MPI's own
+  // order (a flat allreduce or any reducescatter across hosts) may give other bits in a
+  // float's last place, so there only what no order changes is carried: every result
+  // then the same bits whether its op was carried or not.
+  const bool in_data_order = r.op == HVDLITE_OP_ALLREDUCE ? mpi_->CarriesInDataOrder(words, Tuning())
+                                                           : mpi_->shared_memory();
+  if (reduce && !in_data_order && !OrderFree(r, size_)) return none;
+  const int64_t nbytes = CarriedBytes(r, rank_, size_);
   uint8_t* companion = nbytes > 0 ? mpi_->Companion(nbytes, words) : nullptr;
   TensorEntry* e = companion ? queue_.Find(r.name) : nullptr;
   if (!e || !e->input) return none;
   const bool broadcast = r.op == HVDLITE_OP_BROADCAST;
-  if (r.op == HVDLITE_OP_ALLREDUCE) {
-    ScaledCopy(companion, e->input, n, r.dtype, r.prescale, 1);  // as the shared-memory allreduce's copy in
+  const int64_t n = nbytes / ElementSize(r.dtype);
+  if (reduce) {
+    ScaledCopy(companion, e->input, n, r.dtype, r.prescale, 1);  // as the data path's copy in
   } else if (gather || rank_ == r.root_rank) {
     std::memcpy(companion, e->input, nbytes);
   }
@@ -259,24 +279,34 @@ CarriedOp ProcessSetState::Carry(int64_t words) {
   return carried;
 }
 
-bool ProcessSetState::Carried(const CarriedOp& carried, const std::vector<Response>& ready) {
+bool ProcessSetState::Carried(const CarriedOp& carried, int64_t words, const std::vector<Response>& ready) {
   // Every member reads the same records: the same answer everywhere.
   if (ready.size() != 1 || !cache_->Has(carried.tag) || ready.front().name != cache_->Get(carried.tag).name) {
     return false;
   }
   const Response& r = ready.front();
+  // Autotune may have changed the allreduce's algorithm in this round (Adopt, after
+  // Carry): carried in rank order, it must still be the data path's order (the knobs
+  // are the same on every rank).
+  if (r.op == HVDLITE_OP_ALLREDUCE && !OrderFree(r, size_) && !mpi_->CarriesInDataOrder(words, Tuning())) {
+    return false;
+  }
   if (!mpi_->CarriedParts(carried, &carried_parts_, &carried_lengths_)) return false;
   if (!carried.gather) return true;
-  // An allgather's parts: every rank's rows, or (the layered round) each host's ranks'
-  // together, hosts of as many consecutive ranks each.
+  // An allgather's or alltoall's parts: every rank's data, or (the layered round) each
+  // host's ranks' one after another, hosts of as many consecutive ranks each. Each
+  // rank's found there, its length checked against the response's.
   const int parts = static_cast<int>(carried_parts_.size());
   if (parts == 0 || size_ % parts != 0) return false;
-  const int64_t row = RowElements(r.shape) * ElementSize(r.dtype);
   const int per = size_ / parts;
+  carried_ranks_.resize(size_);
   for (int k = 0; k < parts; ++k) {
-    int64_t bytes = 0;
-    for (int j = k * per; j < (k + 1) * per; ++j) bytes += r.first_dims[j] * row;
-    if (carried_lengths_[k] != bytes) return false;
+    int64_t at = 0;
+    for (int j = k * per; j < (k + 1) * per; ++j) {
+      carried_ranks_[j] = carried_parts_[k] + at;
+      at += CarriedBytes(r, j, size_);
+    }
+    if (carried_lengths_[k] != at) return false;
   }
   return true;
 }

@@ -151,15 +151,15 @@ class ProcessSetState {
   BitsLayout Bits() const;
   bool Coordinate(Clock::time_point now, const RoundFlags& mine, bool* any_uncached,
                   RoundFlags* heard, std::vector<Response>* ready);
-  // A carried op: the data of a small cached allreduce, allgather or broadcast of host
-  // tensors that is this rank's only request rides with the coordination round (the round's
-  // companion, MpiBackend::Companion), so that, when every member's came, the op runs
+  // A carried op: the data of a small cached allreduce, allgather, broadcast, alltoall
+  // or reducescatter of host tensors that is this rank's only request rides with the
+  // coordination round (the round's companion, MpiBackend::Companion), so that, when every member's came, the op runs
   // from those copies without a meeting of its own. Carry writes this rank's (before the
   // round, whose vector has `words`) and returns the op (tag: its cache slot, or -1
   // where this round carries none). Carried (after the round, ready as the round left
   // it) says whether every member carried that op, and keeps their data for Execute.
   CarriedOp Carry(int64_t words);
-  bool Carried(const CarriedOp& carried, const std::vector<Response>& ready);
+  bool Carried(const CarriedOp& carried, int64_t words, const std::vector<Response>& ready);
   bool Negotiate(Clock::time_point now, std::vector<Response>* ready);
   void Execute(const std::vector<Response>& ready);
   // Steps of Execute: which ready responses run as one collective (the end of each
@@ -247,7 +247,8 @@ class ProcessSetState {
   // records until the next round).
   std::string carried_;
   std::vector<const uint8_t*> carried_parts_;
-  std::vector<int64_t> carried_lengths_;  // an allgather's parts' bytes
+  std::vector<int64_t> carried_lengths_;     // an allgather's or alltoall's parts' bytes
+  std::vector<const uint8_t*> carried_ranks_;  // and where each rank's data starts in them
   int64_t queue_start_us_ = 0;  // timeline: when this cycle's operations began to queue
 
   GpuPath gpu_path_ = GpuPath::kUndecided;
