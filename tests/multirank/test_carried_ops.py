@@ -160,20 +160,26 @@ for step in range(10):
     check(["pair a", step], got_a, sum(a))
     check(["pair b", step], got_b, sum(b))
 
-# A process set of ranks 0 and 1 (3 ranks: rank 2 takes no part).
+# A process set of ranks 0 and 1 (3 ranks: rank 2 takes no part); of 6 ranks on 3 hosts
+# of 2, ranks 0-3: two hosts of 2, coordinated by the set's own layered round, float
+# sums carried there too (the same bits as its hierarchical allreduce: the digests).
 if size > 2:
-    pair = hvd.add_process_set([0, 1])
-    if rank in pair.ranks:
+    members = [0, 1, 2, 3] if size >= 6 else [0, 1]
+    group = hvd.add_process_set(members)
+    if rank in group.ranks:
         before = carried()
         for step in range(10):
-            every = [contribution(k, 700, np.int32, step) for k in (0, 1)]
+            every = [contribution(k, 700, np.int32, step) for k in members]
             check(["set", step], hvd.allreduce(every[rank], name="set.ar", op=hvd.Sum,
-                                               process_set=pair), sum(every))
+                                               process_set=group), sum(every))
             check(["set bc", step], hvd.broadcast(every[rank], 1, name="set.bc",
-                                                  process_set=pair), every[1])
+                                                  process_set=group), every[1])
+            got = hvd.allreduce(contribution(rank, 700, np.float32, step), name="set.f32",
+                                op=hvd.Average, process_set=group)
+            out["own"][f"set.f32.{step}"] = hashlib.sha256(got.tobytes()).hexdigest()
         out["set"] = carried() - before
     hvd.barrier()
-    hvd.remove_process_set(pair)
+    hvd.remove_process_set(group)
 
 # A join: the last rank joins early; the others' allreduces (with its zeros) stay right.
 for step in range(3):
@@ -224,8 +230,8 @@ def carried_runs(run_job_with, np_, across_hosts=False):
             assert calls // 2 <= kind_carried, f"rank {r}: {kind} {loop}"
         assert on[r]["at limit"] >= 3 and on[r]["sync"] >= 5, f"rank {r}: {on[r]}"
         assert on[r]["over limit"] == 0 and on[r]["large"] == 0, f"rank {r}: {on[r]}"
-        if np_ > 2 and r < 2:
-            assert on[r]["set"] >= 10, f"rank {r}: {on[r]}"
+        if np_ > 2 and r < (4 if np_ >= 6 else 2):
+            assert on[r]["set"] >= 15, f"rank {r}: {on[r]}"
         assert off[r]["loop"]["carried"] == 0 and off[r]["sync"] == 0, f"rank {r}: {off[r]}"
     return on, off
 
