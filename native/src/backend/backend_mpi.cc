@@ -414,28 +414,45 @@ int64_t MpiBackend::RoundRecord(int k, const uint8_t** data, int64_t* bytes) con
   return head[0];
 }
 
-bool MpiBackend::CarriedParts(const CarriedOp& carried, std::vector<const uint8_t*>* parts,
-                               std::vector<int64_t>* lengths) const {
-  // An allreduce: every record with the op's data. A broadcast: the root's, the one
-  // record with data (the others carry the tag alone); in the layered round the record
-  // from the root's host, which forwards the root's data. An allgather: every record.
+namespace {
+
+// The data that came with a round for `carried`, from n records (record(k, &data,
+// &bytes) gives record k's tag): an allreduce's from each, a broadcast's from the one
+// record with data (the others carry the tag alone), an allgather's or alltoall's from
+// each with its length. False where a record did not carry the op or carried the wrong
+// length; the caller checks how many came.
+template <typename Record>
+bool TakeParts(const CarriedOp& carried, int n, Record record, std::vector<const uint8_t*>* parts,
+               std::vector<int64_t>* lengths) {
   parts->clear();
   lengths->clear();
-  const int n = carried.tag < 0 ? 0 : RoundRanks();
+  if (carried.tag < 0) return false;
   for (int k = 0; k < n; ++k) {
     const uint8_t* data = nullptr;
     int64_t bytes = 0;
-    if (RoundRecord(k, &data, &bytes) != carried.tag) return false;
-    if (carried.gather) {
+    if (record(k, &data, &bytes) != carried.tag) return false;
+    if (carried.gather || bytes == carried.nbytes) {
       parts->push_back(data);
       lengths->push_back(bytes);
-    } else if (bytes == carried.nbytes) {
-      parts->push_back(data);
     } else if (carried.root < 0 || bytes != 0) {
       return false;
     }
   }
-  return n > 0 && (carried.root < 0 ? static_cast<int>(parts->size()) == n : parts->size() == 1);
+  return true;
+}
+
+}  // namespace
+
+bool MpiBackend::CarriedParts(const CarriedOp& carried, std::vector<const uint8_t*>* parts,
+                               std::vector<int64_t>* lengths) const {
+  // A broadcast's root's data: in the layered round the record from the root's host,
+  // which forwards it.
+  const int n = RoundRanks();
+  const auto record = [this](int k, const uint8_t** data, int64_t* bytes) {
+    return RoundRecord(k, data, bytes);
+  };
+  if (n == 0 || !TakeParts(carried, n, record, parts, lengths)) return false;
+  return carried.root < 0 ? static_cast<int>(parts->size()) == n : parts->size() == 1;
 }
 
 bool MpiBackend::CarriesInDataOrder(int64_t words, const AllreduceTuning& tuning) const {
@@ -450,20 +467,13 @@ int64_t MpiBackend::CombineHost(const CarriedOp& carried, int64_t* bytes) {
   // reduce-scatter: each rank's prescaled data, in rank order).
   ShmCollectives& shm = host_->shm();
   *bytes = 0;
-  if (carried.tag < 0 || (carried.gather && !consecutive_hosts_)) return -1;
+  if (carried.gather && !consecutive_hosts_) return -1;
   std::vector<const uint8_t*> parts;
   std::vector<int64_t> lengths;
-  for (int k = 0; k < shm.size(); ++k) {
-    const uint8_t* data = nullptr;
-    int64_t n = 0;
-    if (shm.PeerCompanion(k, &data, &n) != carried.tag) return -1;
-    if (carried.gather || n == carried.nbytes) {
-      parts.push_back(data);
-      lengths.push_back(n);
-    } else if (carried.root < 0 || n != 0) {
-      return -1;
-    }
-  }
+  const auto record = [&shm](int k, const uint8_t** data, int64_t* n) {
+    return shm.PeerCompanion(k, data, n);
+  };
+  if (!TakeParts(carried, shm.size(), record, &parts, &lengths)) return -1;
   uint8_t* out = record_.data() + kRecordHead;
   if (carried.gather) {  // the host's ranks' parts, in rank order
     for (size_t k = 0; k < parts.size(); ++k) {
