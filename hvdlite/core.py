@@ -67,6 +67,7 @@ def start(comm=None):
     peer_faults.start_listening()
     if not _atexit_registered:
         atexit.register(_shutdown_at_exit)
+        peer_faults.when_lost(lib.hvdlite_note_lost_peers)
         _atexit_registered = True
     for hook in _init_hooks:
         hook()

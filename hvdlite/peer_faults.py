@@ -35,6 +35,7 @@ EXIT_LOST_PEERS = 1
 _failure: Optional[errors.RankFailedError] = None
 _started = False
 _lock = threading.Lock()
+_on_lost = []  # called once each, at the first notice (when_lost)
 
 
 def failure() -> Optional[errors.RankFailedError]:
@@ -58,11 +59,29 @@ def describe(notice: dict) -> str:
 
 
 def record(notice: dict) -> None:
-    """Records a lost-peer notice (the first one wins)."""
+    """Records a lost-peer notice (the first one wins) and tells the callbacks of
+    :func:`when_lost`."""
     global _failure
     with _lock:
+        if _failure is not None:
+            return
+        _failure = errors.RankFailedError(describe(notice))
+        told = list(_on_lost)
+    for callback in told:
+        callback()
+
+
+def when_lost(callback) -> None:
+    """Calls ``callback()`` once when the launcher reports lost peers (at once if it
+    already has), from the notice's reader thread. The core's is
+    ``hvdlite_note_lost_peers``: a thread that runs its own blocking call's cycle across
+    hosts waits inside the core, out of reach of :func:`failure`'s checks, so the core
+    itself must hear of the notice."""
+    with _lock:
         if _failure is None:
-            _failure = errors.RankFailedError(describe(notice))
+            _on_lost.append(callback)
+            return
+    callback()
 
 
 def _reader(fd: int) -> None:

@@ -6,13 +6,15 @@ Layouts: 2 hosts x 2 ranks, uneven 3 + 1, 1 rank per host (2 and 3 hosts), and r
 placed round-robin over the hosts (hydra's -ppn 1: a host's ranks are not contiguous).
 One job per layout checks everything and reports its failures in one result line. With
 one rank per host, small ops carried by the coordination round (the direct exchange), and
-the ranks of the cluster's hosts counted as sharing this machine's cores.
+the ranks of the cluster's hosts counted as sharing this machine's cores. A blocking call
+that runs its own cycle there, MPI calls and all.
 """
 import os
 
 import pytest
 
 import needs
+import test_caller_cycle
 import test_carried_ops
 import test_thread_sched
 from cluster_harness import run_cluster_job
@@ -208,3 +210,31 @@ def test_ranks_of_one_machine_share_its_cores_whatever_their_host_names(make_clu
         loop, _ = test_thread_sched.loop_and_others(result, rank)
         assert loop == want, (f"rank {rank} of {size} on {cores} cores: background thread policy "
                               f"{loop}, expected {want}\n{describe(result)}")
+
+
+@pytest.mark.parametrize("hosts,env", [
+    ("h1:1,h2:1", None),
+    ("h1:1,h2:1", {"HVDLITE_MPI_THREAD_FUNNELED": "1"}),
+    ("h1:2,h2:2", None),
+], ids=["2x1", "2x1-funneled", "2x2"])
+def test_blocking_calls_run_their_own_cycles_across_hosts(cluster2, hosts, env):
+    # Across hosts a blocking call's cycle calls MPI (the round's exchange of records, and
+    # the op's own collective where the round could not carry it). The caller runs it
+    # where MPI takes calls from any thread (not under HVDLITE_MPI_THREAD_FUNNELED=1) and
+    # each rank has a core of its own (the namespace hosts share this machine's cores: 4
+    # ranks on 2 do not). Every kind of blocking op, in and beside other threads' async
+    # ops, a mismatch, against numpy (tests/multirank/test_caller_cycle.py's job).
+    size = sum(int(h.split(":")[1]) for h in hosts.split(","))
+    crowded = size > len(os.sched_getaffinity(0))
+    bodies = test_caller_cycle.run(
+        size, env=env,
+        job=lambda env: run_cluster_job(cluster2, hosts, test_caller_cycle.SCRIPT,
+                                        timeout=JOB_TIMEOUT, env=env))
+    callers = env is None and not crowded
+    for r, body in enumerate(bodies):
+        for kind in ("loop", "sync"):
+            cycles, calls = body[kind]["caller_cycles"], body[kind]["calls"]
+            if callers:
+                assert cycles >= calls // 2, f"rank {r}: {body}"
+            else:
+                assert cycles == 0, f"rank {r} ({'crowded' if crowded else env}): {body}"

@@ -32,24 +32,28 @@ import numpy as np
 import hvdlite as hvd
 from hvdlite.errors import RankFailedError
 
-out_dir, victim = sys.argv[1], int(sys.argv[2])
+out_dir, victim, small_only = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
 hvd.init()
 rank = hvd.rank()
 x = np.ones(64 * 1024, np.float32)
 try:
     for step in range(1_000_000):
-        got = hvd.allreduce(x, op=hvd.Sum, name="g")
-        assert got[0] == hvd.size(), got[0]
-        # A small one too: with one rank per host, carried by the coordination round.
+        if not small_only:
+            got = hvd.allreduce(x, op=hvd.Sum, name="g")
+            assert got[0] == hvd.size(), got[0]
+        # A small one too: with one rank per host, carried by the coordination round,
+        # and its cycle run by this thread where each rank has a core.
         assert hvd.allreduce(x[:4], op=hvd.Sum, name="loss")[0] == hvd.size()
         if step == 20 and rank == 0:
+            stats = hvd.stats()
             with open(os.path.join(out_dir, "running"), "w") as f:
-                f.write(str(hvd.stats()["carried_collectives"]))
+                json.dump({k: stats[k] for k in ("carried_collectives", "caller_cycles")}, f)
         if step == 20 and rank == victim:
             with open(os.path.join(out_dir, "killed"), "w") as f:
                 f.write(str(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(0.02)
+        if not small_only:  # else the survivor's next call is its own cycle at once
+            time.sleep(0.02)
 except RankFailedError as e:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"host": socket.gethostname(), "message": str(e), "at": time.time()}, f)
@@ -67,9 +71,9 @@ def _raised(out_dir, ranks):
     return found
 
 
-def _job(cluster, out_dir, victim, timeout=150, hosts="h1:2,h2:2"):
+def _job(cluster, out_dir, victim, timeout=150, hosts="h1:2,h2:2", small_only=False):
     return run_cluster_job(cluster, hosts, SCRIPT, timeout=timeout,
-                           args=[out_dir, victim],
+                           args=[out_dir, victim, int(small_only)],
                            env={"HVDLITE_PEER_TIMEOUT": str(PEER_TIMEOUT_S)})
 
 
@@ -79,20 +83,28 @@ def _shared_dir():
     return tmp
 
 
-@pytest.mark.parametrize("hosts", ["h1:2,h2:2", "h1:1,h2:1"], ids=["2x2", "2x1"])
-def test_a_rank_killed_on_another_host(cluster2, hosts):
+@pytest.mark.parametrize("hosts,small_only", [
+    ("h1:2,h2:2", False), ("h1:1,h2:1", False), ("h1:1,h2:1", True),
+], ids=["2x2", "2x1", "2x1-small"])
+def test_a_rank_killed_on_another_host(cluster2, hosts, small_only):
     # 2 x 1: the coordination is the direct exchange of records (MpiBackend::ExchangeRecords).
+    # With the small op alone, a survivor is inside its own blocking call's cycle, in MPI,
+    # when the peer dies (where each rank has a core): the core must hear of the
+    # launcher's notice and leave that cycle (CycleEscape), or the survivor waits there
+    # until the launcher ends it, never raising.
     victim = 3 if hosts == "h1:2,h2:2" else 1
     survivors = list(range(victim))
     with _shared_dir() as out_dir:
-        result = _job(cluster2, out_dir, victim=victim, hosts=hosts)
+        result = _job(cluster2, out_dir, victim=victim, hosts=hosts, small_only=small_only)
         with open(os.path.join(out_dir, "killed"), encoding="utf-8") as f:
             killed_at = float(f.read())
         with open(os.path.join(out_dir, "running"), encoding="utf-8") as f:
-            carried = int(f.read())
+            running = json.load(f)
         raised = _raised(out_dir, survivors)
     if hosts == "h1:1,h2:1":  # the small op rode with the rounds the kill interrupts
-        assert carried > 0, describe(result)
+        assert running["carried_collectives"] > 0, describe(result)
+    if small_only and len(os.sched_getaffinity(0)) >= 2:
+        assert running["caller_cycles"] > 0, describe(result)
     assert result.returncode != 0, describe(result)
     assert sorted(raised) == survivors, describe(result)
     for rank, info in raised.items():
@@ -100,6 +112,68 @@ def test_a_rank_killed_on_another_host(cluster2, hosts):
         assert info["at"] - killed_at < RAISE_BOUND_S, (rank, info["at"] - killed_at)
     assert f"rank {victim} (pid" in "\n".join(result.untagged), describe(result)
     assert not result.leftovers, result.leftovers
+
+
+FAULT_SCRIPT = r'''
+import json, os, time
+import numpy as np
+import hvdlite as hvd
+from hvdlite._native import lib
+from hvdlite.errors import HvdliteError, WaitTimeoutError
+
+# Rank 0 hands its ops to its background thread, so that its wait can time out: a
+# thread in its own cycle waits there for the peers' round, which the faulted rank never
+# joins (its process lives on, so no lost-peer notice ends that wait).
+if os.environ["HVDLITE_RANK"] == "0":
+    os.environ["HVDLITE_CALLER_CYCLE"] = "0"
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+faulting = rank == size - 1
+x = np.full(1024, rank + 1, np.float32)
+report = {"before": float(hvd.allreduce(x, op=hvd.Sum, name="before")[0])}
+if faulting:
+    lib.hvdlite_test_fault_in_caller_cycle()
+# Calls until one does not end: the first whose cycle the faulting rank's own thread
+# runs (an op its background thread takes first completes, and the hook waits on).
+report["after"] = "completed"
+for calls in range(1, 201):
+    handle = hvd.allreduce_async(x, op=hvd.Sum, name="after")
+    try:
+        handle.wait(timeout=4)
+    except WaitTimeoutError:
+        report["after"] = "timed out"
+        break
+report["calls"] = calls
+if faulting:
+    try:
+        hvd.shutdown()
+        report["shutdown"] = "ok"
+    except HvdliteError as e:
+        report["shutdown"] = f"{type(e).__name__}: {e}"
+print("HVDLITE_RESULT", json.dumps(report), flush=True)
+time.sleep(1 if faulting else 3)
+os._exit(0)  # the cycles cannot run again: no shutdown
+'''
+
+
+def test_a_fault_inside_mpi_in_a_blocking_calls_own_cycle(cluster2):
+    # MPICH can fault inside MPI_Test after a lost peer (transport/mpi_fault_guard.h). In
+    # the background thread the guard parks the thread; a framework thread that runs its
+    # own cycle across hosts must instead leave the cycle (its escape) and get back to
+    # Python, its op pending: parked, it would never return to the script.
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("2 ranks on 1 core: blocking calls hand their cycles to the background thread")
+    result = run_cluster_job(cluster2, "h1:1,h2:1", FAULT_SCRIPT, timeout=120)
+    for rank in range(2):
+        report = result.result(rank)
+        assert report["before"] == 3.0, (rank, report)
+        assert report["after"] == "timed out", (rank, report)
+    stderr = "\n".join(result.rank_stderr.get(1, []))
+    assert "hvdlite: SIGSEGV inside MPI_" in stderr, describe(result)
+    assert "in a blocking call's cycle" in stderr, describe(result)
+    assert "Segmentation fault" not in result.stderr + result.stdout, describe(result)
+    shutdown = result.result(1)["shutdown"]
+    assert shutdown.startswith("TransportError") and "faulted inside MPI" in shutdown, shutdown
 
 
 def test_a_host_whose_link_is_cut_mid_job(cluster2):

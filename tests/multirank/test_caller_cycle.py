@@ -15,8 +15,9 @@ whose async ops go through the background thread, against numpy's results recomp
 from every rank's regenerated contribution; a mismatch still fails on every rank; and
 the core's count of cycles run by callers (``stats()["caller_cycles"]``) shows which
 thread ran them: most of a loop of blocking calls, none with ``HVDLITE_CALLER_CYCLE=0``,
-and none where a cycle would call MPI (``HVDLITE_SHM_ALLREDUCE=0``: coordination and
-data over MPI, which only the background thread may call).
+and none with ``HVDLITE_SHM_ALLREDUCE=0`` (the round an MPI_Iallreduce, which only the
+background thread runs). Across hosts, where the caller's cycle calls MPI:
+tests/cluster/test_cluster_collectives.py runs this job there.
 """
 import pytest
 
@@ -137,8 +138,11 @@ hvd.shutdown()
 """
 
 
-def run(np_, env=None):
-    result = assert_ok(run_job(np_, SCRIPT, timeout=240, env=env))
+def run(np_, env=None, job=None):
+    """Runs SCRIPT on np_ ranks (``job(env)``, by default on this host) and checks every
+    rank's results; returns the ranks' reports."""
+    job = job or (lambda env: run_job(np_, SCRIPT, timeout=240, env=env))
+    result = assert_ok(job(env))
     bodies = [result.result(r) for r in range(np_)]
     for r, body in enumerate(bodies):
         assert body["wrong"] == [], f"rank {r}: wrong results {body['wrong'][:10]}"

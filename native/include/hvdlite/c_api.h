@@ -181,6 +181,12 @@ hvdlite_status_t hvdlite_init(const hvdlite_init_options_t* options);
  * core initialized it. */
 hvdlite_status_t hvdlite_shutdown(void);
 
+/* The launcher reported lost peers (hvdlite's notice reader calls this; any thread, at
+ * any time, before or after init). A framework thread that runs its own blocking call's
+ * cycle across hosts leaves it at its next MPI call instead of waiting for an answer
+ * that will not come; no cycle runs after that, and its wait ends with the notice. */
+hvdlite_status_t hvdlite_note_lost_peers(void);
+
 hvdlite_status_t hvdlite_is_initialized(int32_t* out);
 hvdlite_status_t hvdlite_rank(int32_t* out);
 hvdlite_status_t hvdlite_size(int32_t* out);

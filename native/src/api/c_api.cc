@@ -8,6 +8,7 @@
 #include "core/core.h"
 #include "backend/backend_mpi.h"
 #include "gpu/cuda_api.h"
+#include "transport/mpi_fault_guard.h"
 
 #define HVDLITE_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -57,6 +58,11 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_init(const hvdlite_init_options_t* optio
 
 HVDLITE_EXPORT hvdlite_status_t hvdlite_shutdown(void) {
   return Guard([] { return hvdlite::Core::Get().Shutdown(); });
+}
+
+HVDLITE_EXPORT hvdlite_status_t hvdlite_note_lost_peers(void) {
+  hvdlite::NoteLostPeers();
+  return HVDLITE_OK;
 }
 
 HVDLITE_EXPORT hvdlite_status_t hvdlite_is_initialized(int32_t* out) {

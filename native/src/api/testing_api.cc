@@ -259,7 +259,12 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_test_queue_remove_pending(int64_t* pendi
 }
 
 HVDLITE_EXPORT hvdlite_status_t hvdlite_test_fault_in_mpi(void) {
-  hvdlite::RequestFaultInMpiForTest();
+  hvdlite::RequestFaultInMpiForTest(false);
+  return HVDLITE_OK;
+}
+
+HVDLITE_EXPORT hvdlite_status_t hvdlite_test_fault_in_caller_cycle(void) {
+  hvdlite::RequestFaultInMpiForTest(true);
   return HVDLITE_OK;
 }
 

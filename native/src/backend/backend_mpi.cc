@@ -145,7 +145,7 @@ Status MpiBackend::Init(int64_t comm_f2c, bool thread_multiple, const LayerSetti
                          << "; hvdlite calls MPI from its background thread, so another "
                             "thread must not call MPI concurrently";
   }
-  topo->threads_multiple = provided == MPI_THREAD_MULTIPLE;
+  threads_multiple_ = topo->threads_multiple = provided == MPI_THREAD_MULTIPLE;
   MPI_Comm base = comm_f2c < 0 ? MPI_COMM_WORLD : MPI_Comm_f2c(static_cast<MPI_Fint>(comm_f2c));
   comm_ = new MPI_Comm(MPI_COMM_NULL);
   Status s = Check(MPI_Comm_dup(base, &Comm(comm_)), "MPI_Comm_dup");
@@ -175,6 +175,7 @@ Status MpiBackend::InitSubset(const MpiBackend& parent, bool member, const Layer
   if (!s.ok() || !member) return s;
   global_rank_ = parent.global_rank_;
   sharing_ = parent.sharing_;
+  threads_multiple_ = parent.threads_multiple_;
   comm_ = new MPI_Comm(sub);
   MpiTopology topo;
   return Attach(layers, &topo);
@@ -346,15 +347,17 @@ void MpiBackend::Shutdown(bool finalize) {
 
 Status MpiBackend::WaitBackoff(void* request, const char* what, std::chrono::microseconds max_sleep,
                                int64_t bytes, int count) {
-  InMpiCall in_mpi(what);
   MPI_Request* req = static_cast<MPI_Request*>(request);
   // A blocking caller waits: a small transfer's end (or the coordination's) is due
   // within ~100 us, which sleeps would each cost a wake-up.
   const bool spin = caller_waiting_ && bytes <= kCallerSpinMaxBytes;
   PollBackoff backoff(max_sleep, spin ? PollBackoff::kCallerSpin : PollBackoff::kSpin);
   while (true) {
-    int flag = 0;
-    int rc = count == 1 ? MPI_Test(req, &flag, MPI_STATUS_IGNORE) : MPI_Testall(count, req, &flag, MPI_STATUSES_IGNORE);
+    int flag = 0, rc;
+    {
+      InMpiCall in_mpi(what);  // each poll: a caller's cycle leaves here once peers are lost
+      rc = count == 1 ? MPI_Test(req, &flag, MPI_STATUS_IGNORE) : MPI_Testall(count, req, &flag, MPI_STATUSES_IGNORE);
+    }
     if (rc != MPI_SUCCESS) return Check(rc, what);
     if (flag) return Status::OK();
     backoff.Pause();
@@ -372,6 +375,13 @@ Status MpiBackend::Collective(const char* what, int64_t bytes, const std::functi
   MPI_Request req;
   Status s = Check(call(&req), what);
   return s.ok() ? WaitBackoff(&req, what, PollBackoff::kDataMaxSleep, bytes) : s;
+}
+
+int64_t MpiBackend::CallerCycleBytes(int64_t words) const {
+  if (ShmRound(words) && !hierarchical_allgather_ && !hierarchical_broadcast_) return kCallerCycleMaxBytes;
+  const Round round = RoundFor(words);
+  const bool exchange = round == Round::kDirect || round == Round::kLayered;
+  return exchange && threads_multiple_ && cores_for_each_ ? ShmCollectives::kCompanionBytes : 0;
 }
 
 void MpiBackend::set_caller_waiting(bool waiting) {

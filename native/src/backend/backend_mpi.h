@@ -1,7 +1,7 @@
 // Every MPI call of the core, over one communicator: the world's (Init) or a process
-// set's (InitSubset). The thread that runs the cycle (core/loop.cc): MPI calls only
-// ever from the background thread, shared memory also from a caller's cycle
-// (CyclesWithoutMpi).
+// set's (InitSubset). The thread that runs the cycle (core/loop.cc): the background
+// thread, or a framework thread that runs its blocking call's cycle where
+// CallerCycleBytes lets it.
 //
 // Negotiation uses nonblocking collectives polled with a growing sleep (PollBackoff),
 // because a peer may still be computing and a rank blocked in MPICH busy-polls a core.
@@ -84,7 +84,7 @@ class MpiBackend {
 
   // Negotiation. On one host (where the allreduce goes through shared memory) all three
   // go through shared memory (AndBits where the vector fits there), so that a cycle
-  // there makes no MPI call (CyclesWithoutMpi); otherwise through nonblocking MPI
+  // there makes no MPI call (CallerCycleBytes); otherwise through nonblocking MPI
   // polled with a backoff.
   //
   // A small set whose ranks are each alone on their host ANDs by one direct exchange
@@ -169,14 +169,30 @@ class MpiBackend {
   // 3 ranks, they were faster than MPICH's MPI_Allgatherv and MPI_Reduce_scatter, e.g. at
   // 3 ranks 384 against 612 us at 4 KiB, 2.7 against 6.6 ms at 1 MiB: benchmarks/latency.py.)
   bool ShmGathers() const { return shared_memory(); }
-  // Whether the coordination (up to ShmCollectives::kMaxBitsWords of bits), the
-  // negotiation and the collectives of host tensors make no MPI call: every rank of this
-  // communicator on one host, 2 or more of them, shared memory on (a rank alone copies
-  // through MPI). Then any thread may run a cycle (Core::RunCallerCycle): the fault guard
-  // parks only a thread inside MPI.
-  bool CyclesWithoutMpi() const {
-    return ShmGathers() && !hierarchical_allgather_ && !hierarchical_broadcast_;
-  }
+  // The largest input (bytes) of a blocking call on host memory whose cycle (of a bit
+  // vector of `words`) the calling framework thread may run itself (Core::
+  // RunCallerCycle), saving the two task switches of the hand-off; 0 where it may not:
+  // - every rank of this communicator on one host, 2 or more of them, shared memory on
+  //   (a rank alone copies through MPI), bits up to ShmCollectives::kMaxBitsWords: the
+  //   round, the negotiation and the collectives of host tensors make no MPI call; up to
+  //   kCallerCycleMaxBytes;
+  // - across hosts, where the round is the direct or layered exchange of records and MPI
+  //   takes calls from any thread (MPI_THREAD_MULTIPLE): up to what the round carries
+  //   (ShmCollectives::kCompanionBytes), so that the op usually runs from the round's
+  //   copies. A larger op's MPI collective would wait at the caller's normal priority
+  //   rather than the background thread's real-time one (64 KiB on 2 hosts of one rank:
+  //   1.3-1.5x mpi4py handed off, 1.5-2.5x in the caller). Not where the ranks sharing
+  //   this one's cores outnumber them (cores_for_each_): there a peer's answer waits for
+  //   a core whichever thread asks, and the caller's cycle gained nothing (4 ranks on 2
+  //   cores: 4 KiB allreduce 2.2-2.4x mpi4py against 2.0, a float reducescatter 6.6-6.8x
+  //   against 4.8-5.7). The caller's MPI calls are guarded like the background thread's,
+  //   and it leaves a cycle that faults or whose peers are lost (CycleEscape,
+  //   transport/mpi_fault_guard.h).
+  int64_t CallerCycleBytes(int64_t words) const;
+  // A larger collective's chunks wait on the peers many times, and the background
+  // thread's waits wake at real-time priority (a caller's, at normal priority, may wait
+  // for its core behind another thread); the hand-off is a small part of its time anyway.
+  static constexpr int64_t kCallerCycleMaxBytes = 64 * 1024;
   // Whether an allreduce over the layers (hierarchical or leader) was built.
   bool layered_allreduce() const { return layered_allreduce_ != nullptr; }
   // Whether allgather (Allgatherv) and broadcast (Bcast) go through the hosts' leaders.
@@ -244,6 +260,7 @@ class MpiBackend {
   int rank_ = 0, size_ = 1;               // in comm_
   bool direct_round_ = false;
   bool layered_round_ = false;  // hosts of one size, at most kDirectRanks of them
+  bool threads_multiple_ = false;  // MPI provides MPI_THREAD_MULTIPLE
   bool consecutive_hosts_ = false;  // host k holds ranks k * local_size, k * local_size + 1, ...
   std::vector<uint8_t> record_;                // this rank's
   std::vector<std::vector<uint8_t>> records_;  // the peers' (each sized for the largest)

@@ -196,10 +196,16 @@ Status Core::Shutdown() {
   std::lock_guard<std::mutex> lock(lifecycle_mutex_);
   if (!thread_.joinable()) return Status::OK();
   if (MpiFaulted()) {
-    // The thread is parked in the fault handler for good: joining would never return.
+    // The thread is parked in the fault handler for good, or waits for the token that a
+    // caller's faulted cycle keeps: joining would never return.
     return Status(HVDLITE_ERR_MPI,
-                  "hvdlite cannot shut down: its background thread faulted inside MPI "
-                  "(a lost peer?) and is stopped; end the process");
+                  "hvdlite cannot shut down: a cycle faulted inside MPI (a lost peer?) and "
+                  "no cycle can run again; end the process");
+  }
+  if (CycleEscaped()) {
+    return Status(HVDLITE_ERR_RANK_FAILED,
+                  "hvdlite cannot shut down: a blocking call's cycle was left inside MPI after "
+                  "peers were lost, and no cycle can run again; end the process");
   }
   shutdown_requested_ = true;
   queue_.Wake();

@@ -37,7 +37,7 @@ class Core {
                         hvdlite_handle_t* out, Status* op_status);
   // HandleTable::Wait of op h (hvdlite_wait), whose caller first runs h's cycle itself
   // where EnqueueAndWait's would, if h is its rank's only op, not yet in a cycle, of at
-  // most kCallerCycleMaxBytes of host memory: a synchronize right after an async call.
+  // most CallerCycleBytes of host memory: a synchronize right after an async call.
   Status Wait(hvdlite_handle_t h, double timeout_s, bool release);
   // Sends a refusal of the op named name to the coordinator (see hvdlite_refuse).
   Status Refuse(int32_t op, const char* name, int32_t process_set, const std::string& reason);
@@ -76,15 +76,25 @@ class Core {
   // A thread blocked on op h, holding cycle_mutex_, whose request it popped alone
   // (popped: EnqueueAndWait's TensorQueue::PopAlone of an op just enqueued without
   // waking the background thread, or Wait's PopOnly of its rank's only op): runs one
-  // cycle itself, which can then only run h and makes no MPI call (CallerMayCycle). Two
+  // cycle itself, which can then only run h (CallerCycleBytes says where it may). Two
   // task switches less per blocking call: the wake of the background thread and the
-  // wake of the caller (docs/performance.md). Returns whether h has ended; if not (or
-  // not popped), the background thread is woken to go on with it.
-  bool RunCallerCycle(hvdlite_handle_t h, bool popped);
-  // Whether a caller holding cycle_mutex_ may run a cycle (RunCallerCycle) as things
-  // stand: every set of this rank makes no MPI call, no refusal waits to be sent, the
-  // loop goes on.
-  bool CallerMayCycle();
+  // wake of the caller (docs/performance.md). Where the cycle calls MPI (across hosts)
+  // it runs with an escape armed (CycleEscape, transport/mpi_fault_guard.h).
+  enum class CallerCycle {
+    kEnded,      // h has ended
+    kHandedOff,  // not popped, or not done after the cycle: the background thread is
+                 // woken to go on with it
+    kEscaped,    // the cycle was left by its escape (a fault inside MPI, lost peers):
+                 // the caller keeps cycle_mutex_ for good, so that no cycle runs again
+                 // on MPI in whatever state the fault left it, and its wait ends with
+                 // the launcher's notice
+  };
+  CallerCycle RunCallerCycle(hvdlite_handle_t h, bool popped);
+  // The largest blocking op (input bytes of host memory) whose cycle a caller holding
+  // cycle_mutex_ may run as things stand (RunCallerCycle): the least of every set's
+  // ProcessSetState::CallerCycleBytes; 0 where a refusal waits to be sent or the loop
+  // ends.
+  int64_t CallerCycleBytes();
   // Hands this cycle's new entries to their sets; fails those of a set that is gone.
   void Distribute();
   // A transport failure ends the loop after this cycle, with s as the reason.

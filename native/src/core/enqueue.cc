@@ -8,24 +8,23 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "common/thread_sched.h"
 
 namespace hvdlite {
 namespace {
 
-// The largest input (bytes) whose blocking call may run its own cycle: where the two
-// task switches it saves are a good part of the call. A larger collective's chunks wait
-// on the peers many times, and the background thread's waits wake at real-time
-// priority (a caller's, at normal priority, may wait for its core behind another
-// thread); the hand-off is a small part of its time anyway.
-constexpr int64_t kCallerCycleMaxBytes = 64 * 1024;
-
-bool SmallHostTensor(const hvdlite_tensor_t* t) {
-  if (!t || t->device >= 0 || t->ndim < 0 || (t->ndim > 0 && !t->shape) || !ValidDtype(t->dtype)) return false;
+// The input bytes of a tensor on host memory, -1 for any other (or an invalid one,
+// which Validate refuses).
+int64_t HostTensorBytes(const hvdlite_tensor_t* t) {
+  if (!t || t->device >= 0 || t->ndim < 0 || (t->ndim > 0 && !t->shape) || !ValidDtype(t->dtype)) return -1;
+  constexpr int64_t kMost = std::numeric_limits<int64_t>::max() / 2;
   int64_t bytes = ElementSize(t->dtype);
-  for (int i = 0; i < t->ndim && bytes <= kCallerCycleMaxBytes; ++i) bytes *= std::max<int64_t>(t->shape[i], 0);
-  return bytes <= kCallerCycleMaxBytes;
+  for (int i = 0; i < t->ndim && bytes <= kMost / std::max<int64_t>(t->shape[i], 1); ++i) {
+    bytes *= std::max<int64_t>(t->shape[i], 0);
+  }
+  return bytes;
 }
 
 }  // namespace
@@ -130,9 +129,10 @@ Status Core::EnqueueAndWait(const hvdlite_tensor_t* tensor, double timeout_s, bo
   // A small host tensor's cycle may be this thread's (RunCallerCycle) if no other cycle
   // runs.
   std::unique_lock<std::mutex> token;
-  if (config_.caller_cycle && SmallHostTensor(tensor)) {
+  const int64_t bytes = config_.caller_cycle ? HostTensorBytes(tensor) : -1;
+  if (bytes >= 0) {
     token = std::unique_lock<std::mutex>(cycle_mutex_, std::try_to_lock);
-    if (token.owns_lock() && !CallerMayCycle()) token.unlock();
+    if (token.owns_lock() && bytes > CallerCycleBytes()) token.unlock();
   }
   // Otherwise the background thread is woken on this thread's core, which this thread
   // leaves for it (see PlaceThread).
@@ -146,9 +146,12 @@ Status Core::EnqueueAndWait(const hvdlite_tensor_t* tensor, double timeout_s, bo
     return s;
   }
   if (token.owns_lock()) {
-    RunCallerCycle(*out, queue_.PopAlone(tensor->op == HVDLITE_OP_JOIN ? kJoinName : tensor->name,
-                                         &fresh_));
-    token.unlock();
+    const bool popped = queue_.PopAlone(tensor->op == HVDLITE_OP_JOIN ? kJoinName : tensor->name, &fresh_);
+    if (RunCallerCycle(*out, popped) == CallerCycle::kEscaped) {
+      token.release();  // kept for good
+    } else {
+      token.unlock();
+    }
   }
   *op_status = handles_.Wait(*out, timeout_s, release, true);
   return Status::OK();
@@ -158,10 +161,11 @@ Status Core::Wait(hvdlite_handle_t h, double timeout_s, bool release) {
   bool announced = false;
   if (config_.caller_cycle && timeout_s != 0) {
     std::unique_lock<std::mutex> token(cycle_mutex_, std::try_to_lock);
-    if (token.owns_lock() && CallerMayCycle() && queue_.PopOnly(h, kCallerCycleMaxBytes, &fresh_)) {
+    const int64_t most = token.owns_lock() ? CallerCycleBytes() : 0;
+    if (most > 0 && queue_.PopOnly(h, most, &fresh_)) {
       handles_.Announce();  // a caller blocked on its result from now, as EnqueueAndWait's
       announced = true;
-      RunCallerCycle(h, true);
+      if (RunCallerCycle(h, true) == CallerCycle::kEscaped) token.release();  // kept for good
     }
   }
   return handles_.Wait(h, timeout_s, release, announced);

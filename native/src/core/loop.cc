@@ -7,16 +7,19 @@
 // ever issued outside one. Which thread runs a cycle changes nothing on the other ranks:
 // a round pairs with the peers' rounds of the same number.
 //
-// Why the background thread owns every MPI (and NCCL) call: MPI calls need no locking of
-// ours, and the MPI fault guard (transport/mpi_fault_guard.h) may park the thread it
-// catches inside MPI, which must never be a framework's. So a framework thread runs a
-// cycle only where that cycle makes no MPI call: a thread blocked on its one op in
-// flight, every set of its rank on one host, where the round, the negotiation and the
-// collectives of host tensors all go through shared memory (RunCallerCycle; why: two
-// task switches less per blocking call). Its waits there are the shared-memory waits,
-// which notice a dead peer; they last until the peers' round of that number, which an
-// idle peer joins within kIdleCycle. If its op is not done after that one cycle, the
-// background thread goes on with it while the caller waits as for any op.
+// Who calls MPI: the background thread, and a framework thread that runs its own
+// blocking call's cycle (RunCallerCycle; why: two task switches less per call). That
+// thread is one blocked on its one op in flight, a small one on host memory, and every
+// set of its rank lets it (MpiBackend::CallerCycleBytes): on one host, where the round,
+// the negotiation and the collectives of host tensors all go through shared memory (no
+// MPI call), or across hosts where the round is an exchange of records and MPI takes
+// calls from any thread (MPI_THREAD_MULTIPLE; the cycle token keeps our calls one at a
+// time). Its waits last until the peers' round of that number, which an idle peer joins
+// within kIdleCycle; the shared-memory waits notice a dead peer, and a wait on MPI, or a
+// fault inside MPI, leaves the cycle by its escape once the launcher reports lost peers
+// (transport/mpi_fault_guard.h: the fault guard parks only the background thread). If
+// its op is not done after that one cycle, the background thread goes on with it while
+// the caller waits as for any op. NCCL stays the background thread's.
 //
 // One cycle pops the new requests and hands each to its process set (Core::RunCycle);
 // then every set this rank belongs to runs its round, in id order (ProcessSetState::
@@ -40,9 +43,13 @@
 // Steps 1-3 are in cycle/negotiation.cc, 4-5 in cycle/execution.cc.
 #include "core/core.h"
 
+#include <setjmp.h>
+
 #include <algorithm>
+#include <limits>
 
 #include "common/thread_sched.h"
+#include "transport/mpi_fault_guard.h"
 
 namespace hvdlite {
 namespace {
@@ -197,26 +204,32 @@ bool Core::RunCycleUnguarded(bool pop) {
   return !heard.shutdown;
 }
 
-bool Core::CallerMayCycle() {
+int64_t Core::CallerCycleBytes() {
   // Refusals go to the coordinator ahead of later requests (TakeRefusals), which only
   // the background thread's cycle takes.
-  bool can = !cycles_ended_ && !shutdown_requested_ && !HasRefusals();
-  for (ProcessSetState* set = sets_.NextMember(-1); set && can; set = sets_.NextMember(set->id())) {
-    can = set->CyclesWithoutMpi();
+  if (cycles_ended_ || shutdown_requested_ || HasRefusals()) return 0;
+  int64_t most = std::numeric_limits<int64_t>::max();
+  for (ProcessSetState* set = sets_.NextMember(-1); set && most > 0; set = sets_.NextMember(set->id())) {
+    most = std::min(most, set->CallerCycleBytes());
   }
-  return can;
+  return most;
 }
 
-bool Core::RunCallerCycle(hvdlite_handle_t h, bool popped) {
+Core::CallerCycle Core::RunCallerCycle(hvdlite_handle_t h, bool popped) {
   if (popped) {
     counters_.caller_cycles++;
-    Status s;
-    RunCycle(false, &s);
+    sigjmp_buf escape;
+    if (sigsetjmp(escape, 1) != 0) return CallerCycle::kEscaped;
+    {
+      CycleEscape armed(&escape);
+      Status s;
+      RunCycle(false, &s);
+    }
     bool done = false;
-    if (handles_.Poll(h, &done).ok() && done) return true;
+    if (handles_.Poll(h, &done).ok() && done) return CallerCycle::kEnded;
   }
   queue_.Wake();
-  return false;
+  return CallerCycle::kHandedOff;
 }
 
 void Core::Distribute() {

@@ -135,9 +135,8 @@ ProcessSetState::BitsLayout ProcessSetState::Bits() const {
                     id() == 0 ? autotune_.Words() : 0};
 }
 
-bool ProcessSetState::CyclesWithoutMpi() const {
-  return mpi_ && mpi_->CyclesWithoutMpi() &&
-         Bits().size() <= static_cast<size_t>(ShmCollectives::kMaxBitsWords);
+int64_t ProcessSetState::CallerCycleBytes() const {
+  return mpi_ ? mpi_->CallerCycleBytes(static_cast<int64_t>(Bits().size())) : 0;
 }
 
 bool ProcessSetState::Coordinate(Clock::time_point now, const RoundFlags& mine, bool* any_uncached,

@@ -124,9 +124,9 @@ class ProcessSetState {
   // negotiate what is not cached, execute, complete. heard collects the flags of the
   // members (ORed into what it holds). Returns false when the loop must end.
   bool RunCycle(Clock::time_point now, const RoundFlags& mine, RoundFlags* heard);
-  // Whether this set's round, negotiation and collectives of host tensors make no MPI
-  // call (MpiBackend::CyclesWithoutMpi, and a bit vector that fits shared memory).
-  bool CyclesWithoutMpi() const;
+  // The largest blocking op on host memory whose cycle a framework thread may run
+  // (MpiBackend::CallerCycleBytes for this set's bit vector), 0 for none.
+  int64_t CallerCycleBytes() const;
   // Fails this set's ops in flight with s (the set is being removed).
   void FailInFlight(const Status& s);
   // Frees the communicator; collective over the members when transport_ok.

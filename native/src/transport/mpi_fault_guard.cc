@@ -1,5 +1,6 @@
 // See mpi_fault_guard.h. Everything the handler does is async-signal-safe: it reads a
-// thread-local pointer, writes to fd 2 and sleeps in pause().
+// thread-local pointer, writes to fd 2, and sleeps in pause() or jumps to the thread's
+// armed escape.
 #include "transport/mpi_fault_guard.h"
 
 #include <signal.h>
@@ -14,11 +15,23 @@ namespace hvdlite {
 namespace {
 
 thread_local const char* t_mpi_call = nullptr;
+thread_local sigjmp_buf* t_escape = nullptr;
 std::atomic<bool> g_faulted{false};
-std::atomic<bool> g_test_fault{false};
+std::atomic<bool> g_lost_peers{false};
+std::atomic<bool> g_escaped{false};
+std::atomic<bool> g_test_fault{false}, g_test_fault_armed{false};
 // Read through a volatile so that the compiler cannot see the null: a real SIGSEGV.
 volatile std::uintptr_t g_null_address = 0;
 struct sigaction g_previous_segv, g_previous_bus;
+
+// Leaves the armed thread's cycle (see CycleEscape). Async-signal-safe.
+[[noreturn]] void Escape() {
+  sigjmp_buf* to = t_escape;
+  t_escape = nullptr;
+  t_mpi_call = nullptr;
+  g_escaped.store(true);
+  siglongjmp(*to, 1);
+}
 
 void WriteAll(const char* text) {
   size_t left = std::strlen(text);
@@ -44,9 +57,11 @@ void OnFault(int sig, siginfo_t* info, void*) {
   WriteAll(sig == SIGBUS ? "SIGBUS" : "SIGSEGV");
   WriteAll(" inside ");
   WriteAll(what);
-  WriteAll(" in the background thread: MPI failed on its error path (a peer was lost?). "
-           "The thread is stopped; pending collectives will not complete, and the job "
+  WriteAll(t_escape ? " in a blocking call's cycle" : " in the background thread");
+  WriteAll(": MPI failed on its error path (a peer was lost?). "
+           "The thread's cycles are stopped; pending collectives will not complete, and the job "
            "must end (hvdliterun tells the other ranks which peer was lost)\n");
+  if (t_escape) Escape();
   while (true) pause();
 }
 
@@ -68,8 +83,10 @@ void InstallMpiFaultGuard() {
 }
 
 InMpiCall::InMpiCall(const char* what) : outer_(t_mpi_call) {
+  if (t_escape && g_lost_peers.load(std::memory_order_relaxed)) Escape();
   t_mpi_call = what;
-  if (g_test_fault.load(std::memory_order_relaxed) && g_test_fault.exchange(false)) {
+  std::atomic<bool>& test_fault = t_escape ? g_test_fault_armed : g_test_fault;
+  if (test_fault.load(std::memory_order_relaxed) && test_fault.exchange(false)) {
     *reinterpret_cast<volatile int*>(g_null_address) = 0;
   }
 }
@@ -78,6 +95,16 @@ InMpiCall::~InMpiCall() { t_mpi_call = outer_; }
 
 bool MpiFaulted() { return g_faulted.load(); }
 
-void RequestFaultInMpiForTest() { g_test_fault.store(true); }
+CycleEscape::CycleEscape(sigjmp_buf* to) { t_escape = to; }
+
+CycleEscape::~CycleEscape() { t_escape = nullptr; }
+
+void NoteLostPeers() { g_lost_peers.store(true); }
+
+bool CycleEscaped() { return g_escaped.load(); }
+
+void RequestFaultInMpiForTest(bool in_caller_cycle) {
+  (in_caller_cycle ? g_test_fault_armed : g_test_fault).store(true);
+}
 
 }  // namespace hvdlite

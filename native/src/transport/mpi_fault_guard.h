@@ -9,7 +9,19 @@
 // the rest of the process goes on, and the waits raise the launcher's notice as for any
 // peer that stops answering. A fault anywhere else goes to the handler that was there
 // before (Python's faulthandler, or the default: a core dump).
+//
+// A framework thread may call MPI too: it runs its own blocking call's cycle across
+// hosts (Core::RunCallerCycle). It must neither be parked nor wait for good inside a
+// cycle, where Ctrl-C and the lost-peer notice cannot reach it. So it arms an escape
+// (CycleEscape) before the cycle: a fault inside MPI on that thread, or an MPI call
+// there after the launcher reported lost peers (NoteLostPeers; a dead peer's messages
+// never come), returns it to the escape's sigsetjmp, abandoning the cycle's frames as
+// they are. The caller then keeps the cycle token for good (no cycle runs again in this
+// process, as when the background thread is parked), and its wait for the op raises the
+// launcher's notice like every other.
 #pragma once
+
+#include <setjmp.h>
 
 namespace hvdlite {
 
@@ -28,10 +40,31 @@ class InMpiCall {
   const char* outer_;
 };
 
-// Whether a fault inside MPI parked the background thread (it never ends: not joinable).
+// Whether a fault inside MPI parked the background thread (it never ends: not joinable)
+// or ended a framework thread's cycle (whose token is then never given back).
 bool MpiFaulted();
 
-// For tests (hvdlite_test_fault_in_mpi): the next InMpiCall faults as MPICH does.
-void RequestFaultInMpiForTest();
+// While alive, the calling thread escapes to `to` (siglongjmp, value 1) from a fault
+// inside MPI or from an MPI call made after NoteLostPeers. `to` must be the caller's
+// own sigsetjmp(*to, 1), made before this is built, in a frame that outlives it; the
+// escape skips every destructor in between, this one's included (the jump disarms it).
+class CycleEscape {
+ public:
+  explicit CycleEscape(sigjmp_buf* to);
+  ~CycleEscape();
+  CycleEscape(const CycleEscape&) = delete;
+  CycleEscape& operator=(const CycleEscape&) = delete;
+};
+
+// The launcher reported lost peers (hvdlite_note_lost_peers, from the notice's reader):
+// every armed thread leaves its cycle at its next MPI call.
+void NoteLostPeers();
+// Whether a cycle was left by its escape (its token is never given back).
+bool CycleEscaped();
+
+// For tests (hvdlite_test_fault_in_mpi, hvdlite_test_fault_in_caller_cycle): the next
+// InMpiCall (in_caller_cycle: the next of a thread with an escape armed) faults as
+// MPICH does.
+void RequestFaultInMpiForTest(bool in_caller_cycle);
 
 }  // namespace hvdlite

@@ -1,0 +1,33 @@
+"""The lost-peer notice reaches the core: ``peer_faults.when_lost`` callbacks (the core's
+``hvdlite_note_lost_peers``, which ends a blocking call's own cycle waiting inside MPI
+for a peer that is gone; tests/cluster/test_cluster_faults.py shows that end to end)."""
+import pytest
+
+from hvdlite import errors, peer_faults
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """A process that has heard no notice yet."""
+    monkeypatch.setattr(peer_faults, "_failure", None)
+    monkeypatch.setattr(peer_faults, "_on_lost", [])
+
+
+def test_callbacks_hear_the_first_notice_once(fresh):
+    heard = []
+    peer_faults.when_lost(lambda: heard.append("a"))
+    peer_faults.when_lost(lambda: heard.append("b"))
+    assert heard == [] and peer_faults.failure() is None
+    peer_faults.record({"ranks": [3], "hosts": ["h2"], "reason": "was killed"})
+    assert heard == ["a", "b"]
+    peer_faults.record({"ranks": [1], "hosts": ["h1"], "reason": "was killed"})
+    assert heard == ["a", "b"]  # the first notice wins, and is told once
+    assert isinstance(peer_faults.failure(), errors.RankFailedError)
+    assert "rank 3 on host h2" in str(peer_faults.failure())
+
+
+def test_a_callback_registered_after_the_notice_is_called_at_once(fresh):
+    peer_faults.record({"ranks": [2], "reason": "no word from them"})
+    heard = []
+    peer_faults.when_lost(lambda: heard.append(True))
+    assert heard == [True]
