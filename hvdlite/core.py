@@ -192,7 +192,7 @@ def stats():
     staged through host memory), nccl_us (microseconds the core spent on the NCCL ones:
     packing, the collective, unpacking, to the end of its stream), caller_cycles (cycles
     run by a thread blocked on its own small op rather than by the background thread:
-    one host, ``HVDLITE_CALLER_CYCLE``), carried_collectives (of the collectives, those
+    ``HVDLITE_CALLER_CYCLE``), carried_collectives (of the collectives, those
     whose data rode with the coordination round: one host, or up to 8 hosts,
     ``HVDLITE_CARRY_DATA``); and
     one that is not a count since init,

@@ -166,9 +166,9 @@ typedef struct {
   int64_t waiting_threads;     /* not a count since init: the threads waiting for a result
                                 * right now (a blocking op's caller from its enqueue on) */
   int64_t caller_cycles;       /* cycles run by a thread blocked on its op rather than by
-                                * the background thread (one host: HVDLITE_CALLER_CYCLE) */
+                                * the background thread (HVDLITE_CALLER_CYCLE) */
   int64_t carried_collectives; /* of the collectives, those whose data rode with the
-                                * coordination round (one host, or hosts of one rank:
+                                * coordination round (one host, or up to 8 hosts:
                                 * HVDLITE_CARRY_DATA) */
 } hvdlite_stats_t;
 
