@@ -182,7 +182,8 @@ def test_small_ops_carried_by_the_layered_round(make_cluster, hosts):
     # hosts by one exchange among the ranks of one local rank, and a small op's data
     # rides in both steps (each host's reduced over its ranks, then the hosts' in host
     # order: what the hierarchical allreduce computes, so every op is carried and every
-    # result has the same bits as without carrying).
+    # result has the same bits as without carrying; a small reducescatter runs as that
+    # allreduce, each rank keeping its rows, so every float reducescatter is carried too).
     size = 2 * (hosts.count(",") + 1)
     cluster = make_cluster(size // 2)
     test_carried_ops.carried_runs(

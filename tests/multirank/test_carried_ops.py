@@ -101,11 +101,20 @@ for step in range(12):
             [sent[k][sum(k + j + 1 for j in range(rank)):][:k + rank + 1] for k in range(size)]))
         check(["alltoall splits", key, step], got_splits, [k + rank + 1 for k in range(size)])
         # A reducescatter of 3 rows per rank (its bits compared with carrying off); those
-        # of integers are carried everywhere.
+        # of integers are carried everywhere, of floats where the data path reduces in a
+        # carried copy's order (one host; hosts of several ranks, as an allreduce over
+        # the layers: ProcessSetState::ReducescatterByLayers).
         op = hvd.Sum if step % 2 else hvd.Average
         got = counted("reducescatter" if exact else "float reducescatter", lambda: hvd.reducescatter(
             contribution(rank, size * 3 * 20, dt, step).reshape(-1, 20), name=f"rs.{key}.{op}", op=op))
         out["own"][f"rs.{key}.{step}"] = hashlib.sha256(got.tobytes()).hexdigest()  # a shard
+        # And its rows against numpy's (near, for floats; small integers that cannot wrap).
+        if not exact or (op is hvd.Sum and np.dtype(dt).itemsize >= 4):
+            inputs = [contribution(k, size * 3 * 20, dt, step).astype(np.float64).reshape(-1, 20)
+                      for k in range(size)]
+            want = sum(inputs)[rank * 3:(rank + 1) * 3] / (size if op is hvd.Average else 1)
+            if not np.allclose(np.asarray(got, np.float64), want, rtol=0.02, atol=0.05):
+                out["wrong"].append(["reducescatter rows", key, str(op), step])
         calls += 5  # scaled, broadcast, allgather, alltoall, reducescatter
         exact_calls += 3 + 2 * exact
         float_sums += 2 * (not exact)
@@ -225,7 +234,10 @@ def carried_runs(run_job_with, np_, across_hosts=False):
         if across_hosts:
             carriable = loop["exact"] + (loop["float_sums"] if np_ == 2 else 0)
         assert carriable // 2 <= loop["carried"] <= carriable, f"rank {r}: {loop}"
-        for kind in ("allgather", "alltoall", "reducescatter"):  # each carried too
+        kinds = ("allgather", "alltoall", "reducescatter")  # each carried too
+        if not across_hosts:  # and float reducescatters, reduced in the data path's order
+            kinds += ("float reducescatter",)
+        for kind in kinds:
             calls, kind_carried = loop["kinds"][kind]
             assert calls // 2 <= kind_carried, f"rank {r}: {kind} {loop}"
         assert on[r]["at limit"] >= 3 and on[r]["sync"] >= 5, f"rank {r}: {on[r]}"

@@ -523,6 +523,21 @@ Status ProcessSetState::ExecuteReducescatter(const Response& r, TensorEntry* e, 
     ReduceElements(e->output, shards, counts[me], r.dtype, average ? HVDLITE_SUM : r.reduce_op);
     tally->activity = "CARRIED_REDUCESCATTER";
     CountCarried();
+  } else if (ReducescatterByLayers(r)) {
+    // The whole input's allreduce over the layers (prescaled as a carried copy is), this
+    // rank's rows of it: a carried copy's bits.
+    int64_t first = 0;
+    for (int k = 0; k < me; ++k) first += counts[k];
+    std::vector<uint8_t> whole(2 * total * elem);
+    uint8_t* in = whole.data();
+    uint8_t* reduced = in + total * elem;
+    ScaledCopy(in, e->input, total, r.dtype, r.prescale, 1);
+    AllreduceOptions options;
+    options.dtype = r.dtype;
+    options.reduce_op = average ? HVDLITE_SUM : r.reduce_op;
+    s = mpi_->Allreduce({{in, reduced, total}}, options, Tuning(), &fusion_, [](const char*) {});
+    if (s.ok()) std::memcpy(e->output, reduced + first * elem, counts[me] * elem);
+    tally->activity = "LAYERED_REDUCESCATTER";
   } else {
     const void* in = e->input;
     // MPI forbids aliased buffers: an in-place (or overlapping) call reduces a copy.

@@ -129,6 +129,17 @@ void ProcessSetState::SortFresh(Clock::time_point now) {
   }
 }
 
+bool ProcessSetState::ReducescatterByLayers(const Response& r) const {
+  return !mpi_->shared_memory() && mpi_->ChooseAllreduce(Tuning()) == AllreduceAlgorithm::kLayers &&
+         NumElements(r.shape) * ElementSize(r.dtype) <= ShmCollectives::kCompanionBytes;
+}
+
+bool ProcessSetState::ReducesInDataOrder(const Response& r, int64_t words) const {
+  if (r.op == HVDLITE_OP_REDUCESCATTER && mpi_->shared_memory()) return true;
+  if (!mpi_->CarriesInDataOrder(words, Tuning())) return false;
+  return r.op == HVDLITE_OP_ALLREDUCE || (r.op == HVDLITE_OP_REDUCESCATTER && ReducescatterByLayers(r));
+}
+
 ProcessSetState::BitsLayout ProcessSetState::Bits() const {
   // The global set's round also carries rank 0's autotune decision (autotune.h says why).
   return BitsLayout{cache_ ? static_cast<size_t>(cache_->capacity() + 63) / 64 : 0,
@@ -248,14 +259,12 @@ CarriedOp ProcessSetState::Carry(int64_t words) {
                       (r.op == HVDLITE_OP_ALLTOALL && r.splits.size() == size * size);
   const bool reduce = r.op == HVDLITE_OP_ALLREDUCE || r.op == HVDLITE_OP_REDUCESCATTER;
   if (!gather && !reduce && r.op != HVDLITE_OP_BROADCAST) return none;
-  // Carried, a reduction reduces as its data path would through shared memory (an
-  // allreduce also over the hosts' layers: in rank order, then host order); MPI's own
-  // order (a flat allreduce or any reducescatter across hosts) may give other bits in a
-  // float's last place, so there only what no order changes is carried: every result
-  // then the same bits whether its op was carried or not.
-  const bool in_data_order = r.op == HVDLITE_OP_ALLREDUCE ? mpi_->CarriesInDataOrder(words, Tuning())
-                                                           : mpi_->shared_memory();
-  if (reduce && !in_data_order && !OrderFree(r, size_)) return none;
+  // Carried, a reduction reduces as its data path would through shared memory or over
+  // the hosts' layers (in rank order, then host order: ReducesInDataOrder); MPI's own
+  // order (a flat allreduce, a reducescatter across hosts without the layers) may give
+  // other bits in a float's last place, so there only what no order changes is carried:
+  // every result then the same bits whether its op was carried or not.
+  if (reduce && !ReducesInDataOrder(r, words) && !OrderFree(r, size_)) return none;
   const int64_t nbytes = CarriedBytes(r, rank_, size_);
   uint8_t* companion = nbytes > 0 ? mpi_->Companion(nbytes, words) : nullptr;
   TensorEntry* e = companion ? queue_.Find(r.name) : nullptr;
@@ -285,11 +294,10 @@ bool ProcessSetState::Carried(const CarriedOp& carried, int64_t words, const std
   }
   const Response& r = ready.front();
   // Autotune may have changed the allreduce's algorithm in this round (Adopt, after
-  // Carry): carried in rank order, it must still be the data path's order (the knobs
-  // are the same on every rank).
-  if (r.op == HVDLITE_OP_ALLREDUCE && !OrderFree(r, size_) && !mpi_->CarriesInDataOrder(words, Tuning())) {
-    return false;
-  }
+  // Carry): carried in rank order, a reduction must still be in the data path's order
+  // (the knobs are the same on every rank).
+  const bool reduce = r.op == HVDLITE_OP_ALLREDUCE || r.op == HVDLITE_OP_REDUCESCATTER;
+  if (reduce && !OrderFree(r, size_) && !ReducesInDataOrder(r, words)) return false;
   if (!mpi_->CarriedParts(carried, &carried_parts_, &carried_lengths_)) return false;
   if (!carried.gather) return true;
   // An allgather's or alltoall's parts: every rank's data, or (the layered round) each
