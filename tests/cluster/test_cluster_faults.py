@@ -17,6 +17,7 @@ import time
 import pytest
 
 from cluster_harness import run_cluster_job
+from faults import test_mpi_fault_guard
 from harness import describe
 from test_cluster_collectives import _run_and_check
 
@@ -114,48 +115,6 @@ def test_a_rank_killed_on_another_host(cluster2, hosts, small_only):
     assert not result.leftovers, result.leftovers
 
 
-FAULT_SCRIPT = r'''
-import json, os, time
-import numpy as np
-import hvdlite as hvd
-from hvdlite._native import lib
-from hvdlite.errors import HvdliteError, WaitTimeoutError
-
-# Rank 0 hands its ops to its background thread, so that its wait can time out: a
-# thread in its own cycle waits there for the peers' round, which the faulted rank never
-# joins (its process lives on, so no lost-peer notice ends that wait).
-if os.environ["HVDLITE_RANK"] == "0":
-    os.environ["HVDLITE_CALLER_CYCLE"] = "0"
-hvd.init()
-rank, size = hvd.rank(), hvd.size()
-faulting = rank == size - 1
-x = np.full(1024, rank + 1, np.float32)
-report = {"before": float(hvd.allreduce(x, op=hvd.Sum, name="before")[0])}
-if faulting:
-    lib.hvdlite_test_fault_in_caller_cycle()
-# Calls until one does not end: the first whose cycle the faulting rank's own thread
-# runs (an op its background thread takes first completes, and the hook waits on).
-report["after"] = "completed"
-for calls in range(1, 201):
-    handle = hvd.allreduce_async(x, op=hvd.Sum, name="after")
-    try:
-        handle.wait(timeout=4)
-    except WaitTimeoutError:
-        report["after"] = "timed out"
-        break
-report["calls"] = calls
-if faulting:
-    try:
-        hvd.shutdown()
-        report["shutdown"] = "ok"
-    except HvdliteError as e:
-        report["shutdown"] = f"{type(e).__name__}: {e}"
-print("HVDLITE_RESULT", json.dumps(report), flush=True)
-time.sleep(1 if faulting else 3)
-os._exit(0)  # the cycles cannot run again: no shutdown
-'''
-
-
 def test_a_fault_inside_mpi_in_a_blocking_calls_own_cycle(cluster2):
     # MPICH can fault inside MPI_Test after a lost peer (transport/mpi_fault_guard.h). In
     # the background thread the guard parks the thread; a framework thread that runs its
@@ -163,17 +122,9 @@ def test_a_fault_inside_mpi_in_a_blocking_calls_own_cycle(cluster2):
     # Python, its op pending: parked, it would never return to the script.
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("2 ranks on 1 core: blocking calls hand their cycles to the background thread")
-    result = run_cluster_job(cluster2, "h1:1,h2:1", FAULT_SCRIPT, timeout=120)
-    for rank in range(2):
-        report = result.result(rank)
-        assert report["before"] == 3.0, (rank, report)
-        assert report["after"] == "timed out", (rank, report)
-    stderr = "\n".join(result.rank_stderr.get(1, []))
-    assert "hvdlite: SIGSEGV inside MPI_" in stderr, describe(result)
-    assert "in a blocking call's cycle" in stderr, describe(result)
-    assert "Segmentation fault" not in result.stderr + result.stdout, describe(result)
-    shutdown = result.result(1)["shutdown"]
-    assert shutdown.startswith("TransportError") and "faulted inside MPI" in shutdown, shutdown
+    result = run_cluster_job(cluster2, "h1:1,h2:1", test_mpi_fault_guard.SCRIPT, timeout=120,
+                             args=["caller"])
+    test_mpi_fault_guard.check_fault_report(result, 2, "in a blocking call's cycle")
 
 
 def test_a_host_whose_link_is_cut_mid_job(cluster2):

@@ -25,7 +25,7 @@ from harness import REPO_ROOT, describe, job_env, run_job
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("native")]
 
 SCRIPT = r'''
-import json, os, time
+import json, os, sys, time
 import numpy as np
 import hvdlite as hvd
 from hvdlite._native import lib
@@ -33,6 +33,15 @@ from hvdlite.errors import HvdliteError, WaitTimeoutError
 from hvdlite.runner.rank_wrapper import MPI_SEGMENT_PREFIXES, SHM_DIR
 PREFIXES = tuple(f"{SHM_DIR}/{p}" for p in MPI_SEGMENT_PREFIXES)
 
+# "background": the fault hits the background thread's next MPI call; "caller": the
+# next MPI call of a thread that runs its own blocking call's cycle (across hosts,
+# tests/cluster/test_cluster_faults.py). There rank 0 hands its ops to its background
+# thread, so that its wait can time out: a thread in its own cycle waits there for the
+# peers' round, which the faulted rank never joins (its process lives on, so no
+# lost-peer notice ends that wait).
+where = sys.argv[1] if len(sys.argv) > 1 else "background"
+if where == "caller" and os.environ["HVDLITE_RANK"] == "0":
+    os.environ["HVDLITE_CALLER_CYCLE"] = "0"
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
 faulting = rank == size - 1
@@ -41,13 +50,18 @@ report = {"before": float(hvd.allreduce(x, op=hvd.Sum, name="before")[0]),
           "segments": sorted({line.split()[-1] for line in open("/proc/self/maps")
                               if line.split()[-1].startswith(PREFIXES)})}
 if faulting:
-    lib.hvdlite_test_fault_in_mpi()
-handle = hvd.allreduce_async(x, op=hvd.Sum, name="after")
-try:
-    handle.wait(timeout=4)
-    report["after"] = "completed"
-except WaitTimeoutError:
-    report["after"] = "timed out"
+    (lib.hvdlite_test_fault_in_mpi if where == "background" else lib.hvdlite_test_fault_in_caller_cycle)()
+# Calls until one does not end: the first whose cycle the chosen thread runs (an op the
+# other thread takes first completes, and the hook waits on).
+report["after"] = "completed"
+for calls in range(1, 201):
+    handle = hvd.allreduce_async(x, op=hvd.Sum, name="after")
+    try:
+        handle.wait(timeout=4)
+    except WaitTimeoutError:
+        report["after"] = "timed out"
+        break
+report["calls"] = calls
 if faulting:
     try:
         hvd.shutdown()
@@ -63,24 +77,32 @@ if not faulting:
 '''
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_fault_inside_mpi_parks_the_background_thread(np_):
-    result = run_job(np_, SCRIPT, timeout=120, env={"HVDLITE_SHM_ALLREDUCE": "0"})
+def check_fault_report(result, np_, thread):
+    """What every rank of SCRIPT's job reported, and the faulting rank's stderr naming
+    the thread (``in the background thread``, ``in a blocking call's cycle``)."""
     faulting = np_ - 1
     for rank in range(np_):
         report = result.result(rank)
         assert report["before"] == np_ * (np_ + 1) / 2, (rank, report)
         assert report["after"] == "timed out", (rank, report)
     stderr = "\n".join(result.rank_stderr.get(faulting, []))
-    assert "hvdlite: SIGSEGV inside MPI_" in stderr, describe(result)
+    assert "hvdlite: SIGSEGV inside MPI_" in stderr and thread in stderr, describe(result)
     assert "Segmentation fault" not in result.stderr + result.stdout, describe(result)
+    shutdown = result.result(faulting)["shutdown"]
+    assert shutdown.startswith("TransportError") and "faulted inside MPI" in shutdown, shutdown
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_fault_inside_mpi_parks_the_background_thread(np_):
+    result = run_job(np_, SCRIPT, timeout=120, env={"HVDLITE_SHM_ALLREDUCE": "0"})
+    faulting = np_ - 1
+    check_fault_report(result, np_, "in the background thread")
+    assert result.result(faulting)["calls"] == 1, result.result(faulting)
     # It ended on its own with status 0 (hvdliterun names a rank that failed or died of
     # a signal). Not checked: the job's status, which the hydra launcher makes non-zero
     # when it sees ranks end without MPI_Finalize.
     launcher = "\n".join(result.untagged)
     assert f"rank {faulting} " not in launcher, describe(result)
-    shutdown = result.result(faulting)["shutdown"]
-    assert shutdown.startswith("TransportError") and "faulted inside MPI" in shutdown, shutdown
     # No rank finalized MPI and mpiexec killed the rank wrappers: hvdliterun removes
     # the MPI's shared memory of the job (it would stay in /dev/shm for good).
     segments = {s for rank in range(np_) for s in result.result(rank)["segments"]}
