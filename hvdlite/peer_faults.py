@@ -68,7 +68,14 @@ def record(notice: dict) -> None:
         _failure = errors.RankFailedError(describe(notice))
         told = list(_on_lost)
     for callback in told:
+        _tell(callback)
+
+
+def _tell(callback) -> None:
+    try:
         callback()
+    except Exception:  # one failing must not keep the notice from the others
+        logging.getLogger("hvdlite").exception("hvdlite: a lost-peer callback failed")
 
 
 def when_lost(callback) -> None:
@@ -81,7 +88,7 @@ def when_lost(callback) -> None:
         if _failure is None:
             _on_lost.append(callback)
             return
-    callback()
+    _tell(callback)
 
 
 def _reader(fd: int) -> None:

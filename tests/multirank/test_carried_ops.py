@@ -115,6 +115,18 @@ for step in range(12):
             want = sum(inputs)[rank * 3:(rank + 1) * 3] / (size if op is hvd.Average else 1)
             if not np.allclose(np.asarray(got, np.float64), want, rtol=0.02, atol=0.05):
                 out["wrong"].append(["reducescatter rows", key, str(op), step])
+        if not exact:  # scaled on the way in and out (a float sum: order-free at 2 ranks)
+            got = counted("float reducescatter", lambda: hvd.reducescatter(
+                contribution(rank, size * 3 * 20, dt, step).reshape(-1, 20), name=f"rs.scaled.{key}",
+                op=hvd.Sum, prescale_factor=0.75, postscale_factor=3.0))
+            out["own"][f"rs.scaled.{key}.{step}"] = hashlib.sha256(got.tobytes()).hexdigest()
+            inputs = [contribution(k, size * 3 * 20, dt, step).astype(np.float64).reshape(-1, 20)
+                      for k in range(size)]
+            want = sum(inputs)[rank * 3:(rank + 1) * 3] * 0.75 * 3.0
+            if not np.allclose(np.asarray(got, np.float64), want, rtol=0.02, atol=0.1):
+                out["wrong"].append(["scaled reducescatter rows", key, step])
+            calls += 1
+            float_sums += 1
         calls += 5  # scaled, broadcast, allgather, alltoall, reducescatter
         exact_calls += 3 + 2 * exact
         float_sums += 2 * (not exact)

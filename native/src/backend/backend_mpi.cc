@@ -608,10 +608,10 @@ Status MpiBackend::GatherBlobs(const std::vector<uint8_t>& mine,
   int rank, size;
   MPI_Comm_rank(Comm(comm_), &rank);
   MPI_Comm_size(Comm(comm_), &size);
-  int my_len = static_cast<int>(mine.size());
+  const int my_len = gather_len_ = static_cast<int>(mine.size());
   std::vector<int> lens(rank == 0 ? size : 0);
   MPI_Request req;
-  Status s = Check(MPI_Igather(&my_len, 1, MPI_INT, lens.data(), 1, MPI_INT, 0, Comm(comm_), &req),
+  Status s = Check(MPI_Igather(&gather_len_, 1, MPI_INT, lens.data(), 1, MPI_INT, 0, Comm(comm_), &req),
                    "MPI_Igather (negotiation)");
   if (!s.ok() || !(s = WaitBackoff(&req, "MPI_Igather (negotiation)")).ok()) return s;
   std::vector<int> displs(rank == 0 ? size : 0);
@@ -676,10 +676,11 @@ Status MpiBackend::BroadcastBlob(std::vector<uint8_t>* blob) {
     return len == 0 ? Status::OK() : host_->shm().Broadcast(blob->data(), len, 0);
   }
   InMpiCall in_mpi("MPI_Ibcast (responses)");
-  int64_t len = static_cast<int64_t>(blob->size());
+  broadcast_len_ = static_cast<int64_t>(blob->size());
   MPI_Request req;
-  Status s = Check(MPI_Ibcast(&len, 1, MPI_INT64_T, 0, Comm(comm_), &req), "MPI_Ibcast (responses)");
+  Status s = Check(MPI_Ibcast(&broadcast_len_, 1, MPI_INT64_T, 0, Comm(comm_), &req), "MPI_Ibcast (responses)");
   if (!s.ok() || !(s = WaitBackoff(&req, "MPI_Ibcast (responses)")).ok()) return s;
+  const int64_t len = broadcast_len_;
   blob->resize(len);
   if (len == 0) return Status::OK();
   s = Check(MPI_Ibcast(blob->data(), static_cast<int>(len), MPI_BYTE, 0, Comm(comm_), &req),

@@ -261,6 +261,11 @@ class MpiBackend {
   bool direct_round_ = false;
   bool layered_round_ = false;  // hosts of one size, at most kDirectRanks of them
   bool threads_multiple_ = false;  // MPI provides MPI_THREAD_MULTIPLE
+  // What the negotiation's first nonblocking calls send or receive: members, not a
+  // frame's locals, as a caller's cycle left by its escape (mpi_fault_guard.h) abandons
+  // its frames with those calls pending (heap buffers are left allocated).
+  int gather_len_ = 0;
+  int64_t broadcast_len_ = 0;
   bool consecutive_hosts_ = false;  // host k holds ranks k * local_size, k * local_size + 1, ...
   std::vector<uint8_t> record_;                // this rank's
   std::vector<std::vector<uint8_t>> records_;  // the peers' (each sized for the largest)

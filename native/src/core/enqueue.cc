@@ -19,10 +19,12 @@ namespace {
 // which Validate refuses).
 int64_t HostTensorBytes(const hvdlite_tensor_t* t) {
   if (!t || t->device >= 0 || t->ndim < 0 || (t->ndim > 0 && !t->shape) || !ValidDtype(t->dtype)) return -1;
-  constexpr int64_t kMost = std::numeric_limits<int64_t>::max() / 2;
+  constexpr int64_t kMost = std::numeric_limits<int64_t>::max();
   int64_t bytes = ElementSize(t->dtype);
-  for (int i = 0; i < t->ndim && bytes <= kMost / std::max<int64_t>(t->shape[i], 1); ++i) {
-    bytes *= std::max<int64_t>(t->shape[i], 0);
+  for (int i = 0; i < t->ndim; ++i) {
+    const int64_t d = std::max<int64_t>(t->shape[i], 0);
+    if (d > 0 && bytes > kMost / d) return kMost;  // more than any op a caller runs
+    bytes *= d;
   }
   return bytes;
 }
@@ -132,7 +134,10 @@ Status Core::EnqueueAndWait(const hvdlite_tensor_t* tensor, double timeout_s, bo
   const int64_t bytes = config_.caller_cycle ? HostTensorBytes(tensor) : -1;
   if (bytes >= 0) {
     token = std::unique_lock<std::mutex>(cycle_mutex_, std::try_to_lock);
-    if (token.owns_lock() && bytes > CallerCycleBytes()) token.unlock();
+    if (token.owns_lock()) {
+      const int64_t most = CallerCycleBytes();  // 0: none at all, an empty op included
+      if (most <= 0 || bytes > most) token.unlock();
+    }
   }
   // Otherwise the background thread is woken on this thread's core, which this thread
   // leaves for it (see PlaceThread).

@@ -528,15 +528,14 @@ Status ProcessSetState::ExecuteReducescatter(const Response& r, TensorEntry* e, 
     // rank's rows of it: a carried copy's bits.
     int64_t first = 0;
     for (int k = 0; k < me; ++k) first += counts[k];
-    std::vector<uint8_t> whole(2 * total * elem);
-    uint8_t* in = whole.data();
+    uint8_t* in = fusion_.Get(2 * total * elem);  // the layered allreduce uses none
     uint8_t* reduced = in + total * elem;
     ScaledCopy(in, e->input, total, r.dtype, r.prescale, 1);
     AllreduceOptions options;
     options.dtype = r.dtype;
     options.reduce_op = average ? HVDLITE_SUM : r.reduce_op;
     s = mpi_->Allreduce({{in, reduced, total}}, options, Tuning(), &fusion_, [](const char*) {});
-    if (s.ok()) std::memcpy(e->output, reduced + first * elem, counts[me] * elem);
+    if (s.ok() && counts[me] > 0) std::memcpy(e->output, reduced + first * elem, counts[me] * elem);
     tally->activity = "LAYERED_REDUCESCATTER";
   } else {
     const void* in = e->input;

@@ -130,7 +130,7 @@ void ProcessSetState::SortFresh(Clock::time_point now) {
 }
 
 bool ProcessSetState::ReducescatterByLayers(const Response& r) const {
-  return !mpi_->shared_memory() && mpi_->ChooseAllreduce(Tuning()) == AllreduceAlgorithm::kLayers &&
+  return !mpi_->shared_memory() && mpi_->CarriesInDataOrder(static_cast<int64_t>(Bits().size()), Tuning()) &&
          NumElements(r.shape) * ElementSize(r.dtype) <= ShmCollectives::kCompanionBytes;
 }
 

@@ -166,8 +166,8 @@ class ProcessSetState {
   // (ReducescatterByLayers).
   bool ReducesInDataOrder(const Response& r, int64_t words) const;
   // A reducescatter of at most ShmCollectives::kCompanionBytes across hosts whose
-  // allreduce goes over the layers runs as that allreduce of its whole input, each rank
-  // keeping its rows: MPI's reduce-scatter reduces in an order of its own, which a
+  // allreduce goes over the layers in the layered round's order (CarriesInDataOrder)
+  // runs as that allreduce of its whole input, each rank keeping its rows: MPI's reduce-scatter reduces in an order of its own, which a
   // carried copy could not match, so without this none was carried there (on 2 hosts of
   // 2 ranks a 4 KiB float reducescatter took 5-7x mpi4py's time).
   bool ReducescatterByLayers(const Response& r) const;

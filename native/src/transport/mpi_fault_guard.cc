@@ -83,7 +83,7 @@ void InstallMpiFaultGuard() {
 }
 
 InMpiCall::InMpiCall(const char* what) : outer_(t_mpi_call) {
-  if (t_escape && g_lost_peers.load(std::memory_order_relaxed)) Escape();
+  EscapeIfPeersLost();
   t_mpi_call = what;
   std::atomic<bool>& test_fault = t_escape ? g_test_fault_armed : g_test_fault;
   if (test_fault.load(std::memory_order_relaxed) && test_fault.exchange(false)) {
@@ -100,6 +100,10 @@ CycleEscape::CycleEscape(sigjmp_buf* to) { t_escape = to; }
 CycleEscape::~CycleEscape() { t_escape = nullptr; }
 
 void NoteLostPeers() { g_lost_peers.store(true); }
+
+void EscapeIfPeersLost() {
+  if (t_escape && g_lost_peers.load(std::memory_order_relaxed)) Escape();
+}
 
 bool CycleEscaped() { return g_escaped.load(); }
 

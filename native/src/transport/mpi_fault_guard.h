@@ -57,8 +57,13 @@ class CycleEscape {
 };
 
 // The launcher reported lost peers (hvdlite_note_lost_peers, from the notice's reader):
-// every armed thread leaves its cycle at its next MPI call.
+// every armed thread leaves its cycle at its next MPI call, or at the next wake of a
+// wait in shared memory (EscapeIfPeersLost: a peer on this host may itself wait for
+// good on a lost one, alive all the while).
 void NoteLostPeers();
+// Leaves the calling thread's cycle by its escape if it has one armed and lost peers
+// were noted; returns otherwise.
+void EscapeIfPeersLost();
 // Whether a cycle was left by its escape (its token is never given back).
 bool CycleEscaped();
 

@@ -15,6 +15,7 @@
 
 #include "common/elementwise.h"
 #include "common/thread_sched.h"
+#include "transport/mpi_fault_guard.h"
 
 namespace hvdlite {
 namespace {
@@ -183,6 +184,7 @@ Status ShmCollectives::Meet() {
 }
 
 Status ShmCollectives::AfterWait() {
+  EscapeIfPeersLost();  // a caller's cycle: its peer here may wait on a lost one for good
   if (idle_) {
     Status s = idle_();
     if (!s.ok()) return s;
