@@ -219,7 +219,12 @@ Core::CallerCycle Core::RunCallerCycle(hvdlite_handle_t h, bool popped) {
   if (popped) {
     counters_.caller_cycles++;
     sigjmp_buf escape;
-    if (sigsetjmp(escape, 1) != 0) return CallerCycle::kEscaped;
+    // The signal mask is not saved (that would be a system call per blocking call):
+    // LeftByEscape unblocks what the fault handler's jump left blocked.
+    if (sigsetjmp(escape, 0) != 0) {
+      LeftByEscape();
+      return CallerCycle::kEscaped;
+    }
     {
       CycleEscape armed(&escape);
       Status s;

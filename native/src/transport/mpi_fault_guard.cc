@@ -99,6 +99,14 @@ CycleEscape::CycleEscape(sigjmp_buf* to) { t_escape = to; }
 
 CycleEscape::~CycleEscape() { t_escape = nullptr; }
 
+void LeftByEscape() {
+  sigset_t faults;
+  sigemptyset(&faults);
+  sigaddset(&faults, SIGSEGV);
+  sigaddset(&faults, SIGBUS);
+  pthread_sigmask(SIG_UNBLOCK, &faults, nullptr);
+}
+
 void NoteLostPeers() { g_lost_peers.store(true); }
 
 void EscapeIfPeersLost() {

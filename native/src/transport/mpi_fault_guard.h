@@ -46,8 +46,9 @@ bool MpiFaulted();
 
 // While alive, the calling thread escapes to `to` (siglongjmp, value 1) from a fault
 // inside MPI or from an MPI call made after NoteLostPeers. `to` must be the caller's
-// own sigsetjmp(*to, 1), made before this is built, in a frame that outlives it; the
-// escape skips every destructor in between, this one's included (the jump disarms it).
+// own sigsetjmp(*to, 0), made before this is built, in a frame that outlives it, which
+// calls LeftByEscape when it returns 1; the escape skips every destructor in between,
+// this one's included (the jump disarms it).
 class CycleEscape {
  public:
   explicit CycleEscape(sigjmp_buf* to);
@@ -55,6 +56,10 @@ class CycleEscape {
   CycleEscape(const CycleEscape&) = delete;
   CycleEscape& operator=(const CycleEscape&) = delete;
 };
+
+// After the jump: unblocks SIGSEGV and SIGBUS, which a jump out of the fault handler
+// leaves blocked (the escape point saves no signal mask: a system call per cycle).
+void LeftByEscape();
 
 // The launcher reported lost peers (hvdlite_note_lost_peers, from the notice's reader):
 // every armed thread leaves its cycle at its next MPI call, or at the next wake of a
