@@ -8,8 +8,9 @@ counts the survivors that died of a signal instead of raising RankFailedError.
 
 Each run: the last rank (3; 1 with --small) SIGKILLs itself after 20 allreduces; the
 others must each write what they raised. With --small the survivor is inside its own
-blocking call's cycle, in MPI, when its peer dies (where each rank has a core). Per run it prints whether a survivor died of SIGSEGV, how many times
-hvdlite's MPI fault guard parked a background thread ("parked"), and which ranks raised
+blocking call's cycle, in MPI, when its peer dies (where each rank has a core). Per run
+it prints whether a survivor died of SIGSEGV, how many times hvdlite's MPI fault guard
+caught a fault ("parked": a parked background thread or an escaped cycle), which ranks raised
 (a bad run also: a zero job status, or processes left on a host);
 the job's output of a bad run goes to ``--keep DIR``. Exit status: 1 if any run was bad.
 """

@@ -79,17 +79,12 @@ class Core {
   // cycle itself, which can then only run h (CallerCycleBytes says where it may). Two
   // task switches less per blocking call: the wake of the background thread and the
   // wake of the caller (docs/performance.md). Where the cycle calls MPI (across hosts)
-  // it runs with an escape armed (CycleEscape, transport/mpi_fault_guard.h).
-  enum class CallerCycle {
-    kEnded,      // h has ended
-    kHandedOff,  // not popped, or not done after the cycle: the background thread is
-                 // woken to go on with it
-    kEscaped,    // the cycle was left by its escape (a fault inside MPI, lost peers):
-                 // the caller keeps cycle_mutex_ for good, so that no cycle runs again
-                 // on MPI in whatever state the fault left it, and its wait ends with
-                 // the launcher's notice
-  };
-  CallerCycle RunCallerCycle(hvdlite_handle_t h, bool popped);
+  // it runs with an escape armed (CycleEscape, transport/mpi_fault_guard.h). Gives the
+  // token up: back, or for good where the cycle was left by its escape (a fault inside
+  // MPI, lost peers), so that no cycle runs again on MPI in whatever state the fault left
+  // it; the caller's wait then ends with the launcher's notice. If h is not done (or was
+  // not popped), the background thread is woken to go on with it.
+  void RunCallerCycle(std::unique_lock<std::mutex>* token, hvdlite_handle_t h, bool popped);
   // The largest blocking op (input bytes of host memory) whose cycle a caller holding
   // cycle_mutex_ may run as things stand (RunCallerCycle): the least of every set's
   // ProcessSetState::CallerCycleBytes; 0 where a refusal waits to be sent or the loop

@@ -151,12 +151,8 @@ Status Core::EnqueueAndWait(const hvdlite_tensor_t* tensor, double timeout_s, bo
     return s;
   }
   if (token.owns_lock()) {
-    const bool popped = queue_.PopAlone(tensor->op == HVDLITE_OP_JOIN ? kJoinName : tensor->name, &fresh_);
-    if (RunCallerCycle(*out, popped) == CallerCycle::kEscaped) {
-      token.release();  // kept for good
-    } else {
-      token.unlock();
-    }
+    RunCallerCycle(&token, *out,
+                   queue_.PopAlone(tensor->op == HVDLITE_OP_JOIN ? kJoinName : tensor->name, &fresh_));
   }
   *op_status = handles_.Wait(*out, timeout_s, release, true);
   return Status::OK();
@@ -170,7 +166,7 @@ Status Core::Wait(hvdlite_handle_t h, double timeout_s, bool release) {
     if (most > 0 && queue_.PopOnly(h, most, &fresh_)) {
       handles_.Announce();  // a caller blocked on its result from now, as EnqueueAndWait's
       announced = true;
-      if (RunCallerCycle(h, true) == CallerCycle::kEscaped) token.release();  // kept for good
+      RunCallerCycle(&token, h, true);
     }
   }
   return handles_.Wait(h, timeout_s, release, announced);

@@ -215,7 +215,8 @@ int64_t Core::CallerCycleBytes() {
   return most;
 }
 
-Core::CallerCycle Core::RunCallerCycle(hvdlite_handle_t h, bool popped) {
+void Core::RunCallerCycle(std::unique_lock<std::mutex>* token, hvdlite_handle_t h, bool popped) {
+  bool done = false;
   if (popped) {
     counters_.caller_cycles++;
     sigjmp_buf escape;
@@ -223,18 +224,19 @@ Core::CallerCycle Core::RunCallerCycle(hvdlite_handle_t h, bool popped) {
     // LeftByEscape unblocks what the fault handler's jump left blocked.
     if (sigsetjmp(escape, 0) != 0) {
       LeftByEscape();
-      return CallerCycle::kEscaped;
+      token->release();  // kept for good
+      return;
     }
     {
       CycleEscape armed(&escape);
       Status s;
       RunCycle(false, &s);
     }
-    bool done = false;
-    if (handles_.Poll(h, &done).ok() && done) return CallerCycle::kEnded;
+    bool ended = false;
+    done = handles_.Poll(h, &ended).ok() && ended;
   }
-  queue_.Wake();
-  return CallerCycle::kHandedOff;
+  token->unlock();
+  if (!done) queue_.Wake();
 }
 
 void Core::Distribute() {

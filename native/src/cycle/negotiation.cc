@@ -129,15 +129,15 @@ void ProcessSetState::SortFresh(Clock::time_point now) {
   }
 }
 
-bool ProcessSetState::ReducescatterByLayers(const Response& r) const {
-  return !mpi_->shared_memory() && mpi_->CarriesInDataOrder(static_cast<int64_t>(Bits().size()), Tuning()) &&
-         NumElements(r.shape) * ElementSize(r.dtype) <= ShmCollectives::kCompanionBytes;
-}
-
 bool ProcessSetState::ReducesInDataOrder(const Response& r, int64_t words) const {
   if (r.op == HVDLITE_OP_REDUCESCATTER && mpi_->shared_memory()) return true;
   if (!mpi_->CarriesInDataOrder(words, Tuning())) return false;
-  return r.op == HVDLITE_OP_ALLREDUCE || (r.op == HVDLITE_OP_REDUCESCATTER && ReducescatterByLayers(r));
+  return r.op == HVDLITE_OP_ALLREDUCE ||
+         (r.op == HVDLITE_OP_REDUCESCATTER && NumElements(r.shape) * ElementSize(r.dtype) <= ShmCollectives::kCompanionBytes);
+}
+
+bool ProcessSetState::ReducescatterByLayers(const Response& r) const {
+  return !mpi_->shared_memory() && ReducesInDataOrder(r, static_cast<int64_t>(Bits().size()));
 }
 
 ProcessSetState::BitsLayout ProcessSetState::Bits() const {
