@@ -317,16 +317,14 @@ def submit(kept, input_ptr, output_ptr, keepalive, finisher, name, result):
 def submit_wait(kept, input_ptr, output_ptr, keepalive, finisher, name, result):
     """``submit``, the op also waited for in the same call of the core: its Handle,
     ended unless the wait's first slice passed first."""
-    return _submit_wait(kept, input_ptr, output_ptr, keepalive, finisher, name, result, False)
+    return run(kept, input_ptr, output_ptr, keepalive, finisher, name, result, False)
 
 
-def run(kept, input_ptr, output_ptr, keepalive, finisher, name, result):
+def run(kept, input_ptr, output_ptr, keepalive, finisher, name, result, wait=True):
     """``submit_wait(...).wait()``: the op's result (its error raised). An op that ended
-    within the wait's first slice, the usual case, makes no Handle."""
-    return _submit_wait(kept, input_ptr, output_ptr, keepalive, finisher, name, result, True)
-
-
-def _submit_wait(kept, input_ptr, output_ptr, keepalive, finisher, name, result, wait):
+    within the wait's first slice, the usual case, makes no Handle. (``wait=False``:
+    ``submit_wait``; one function, so that a blocking call, the latency-bound one, pays
+    for one Python frame here.)"""
     if _orphans:  # as a Handle's making does: a call that makes none releases them too
         reap_orphans()
     try:

@@ -103,31 +103,39 @@ class _Kept:
         self.out_shape = arr.shape if out_shape is None else out_shape
 
 
-def _kept_call(kind, name, array, args):
-    """The kept call of kind ``kind`` under ``name`` if this one repeats it (``args``:
-    the call's other arguments, the process set last, compared with ``==``), else None."""
-    kept = _kept_calls[kind].get(name)
-    if (kept is not None and type(array) is np.ndarray and array.dtype is kept.dtype
-            and array.shape == kept.shape and array.flags.c_contiguous and args == kept.args
-            and kept.world is core._world and args[-1].process_set_id == kept.psid):
-        return kept
-    return None
-
-
-def _submit_kept(submit, kept, array, out, name):
-    """Submits the op of a call that repeats a kept one (``submit``: ``_enqueue.submit``
-    or ``run``), with ``array``'s and ``out``'s buffers."""
+def _repeat_kept(submit, kind, name, array, out, args):
+    """Submits a call that repeats the kept call of kind ``kind`` under ``name`` with
+    ``array``'s (and ``out``'s) buffers, and returns what ``submit`` (``_enqueue.submit``
+    or ``run``) returns; None where it does not repeat one (``args``: the call's other
+    arguments, the process set last (a reducescatter's ``(op, prescale, postscale,
+    process set)``), compared with ``==``; a bool in the place of a root rank, op or
+    factor is refused there, and so repeats no 1 or 0). A call with an
+    ``out`` not fit for the kept result is not a repeat either: the first call's path
+    refuses it, on every rank. Undecorated (see ``refusing``): nothing here raises a
+    refusal, and a small blocking call's time is mostly Python frames like that one."""
+    kept = _kept_calls[kind].get(name) if type(name) is str else None
+    if (kept is None or type(array) is not np.ndarray or array.dtype is not kept.dtype
+            or array.shape != kept.shape or not array.flags.c_contiguous or args != kept.args
+            or type(args[0]) is bool
+            or (len(args) == 4 and (type(args[1]) is bool or type(args[2]) is bool))
+            or kept.world is not core._world
+            or args[-1].process_set_id != kept.psid):
+        return None
     if kept.finisher is not None:  # the core allocates the result
         return submit(kept.template, from_buffer(array), ffi.NULL, (array,), kept.finisher, name,
                       None)
-    out = _output_array(out, kept.out_shape, kept.dtype, name)
+    if out is None:
+        out = np.empty(kept.out_shape, kept.dtype)
+    elif (type(out) is not np.ndarray or out.dtype is not kept.dtype
+          or out.shape != kept.out_shape or not _writable_contiguous(out.flags)):
+        return None
     return submit(kept.template, from_buffer(array), from_buffer(out), (array, out), None, name,
                   out)
 
 
 def _keep_call(kind, name, named, arr, array, args, psid, template, finisher=None,
                out_shape=None):
-    """Keeps a call that was enqueued (see ``_kept_call``), when its name was given, its
+    """Keeps a call that was enqueued (see ``_repeat_kept``), when its name was given, its
     array taken as it was and its process set given (not None)."""
     if named and arr is array and args[-1] is not None:
         _enqueue.remember(_kept_calls[kind], name,
@@ -309,14 +317,18 @@ def allgather_async(array, name=None, process_set=global_process_set):
     return _allgather(_submit, array, name, process_set)
 
 
-@refusing(ALLGATHER)
 def _allgather(submit, array, name, process_set):
     """``allgather_async``, with ``submit`` as its last step: ``_enqueue.submit`` (the
     call returns a Handle), or ``_enqueue.run`` for a blocking call (its result)."""
     args = (process_set,)
-    kept = _kept_call(ALLGATHER, name, array, args)
-    if kept is not None:
-        return _submit_kept(submit, kept, array, None, name)
+    repeated = _repeat_kept(submit, ALLGATHER, name, array, None, args)
+    return _first_allgather(submit, array, name, args) if repeated is None else repeated
+
+
+@refusing(ALLGATHER)
+def _first_allgather(submit, array, name, args):
+    """``_allgather`` of a call that repeats no kept one: checked, submitted, kept."""
+    process_set, = args
     named = name is not None
     psid = process_sets.process_set_id(process_set)
     name = _refusals.resolve_name("allgather", name, psid)
@@ -359,13 +371,17 @@ def broadcast_async(array, root_rank, name=None, out=None, process_set=global_pr
     return _broadcast(_submit, array, root_rank, name, out, process_set)
 
 
-@refusing(BROADCAST)
 def _broadcast(submit, array, root_rank, name, out, process_set):
     """``broadcast_async``, with ``submit`` as its last step (as ``_allgather``'s)."""
     args = (root_rank, process_set)
-    kept = _kept_call(BROADCAST, name, array, args)
-    if kept is not None:
-        return _submit_kept(submit, kept, array, out, name)
+    repeated = _repeat_kept(submit, BROADCAST, name, array, out, args)
+    return _first_broadcast(submit, array, name, out, args) if repeated is None else repeated
+
+
+@refusing(BROADCAST)
+def _first_broadcast(submit, array, name, out, args):
+    """``_broadcast`` of a call that repeats no kept one (as ``_first_allgather``)."""
+    root_rank, process_set = args
     named = name is not None
     psid = process_sets.process_set_id(process_set)
     name = _refusals.resolve_name("broadcast", name, psid)
@@ -409,13 +425,17 @@ def alltoall_async(array, splits=None, name=None, process_set=global_process_set
     return _alltoall(_submit, array, splits, name, process_set)
 
 
-@refusing(ALLTOALL)
 def _alltoall(submit, array, splits, name, process_set):
     """``alltoall_async``, with ``submit`` as its last step (as ``_allgather``'s)."""
     args = (splits, process_set)
-    kept = _kept_call(ALLTOALL, name, array, args)
-    if kept is not None:
-        return _submit_kept(submit, kept, array, None, name)
+    repeated = _repeat_kept(submit, ALLTOALL, name, array, None, args)
+    return _first_alltoall(submit, array, name, args) if repeated is None else repeated
+
+
+@refusing(ALLTOALL)
+def _first_alltoall(submit, array, name, args):
+    """``_alltoall`` of a call that repeats no kept one (as ``_first_allgather``)."""
+    splits, process_set = args
     named = name is not None
     psid = process_sets.process_set_id(process_set)
     name = _refusals.resolve_name("alltoall", name, psid)
@@ -463,14 +483,19 @@ def reducescatter_async(array, name=None, op=Average, prescale_factor=1.0,
                           process_set)
 
 
-@refusing(REDUCESCATTER)
 def _reducescatter(submit, array, name, op, prescale_factor, postscale_factor, out,
                    process_set):
     """``reducescatter_async``, with ``submit`` as its last step (as ``_allgather``'s)."""
     args = (op, prescale_factor, postscale_factor, process_set)
-    kept = _kept_call(REDUCESCATTER, name, array, args)
-    if kept is not None:
-        return _submit_kept(submit, kept, array, out, name)
+    repeated = _repeat_kept(submit, REDUCESCATTER, name, array, out, args)
+    return (_first_reducescatter(submit, array, name, out, args) if repeated is None
+            else repeated)
+
+
+@refusing(REDUCESCATTER)
+def _first_reducescatter(submit, array, name, out, args):
+    """``_reducescatter`` of a call that repeats no kept one (as ``_first_allgather``)."""
+    op, prescale_factor, postscale_factor, process_set = args
     named = name is not None
     psid = process_sets.process_set_id(process_set)
     name = _refusals.resolve_name("reducescatter", name, psid)

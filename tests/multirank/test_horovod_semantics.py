@@ -114,6 +114,8 @@ report()
 '''
 
 REFUSE_BODY = r'''
+import hvdlite
+
 # Each case: rank 1 makes the call with a bad tensor; the others submit a good one of
 # the same name (given, or automatic: every rank's counter advances alike).
 strided = torch.ones(6, 4)[:, ::2]
@@ -134,6 +136,13 @@ cases = [
     ("grouped allreduce member", lambda bad, name: hvd.grouped_allreduce(
         [torch.ones(2), torch.ones(2, dtype=torch.complex64) if bad else torch.ones(2)],
         name=name)),
+    # numpy's out: a bad one in a call that otherwise repeats a kept one (step 1) is
+    # refused as in a first call.
+    ("numpy broadcast out", lambda bad, name: hvdlite.broadcast(
+        np.ones(2, np.float32), 0, name=name, out=np.ones(3, np.float32) if bad else None)),
+    ("numpy reducescatter out", lambda bad, name: hvdlite.reducescatter(
+        np.ones((size, 2), np.float32), op=hvdlite.Sum, name=name,
+        out=np.ones((1, 2), np.float64) if bad else None)),
 ]
 for step in range(2):  # the second round finds the names in the response cache
     for label, call in cases:
@@ -244,7 +253,7 @@ def test_join_follows_horovod(np_):
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_a_refusing_rank_fails_the_others_at_once(np_):
-    # 28 refusals, each answered within a cycle or two; a wait for the stall time
+    # 36 refusals, each answered within a cycle or two; a wait for the stall time
     # (600 s) on any of them would exceed the job's timeout.
     _run(np_, REFUSE_BODY, timeout=150, env=NO_STALL)
 

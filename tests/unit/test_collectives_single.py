@@ -336,6 +336,59 @@ def test_a_repeated_call_rechecks_what_changed(hvd):
     assert all(a() is None for a in alive)
 
 
+def test_the_other_collectives_repeated_recheck_what_changed(hvd):
+    # A broadcast's, allgather's, alltoall's or reducescatter's repeat under a name
+    # reuses what its first call checked and filled while the array's dtype and shape
+    # and the other arguments are the same; anything else, a bad out included, goes
+    # through the first call's checks (and refusal) again.
+    from hvdlite import ops
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    for _ in range(2):
+        assert np.array_equal(hvd.broadcast(x, 0, name="again.bc"), x)
+        assert np.array_equal(hvd.allgather(x, name="again.ag"), x)
+        assert np.array_equal(hvd.alltoall(x, name="again.a2a")[0], x)
+        assert np.array_equal(hvd.reducescatter(x, name="again.rs", op=hvd.Sum), x)
+    for kind in (ops.BROADCAST, ops.ALLGATHER, ops.ALLTOALL, ops.REDUCESCATTER):
+        assert ops._kept_calls[kind], kind
+    out = np.empty_like(x)
+    assert hvd.broadcast(x, 0, name="again.bc", out=out) is out and np.array_equal(out, x)
+    assert hvd.reducescatter(x, name="again.rs", op=hvd.Sum, out=out) is out
+    # Another dtype, shape or argument under the name: checked and run as such.
+    y = np.arange(4, dtype=np.int64)
+    assert np.array_equal(hvd.broadcast(y, 0, name="again.bc"), y)
+    assert hvd.allgather(y, name="again.ag").dtype == np.int64
+    assert np.array_equal(hvd.alltoall(y, splits=(4,), name="again.a2a")[0], y)
+    close(hvd.reducescatter(x, name="again.rs", op=hvd.Sum, prescale_factor=2.0), 2 * x)
+    for bad in (np.empty((2, 3), np.float32), np.empty(3, np.float64), x.T, [0.0] * 6):
+        with pytest.raises(hvd.errors.InvalidArgumentError, match="again.bc.*out must be"):
+            hvd.broadcast(x, 0, name="again.bc", out=bad)
+        with pytest.raises(hvd.errors.InvalidArgumentError, match="again.rs.*out must be"):
+            hvd.reducescatter(x, name="again.rs", op=hvd.Sum, out=bad)
+    with pytest.raises(hvd.errors.InvalidArgumentError, match="again.bc.*root_rank"):
+        hvd.broadcast(x, 1, name="again.bc")
+    # Bools equal 1 and 0 but are refused as ranks, ops and factors, repeat or not.
+    hvd.reducescatter(x, name="again.rs", op=hvd.Sum)
+    with pytest.raises(hvd.errors.InvalidArgumentError, match="again.bc.*root_rank"):
+        hvd.broadcast(x, False, name="again.bc")
+    with pytest.raises(hvd.errors.InvalidArgumentError, match="again.rs.*op True"):
+        hvd.reducescatter(x, name="again.rs", op=True)
+    with pytest.raises(hvd.errors.InvalidArgumentError, match="again.rs.*prescale_factor"):
+        hvd.reducescatter(x, name="again.rs", op=hvd.Sum, prescale_factor=True)
+    frozen = np.empty_like(x)
+    frozen.setflags(write=False)
+    with pytest.raises(hvd.errors.InvalidArgumentError, match="again.bc.*writable"):
+        hvd.broadcast(x, 0, name="again.bc", out=frozen)
+    assert np.array_equal(hvd.broadcast(x, 0, name="again.bc"), x)  # still usable
+
+
+@pytest.mark.parametrize("call", ["broadcast", "allgather", "alltoall", "reducescatter"])
+def test_an_unhashable_name_is_refused_clearly_by_every_collective(hvd, call):
+    x = np.ones((1, 2), np.float32)
+    args = {"broadcast": (x, 0)}.get(call, (x,))
+    with pytest.raises(hvd.errors.InvalidArgumentError, match="name must be a str"):
+        getattr(hvd, call)(*args, name=["a"])
+
+
 def test_threads_waiting_on_one_op_handle_all_get_its_result(hvd):
     # An allreduce's OpHandle has no lock: threads that wait together, or reach the
     # core just after another thread released the id (about one wait in ten here), all
