@@ -26,7 +26,7 @@ differentiable forms; the rest is by role: ``tensors`` (dtype table, tensor chec
 
 from hvdlite import _checks, _enqueue, _refusals, ops, process_sets
 from hvdlite._enqueue import Adasum, Average, Max, Min, Product, Sum  # noqa: F401 (Horovod)
-from hvdlite.torch import async_collectives, autograd
+from hvdlite.torch import async_collectives, autograd, repeats, tensors
 # The asynchronous collectives (and control), where Horovod scripts import them from.
 from hvdlite.torch.async_collectives import (SparseHandle, allgather_async,  # noqa: F401
                                              allreduce_async, allreduce_async_, alltoall_async,
@@ -40,6 +40,9 @@ from hvdlite.torch.compression import Compression
 from hvdlite.torch.tensors import (TORCH_DTYPE_NAMES, native_dtype_code,  # noqa: F401
                                    torch_dtype_name)
 
+
+_ALLREDUCE, _ALLGATHER = _enqueue.ALLREDUCE, _enqueue.ALLGATHER
+_BROADCAST, _REDUCESCATTER = _enqueue.BROADCAST, _enqueue.REDUCESCATTER
 
 # Process sets: the framework-free ones (hvdlite.process_sets), as Horovod's torch
 # module exports them.
@@ -56,8 +59,22 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 
     See ``allreduce_async``; raises HorovodInternalError subclasses if it fails.
     """
-    return ops.synchronize(_enqueue.at_once(allreduce_async_, tensor, average, name, op,
-                                            prescale_factor, postscale_factor, process_set))
+    args = (op, prescale_factor, postscale_factor, process_set)
+    repeated = None if average is not None else repeats.repeat(_ALLREDUCE, name, tensor,
+                                                               tensor, args)
+    return _first_allreduce_(tensor, average, name, args) if repeated is None else repeated
+
+
+def _first_allreduce_(tensor, average, name, args):
+    """``allreduce_`` of a call that repeats no kept one (``hvdlite.torch.repeats``):
+    the whole way, then kept."""
+    op, prescale_factor, postscale_factor, process_set = args
+    result = ops.synchronize(_enqueue.at_once(allreduce_async_, tensor, average, name, op,
+                                              prescale_factor, postscale_factor, process_set))
+    if average is None:
+        repeats.keep(_ALLREDUCE, name, tensor, args, _checks.resolve_op(op, None),
+                     prescale_factor, postscale_factor)
+    return result
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
@@ -79,10 +96,23 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
         InvalidArgumentError, DuplicateNameError, NotInitializedError: refused.
         HorovodInternalError: the collective failed (e.g. MismatchError across ranks).
     """
-    op = _checks.resolve_op(op, average)
+    args = (op, prescale_factor, postscale_factor, process_set)
+    repeated = (repeats.repeat(_ALLREDUCE, name, tensor, None, args)
+                if average is None and compression is Compression.none else None)
+    return (_first_allreduce(tensor, average, name, compression, args) if repeated is None
+            else repeated)
+
+
+def _first_allreduce(tensor, average, name, compression, args):
+    """``allreduce`` of a call that repeats no kept one (as ``_first_allreduce_``)."""
+    op, prescale_factor, postscale_factor, process_set = args
+    resolved = _checks.resolve_op(op, average)
     compressed, ctx = compression.compress(tensor)
-    reduced = autograd.run(autograd.AllreduceFunction, compressed, name, op, prescale_factor,
-                           postscale_factor, process_set)
+    reduced = autograd.run(autograd.AllreduceFunction, compressed, name, resolved,
+                           prescale_factor, postscale_factor, process_set)
+    if average is None and compression is Compression.none:
+        repeats.keep(_ALLREDUCE, name, tensor, args, resolved, prescale_factor,
+                     postscale_factor)
     return compression.decompress(reduced, ctx)
 
 
@@ -114,13 +144,34 @@ def allgather(tensor, name=None, process_set=global_process_set):
     The gradient is Horovod's: the incoming gradients averaged over ranks, this rank's
     rows of it. See ``allgather_async``; raises HorovodInternalError subclasses if it fails.
     """
-    return autograd.run(autograd.AllgatherFunction, tensor, name, process_set)
+    args = (process_set,)
+    repeated = repeats.repeat(_ALLGATHER, name, tensor, None, args)
+    return _first_allgather(tensor, name, args) if repeated is None else repeated
+
+
+def _first_allgather(tensor, name, args):
+    """``allgather`` of a call that repeats no kept one (as ``_first_allreduce_``)."""
+    process_set, = args
+    result = autograd.run(autograd.AllgatherFunction, tensor, name, process_set)
+    repeats.keep(_ALLGATHER, name, tensor, args, finisher=tensors.core_result(
+        tensor, tensor.shape[0] * process_sets.members(process_set)[0]))
+    return result
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
     """Overwrites ``tensor`` with ``root_rank``'s values and returns it (in place)."""
-    return ops.synchronize(_enqueue.at_once(broadcast_async_, tensor, root_rank, name,
-                                            process_set))
+    args = (root_rank, process_set)
+    repeated = repeats.repeat(_BROADCAST, name, tensor, tensor, args)
+    return _first_broadcast_(tensor, name, args) if repeated is None else repeated
+
+
+def _first_broadcast_(tensor, name, args):
+    """``broadcast_`` of a call that repeats no kept one (as ``_first_allreduce_``)."""
+    root_rank, process_set = args
+    result = ops.synchronize(_enqueue.at_once(broadcast_async_, tensor, root_rank, name,
+                                              process_set))
+    repeats.keep(_BROADCAST, name, tensor, args, root_rank=root_rank)
+    return result
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
@@ -130,7 +181,17 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     zero on the other ranks. See ``broadcast_async``; raises HorovodInternalError
     subclasses if it fails.
     """
-    return autograd.run(autograd.BroadcastFunction, tensor, root_rank, name, process_set)
+    args = (root_rank, process_set)
+    repeated = repeats.repeat(_BROADCAST, name, tensor, None, args)
+    return _first_broadcast(tensor, name, args) if repeated is None else repeated
+
+
+def _first_broadcast(tensor, name, args):
+    """``broadcast`` of a call that repeats no kept one (as ``_first_allreduce_``)."""
+    root_rank, process_set = args
+    result = autograd.run(autograd.BroadcastFunction, tensor, root_rank, name, process_set)
+    repeats.keep(_BROADCAST, name, tensor, args, root_rank=root_rank)
+    return result
 
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
@@ -157,9 +218,22 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
     gradients, times size() for Sum and times the scale factors. See
     ``reducescatter_async`` for the arguments.
     """
+    args = (op, prescale_factor, postscale_factor, process_set)
+    repeated = (repeats.repeat(_REDUCESCATTER, name, tensor, None, args)
+                if compression is Compression.none else None)
+    return (_first_reducescatter(tensor, name, compression, args) if repeated is None
+            else repeated)
+
+
+def _first_reducescatter(tensor, name, compression, args):
+    """``reducescatter`` of a call that repeats no kept one (as ``_first_allreduce_``)."""
+    op, prescale_factor, postscale_factor, process_set = args
     compressed, ctx = compression.compress(tensor)
     out = autograd.run(autograd.ReducescatterFunction, compressed, name, op, prescale_factor,
                        postscale_factor, process_set)
+    if compression is Compression.none:
+        repeats.keep(_REDUCESCATTER, name, tensor, args, op, prescale_factor, postscale_factor,
+                     out_shape=out.shape)
     return compression.decompress(out, ctx)
 
 
@@ -184,12 +258,14 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
 
 # Refusals are sent to the other ranks (see async_collectives, which wraps the
 # asynchronous forms alike).
+# A repeated call's path (hvdlite.torch.repeats) raises no refusal: the first call's is
+# wrapped instead of the public function.
 for _fn_name, _op in (
-        ("allreduce", _enqueue.ALLREDUCE), ("allreduce_", _enqueue.ALLREDUCE),
+        ("_first_allreduce", _enqueue.ALLREDUCE), ("_first_allreduce_", _enqueue.ALLREDUCE),
         ("grouped_allreduce", _enqueue.ALLREDUCE), ("grouped_allreduce_", _enqueue.ALLREDUCE),
-        ("allgather", _enqueue.ALLGATHER), ("grouped_allgather", _enqueue.ALLGATHER),
-        ("broadcast", _enqueue.BROADCAST), ("broadcast_", _enqueue.BROADCAST),
-        ("alltoall", _enqueue.ALLTOALL), ("reducescatter", _enqueue.REDUCESCATTER),
+        ("_first_allgather", _enqueue.ALLGATHER), ("grouped_allgather", _enqueue.ALLGATHER),
+        ("_first_broadcast", _enqueue.BROADCAST), ("_first_broadcast_", _enqueue.BROADCAST),
+        ("alltoall", _enqueue.ALLTOALL), ("_first_reducescatter", _enqueue.REDUCESCATTER),
         ("grouped_reducescatter", _enqueue.REDUCESCATTER)):
     globals()[_fn_name] = _refusals.refusing(_op)(globals()[_fn_name])
 del _fn_name, _op

@@ -90,6 +90,47 @@ c.close("allreduce under no_grad", got, sum(every), 1e-12)
 untracked("allreduce under no_grad", got)
 c.true("no apply under no_grad", len(applied) == 2, str(applied))
 
+# Repeated under their names (hvdlite.torch.repeats): new values, the same dtype and
+# shape, through the kept path; another dtype, op, or a tensor requiring grad, the
+# whole way again.
+from hvdlite.torch import repeats
+kept_runs = []
+kept_run = repeats.run
+def counted_run(*args):
+    kept_runs.append(args[5])  # the name
+    return kept_run(*args)
+repeats.run = counted_run
+for step in range(1, 4):
+    t = mine(rank) + step
+    every = [mine(r) + step for r in range(size)]
+    c.close(f"repeat {step} allreduce", hvd.allreduce(t, op=hvd.Sum, name="u.ar"), sum(every), 1e-12)
+    c.close(f"repeat {step} broadcast", hvd.broadcast(t, root, name="u.bc"), every[root], 0)
+    c.close(f"repeat {step} allgather", hvd.allgather(t.reshape(2, 3), name="u.ag"),
+            torch.cat([e.reshape(2, 3) for e in every]), 0)
+    full = torch.stack([t + k for k in range(size)])
+    c.close(f"repeat {step} reducescatter", hvd.reducescatter(full, op=hvd.Sum, name="u.rs"),
+            sum(e + rank for e in every).reshape(1, -1), 1e-12)
+    inplace = t.clone()
+    c.true(f"repeat {step} allreduce_ in place", hvd.allreduce_(inplace, op=hvd.Sum, name="u.ar_") is inplace)
+    c.close(f"repeat {step} allreduce_", inplace, sum(every), 1e-12)
+    inplace = t.clone()
+    c.true(f"repeat {step} broadcast_ in place", hvd.broadcast_(inplace, root, name="u.bc_") is inplace)
+    c.close(f"repeat {step} broadcast_", inplace, every[root], 0)
+counts = {n: kept_runs.count(n) for n in ("u.ar", "u.bc", "u.ag", "u.rs", "u.ar_", "u.bc_")}
+c.true("repeats take the kept path", counts == {"u.ar": 3, "u.bc": 3, "u.ag": 3, "u.rs": 3,
+                                                 "u.ar_": 2, "u.bc_": 2}, str(counts))
+kept_runs.clear()
+c.close("repeat as float32", hvd.allreduce(t.float(), op=hvd.Sum, name="u.ar"), sum(every).float(), 1e-5)
+c.close("repeat with Max", hvd.allreduce(t, op=hvd.Max, name="u.ar"), every[-1], 0)
+c.close("repeat with a shape", hvd.broadcast(t.reshape(3, 2), root, name="u.bc"), every[root].reshape(3, 2), 0)
+c.true("others take the whole way", kept_runs == [], str(kept_runs))
+applied.clear()
+w = mine(rank).requires_grad_()
+hvd.allreduce(w, op=hvd.Max, name="u.ar")  # kept, as Max; requiring grad, applied
+y = hvd.allreduce(w, op=hvd.Max, name="u.ar")
+c.true("a repeat requiring grad is applied", applied == ["AllreduceFunction"] * 2 and y.grad_fn is not None, str(applied))
+repeats.run = kept_run
+
 for f in FUNCTIONS:
     del f.apply  # Function's own again
 c.report()
@@ -104,5 +145,5 @@ def test_torch_collectives_skip_autograd_where_it_records_nothing(np_):
     needs.import_or_skip("torch")
     bodies, job = shared_checks("torch_scripts", np_, "untracked.py")
     for r, body in enumerate(bodies):
-        assert body["checks"] >= 18, (r, body)
+        assert body["checks"] >= 40, (r, body)
         assert body["failures"] == [], f"rank {r}: {body['failures']}\n" + describe(job)

@@ -141,6 +141,47 @@ def test_bad_ops_roots_splits_and_scales(thvd):
         thvd.allreduce(x, process_set=thvd.ProcessSet([0]))
 
 
+def test_a_repeated_call_is_checked_like_a_first_one(thvd):
+    # A call that repeats a kept one (hvdlite.torch.repeats: same name, dtype, shape and
+    # arguments) skips the first call's path; any tensor or argument that path refuses
+    # must still be refused under the same name.
+    from hvdlite.torch import repeats
+    good = torch.arange(12.0).reshape(6, 2)
+    bad = {
+        "contiguous": torch.zeros(6, 4)[:, ::2],
+        "resolve_neg": torch._neg_view(torch.arange(12.0).reshape(6, 2)),
+        "layout": torch.zeros(6, 2).to_sparse(),
+        "CPU and CUDA": torch.zeros(6, 2, device="meta"),
+    }
+    calls = {
+        "allreduce": lambda t, **kw: thvd.allreduce(t, name="again", **kw),
+        "allreduce_": lambda t, **kw: thvd.allreduce_(t, name="again_", **kw),
+        "broadcast": lambda t, root=0: thvd.broadcast(t, root, name="again.bc"),
+        "broadcast_": lambda t, root=0: thvd.broadcast_(t, root, name="again.bc_"),
+        "allgather": lambda t: thvd.allgather(t, name="again.ag"),
+        "reducescatter": lambda t, **kw: thvd.reducescatter(t, name="again.rs", **kw),
+    }
+    for label, call in calls.items():
+        for _ in range(2):
+            assert torch.equal(call(good.clone()), good), label
+        for needle, tensor in bad.items():
+            with pytest.raises(thvd.InvalidArgumentError, match=needle):
+                call(tensor)
+        assert torch.equal(call(good.clone()), good), label
+    assert all(repeats._kept[kind] for kind in repeats._kept)
+    for label in ("allreduce", "allreduce_", "reducescatter"):
+        with pytest.raises(thvd.InvalidArgumentError, match="op True"):
+            calls[label](good.clone(), op=True)
+        with pytest.raises(thvd.InvalidArgumentError, match="prescale_factor"):
+            calls[label](good.clone(), prescale_factor=True)
+    for label in ("broadcast", "broadcast_"):
+        with pytest.raises(thvd.InvalidArgumentError, match="root_rank"):
+            calls[label](good.clone(), root=False)
+    # Another dtype or shape under the name: checked and run as such.
+    assert torch.equal(thvd.allreduce(good.double(), name="again"), good.double())
+    assert torch.equal(thvd.allgather(good.reshape(3, 4), name="again.ag"), good.reshape(3, 4))
+
+
 def test_grouped_allreduce_is_all_or_nothing(thvd):
     good = torch.ones(2)
     with pytest.raises(thvd.InvalidArgumentError, match="grp.bad.1"):
