@@ -3,6 +3,7 @@ collective at 4 KiB, 64 KiB and 1 MiB (``--sizes``: others), the two systems alt
 call by call.
 
     .venv/bin/python -m hvdlite.runner -np 2 .venv/bin/python benchmarks/latency.py
+    .venv/bin/python -m hvdlite.runner -np 2 .venv/bin/python benchmarks/latency.py --torch
     .venv/bin/python -m hvdlite.runner -np 3 .venv/bin/python benchmarks/latency.py \
         --only allreduce,allgather,reducescatter --sizes 1M,16M,64M --reps 10 --warmup 2
     sudo .venv/bin/python benchmarks/latency.py --cluster 2x2 [--rate 1gbit]   # across hosts
@@ -49,8 +50,10 @@ TARGET_ACROSS_HOSTS = 1.5  # the same across hosts
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def collectives(comm, rank, size, nbytes):
-    """name -> (hvdlite call, mpi4py call) for float32 buffers of about ``nbytes``."""
+def collectives(comm, rank, size, nbytes, framework="numpy"):
+    """name -> (hvdlite call, mpi4py call) for float32 buffers of about ``nbytes``;
+    hvdlite's through ``hvdlite.torch`` on CPU tensors of the same memory with
+    ``framework="torch"``."""
     from mpi4py import MPI
 
     import hvdlite as hvd
@@ -63,6 +66,24 @@ def collectives(comm, rank, size, nbytes):
     moved = np.empty_like(x)
     rows = x.reshape(size, -1) if n % size == 0 else x.reshape(-1, 1)
     split = [n // size] * size  # n is a multiple of size: the same rows for each
+    if framework == "torch":
+        import torch
+
+        import hvdlite.torch as thvd
+
+        t, trows = torch.from_numpy(x), torch.from_numpy(rows)
+        return {
+            "allreduce": (lambda: thvd.allreduce(t, name="lat.ar", op=thvd.Sum),
+                          lambda: comm.Allreduce(x, out, op=MPI.SUM)),
+            "allgather": (lambda: thvd.allgather(t, name="lat.ag"),
+                          lambda: comm.Allgatherv(x, (gathered, [n] * size))),
+            "broadcast": (lambda: thvd.broadcast(t, 0, name="lat.bc"),
+                          lambda: comm.Bcast(out if rank else x, root=0)),
+            "alltoall": (lambda: thvd.alltoall(trows, name="lat.a2a"),
+                         lambda: comm.Alltoall(x, moved)),
+            "reducescatter": (lambda: thvd.reducescatter(trows, name="lat.rs", op=thvd.Sum),
+                              lambda: comm.Reduce_scatter(x, scattered, split, op=MPI.SUM)),
+        }
     return {
         "allreduce": (lambda: hvd.allreduce(x, name="lat.ar", op=hvd.Sum),
                       lambda: comm.Allreduce(x, out, op=MPI.SUM)),
@@ -155,6 +176,9 @@ def main():
     parser.add_argument("--burst", type=int, default=1,
                         help="time this many calls back to back per repetition (the rate "
                              "of a loop of calls rather than one call's latency)")
+    parser.add_argument("--torch", action="store_true",
+                        help="hvdlite's calls through hvdlite.torch on CPU tensors (the "
+                             "same memory as mpi4py's arrays), as a PyTorch script makes them")
     parser.add_argument("--cluster", default=None,
                         help="HxR: run on a namespace cluster of H hosts with R ranks each")
     parser.add_argument("--rate", default="1gbit", help="--cluster's host links (tc syntax)")
@@ -168,22 +192,28 @@ def main():
 
     comm = MPI.COMM_WORLD
     hvd.init(comm=comm)
+    framework = "torch" if args.torch else "numpy"
+    if args.torch:
+        import torch
+
+        torch.set_num_threads(1)
     rank, size = hvd.rank(), hvd.size()
     hosts = len(set(comm.allgather(MPI.Get_processor_name())))
     if rank == 0:
         print_commit()
-        print(f"{size} ranks on {hosts} host(s), {args.rounds} rounds of {args.reps} calls "
+        print(f"{size} ranks on {hosts} host(s), hvdlite's calls on {framework} "
+              f"{'tensors' if args.torch else 'arrays'}, {args.rounds} rounds of {args.reps} calls "
               f"each (slowest rank per call; medians in us; "
               f"{'a barrier between calls' if args.barrier else 'no barrier'}"
               f"{f'; bursts of {args.burst} calls' if args.burst > 1 else ''})", flush=True)
     sizes = [parse_size(v) for v in args.sizes.split(",")]
-    names = list(collectives(comm, rank, size, sizes[0]))
+    names = list(collectives(comm, rank, size, sizes[0], framework))
     if args.only:
         names = [n for n in names if n in args.only.split(",")]
     ratios, figures = {}, {}
     for round_ in range(args.rounds):
         for nbytes in sizes:
-            calls = collectives(comm, rank, size, nbytes)
+            calls = collectives(comm, rank, size, nbytes, framework)
             for name in rotated(names, round_):
                 mine = measure(comm, calls[name], args.reps, args.warmup, args.barrier, args.burst)
                 slowest = np.empty_like(mine)

@@ -43,6 +43,7 @@ from hvdlite.torch.tensors import (TORCH_DTYPE_NAMES, native_dtype_code,  # noqa
 
 _ALLREDUCE, _ALLGATHER = _enqueue.ALLREDUCE, _enqueue.ALLGATHER
 _BROADCAST, _REDUCESCATTER = _enqueue.BROADCAST, _enqueue.REDUCESCATTER
+_ALLTOALL = _enqueue.ALLTOALL
 
 # Process sets: the framework-free ones (hvdlite.process_sets), as Horovod's torch
 # module exports them.
@@ -204,9 +205,20 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     See ``alltoall_async`` for the arguments; raises HorovodInternalError subclasses if it
     fails.
     """
+    # Only an even split (splits None) is kept: a list may change in place.
+    repeated = (repeats.repeat(_ALLTOALL, name, tensor, None, (process_set,))
+                if splits is None else None)
+    return _first_alltoall(tensor, splits, name, process_set) if repeated is None else repeated
+
+
+def _first_alltoall(tensor, splits, name, process_set):
+    """``alltoall`` of a call that repeats no kept one (as ``_first_allreduce_``)."""
     received, recv_splits = autograd.run(
         autograd.AlltoallFunction, tensor, async_collectives.splits_list(splits), name,
         process_set)
+    if splits is None:  # (its result then the received tensor alone: no splits read)
+        repeats.keep(_ALLTOALL, name, tensor, (process_set,),
+                     finisher=tensors.core_result(tensor, tensor.shape[0]))
     return received if splits is None else (received, recv_splits)
 
 
@@ -265,7 +277,7 @@ for _fn_name, _op in (
         ("grouped_allreduce", _enqueue.ALLREDUCE), ("grouped_allreduce_", _enqueue.ALLREDUCE),
         ("_first_allgather", _enqueue.ALLGATHER), ("grouped_allgather", _enqueue.ALLGATHER),
         ("_first_broadcast", _enqueue.BROADCAST), ("_first_broadcast_", _enqueue.BROADCAST),
-        ("alltoall", _enqueue.ALLTOALL), ("_first_reducescatter", _enqueue.REDUCESCATTER),
+        ("_first_alltoall", _enqueue.ALLTOALL), ("_first_reducescatter", _enqueue.REDUCESCATTER),
         ("grouped_reducescatter", _enqueue.REDUCESCATTER)):
     globals()[_fn_name] = _refusals.refusing(_op)(globals()[_fn_name])
 del _fn_name, _op

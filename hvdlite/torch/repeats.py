@@ -19,7 +19,7 @@ from hvdlite.torch.tensors import tensor_code
 
 # kind -> {name -> _Kept}, each bounded like _enqueue's caches.
 _kept = {_enqueue.ALLREDUCE: {}, _enqueue.BROADCAST: {}, _enqueue.ALLGATHER: {},
-         _enqueue.REDUCESCATTER: {}}
+         _enqueue.ALLTOALL: {}, _enqueue.REDUCESCATTER: {}}
 
 
 class _Kept:

@@ -107,6 +107,9 @@ for step in range(1, 4):
     c.close(f"repeat {step} broadcast", hvd.broadcast(t, root, name="u.bc"), every[root], 0)
     c.close(f"repeat {step} allgather", hvd.allgather(t.reshape(2, 3), name="u.ag"),
             torch.cat([e.reshape(2, 3) for e in every]), 0)
+    rows = torch.stack([mine(rank, 2) + 10 * k + step for k in range(size)])
+    c.close(f"repeat {step} alltoall", hvd.alltoall(rows, name="u.a2a"),
+            torch.stack([mine(r, 2) + 10 * rank + step for r in range(size)]), 0)
     full = torch.stack([t + k for k in range(size)])
     c.close(f"repeat {step} reducescatter", hvd.reducescatter(full, op=hvd.Sum, name="u.rs"),
             sum(e + rank for e in every).reshape(1, -1), 1e-12)
@@ -116,13 +119,17 @@ for step in range(1, 4):
     inplace = t.clone()
     c.true(f"repeat {step} broadcast_ in place", hvd.broadcast_(inplace, root, name="u.bc_") is inplace)
     c.close(f"repeat {step} broadcast_", inplace, every[root], 0)
-counts = {n: kept_runs.count(n) for n in ("u.ar", "u.bc", "u.ag", "u.rs", "u.ar_", "u.bc_")}
-c.true("repeats take the kept path", counts == {"u.ar": 3, "u.bc": 3, "u.ag": 3, "u.rs": 3,
-                                                 "u.ar_": 2, "u.bc_": 2}, str(counts))
+counts = {n: kept_runs.count(n) for n in ("u.ar", "u.bc", "u.ag", "u.a2a", "u.rs", "u.ar_",
+                                           "u.bc_")}
+c.true("repeats take the kept path", counts == {"u.ar": 3, "u.bc": 3, "u.ag": 3, "u.a2a": 3,
+                                                 "u.rs": 3, "u.ar_": 2, "u.bc_": 2}, str(counts))
 kept_runs.clear()
 c.close("repeat as float32", hvd.allreduce(t.float(), op=hvd.Sum, name="u.ar"), sum(every).float(), 1e-5)
 c.close("repeat with Max", hvd.allreduce(t, op=hvd.Max, name="u.ar"), every[-1], 0)
 c.close("repeat with a shape", hvd.broadcast(t.reshape(3, 2), root, name="u.bc"), every[root].reshape(3, 2), 0)
+got, got_splits = hvd.alltoall(rows, splits=[1] * size, name="u.a2a")  # splits: never kept
+c.close("repeat with splits", got, torch.stack([mine(r, 2) + 10 * rank + 3 for r in range(size)]), 0)
+c.true("repeat with splits' splits", got_splits.tolist() == [1] * size, str(got_splits))
 c.true("others take the whole way", kept_runs == [], str(kept_runs))
 applied.clear()
 w = mine(rank).requires_grad_()

@@ -159,6 +159,7 @@ def test_a_repeated_call_is_checked_like_a_first_one(thvd):
         "broadcast": lambda t, root=0: thvd.broadcast(t, root, name="again.bc"),
         "broadcast_": lambda t, root=0: thvd.broadcast_(t, root, name="again.bc_"),
         "allgather": lambda t: thvd.allgather(t, name="again.ag"),
+        "alltoall": lambda t: thvd.alltoall(t, name="again.a2a"),
         "reducescatter": lambda t, **kw: thvd.reducescatter(t, name="again.rs", **kw),
     }
     for label, call in calls.items():
