@@ -66,34 +66,23 @@ def collectives(comm, rank, size, nbytes, framework="numpy"):
     moved = np.empty_like(x)
     rows = x.reshape(size, -1) if n % size == 0 else x.reshape(-1, 1)
     split = [n // size] * size  # n is a multiple of size: the same rows for each
+    mine, my_rows = x, rows  # hvdlite's inputs
     if framework == "torch":
         import torch
 
-        import hvdlite.torch as thvd
+        import hvdlite.torch as hvd  # the same names, on tensors
 
-        t, trows = torch.from_numpy(x), torch.from_numpy(rows)
-        return {
-            "allreduce": (lambda: thvd.allreduce(t, name="lat.ar", op=thvd.Sum),
-                          lambda: comm.Allreduce(x, out, op=MPI.SUM)),
-            "allgather": (lambda: thvd.allgather(t, name="lat.ag"),
-                          lambda: comm.Allgatherv(x, (gathered, [n] * size))),
-            "broadcast": (lambda: thvd.broadcast(t, 0, name="lat.bc"),
-                          lambda: comm.Bcast(out if rank else x, root=0)),
-            "alltoall": (lambda: thvd.alltoall(trows, name="lat.a2a"),
-                         lambda: comm.Alltoall(x, moved)),
-            "reducescatter": (lambda: thvd.reducescatter(trows, name="lat.rs", op=thvd.Sum),
-                              lambda: comm.Reduce_scatter(x, scattered, split, op=MPI.SUM)),
-        }
+        mine, my_rows = torch.from_numpy(x), torch.from_numpy(rows)
     return {
-        "allreduce": (lambda: hvd.allreduce(x, name="lat.ar", op=hvd.Sum),
+        "allreduce": (lambda: hvd.allreduce(mine, name="lat.ar", op=hvd.Sum),
                       lambda: comm.Allreduce(x, out, op=MPI.SUM)),
-        "allgather": (lambda: hvd.allgather(x, name="lat.ag"),
+        "allgather": (lambda: hvd.allgather(mine, name="lat.ag"),
                       lambda: comm.Allgatherv(x, (gathered, [n] * size))),
-        "broadcast": (lambda: hvd.broadcast(x, 0, name="lat.bc"),
+        "broadcast": (lambda: hvd.broadcast(mine, 0, name="lat.bc"),
                       lambda: comm.Bcast(out if rank else x, root=0)),
-        "alltoall": (lambda: hvd.alltoall(rows, name="lat.a2a"),
+        "alltoall": (lambda: hvd.alltoall(my_rows, name="lat.a2a"),
                      lambda: comm.Alltoall(x, moved)),
-        "reducescatter": (lambda: hvd.reducescatter(rows, name="lat.rs", op=hvd.Sum),
+        "reducescatter": (lambda: hvd.reducescatter(my_rows, name="lat.rs", op=hvd.Sum),
                           lambda: comm.Reduce_scatter(x, scattered, split, op=MPI.SUM)),
     }
 
