@@ -57,8 +57,9 @@ def repeat(kind, name, tensor, output, args):
         return run(kept.template, pointer_at(tensor.data_ptr()), ffi.NULL, (tensor,),
                    kept.finisher, name, None)
     if output is None:
-        output = (torch.empty_like(tensor) if kept.out_shape is None  # contiguous, as it is
-                  else torch.empty(kept.out_shape, dtype=tensor.dtype))
+        # (Contiguous, as the tensor is; sizes as arguments cost torch the least.)
+        output = (torch.empty_like(tensor) if kept.out_shape is None
+                  else torch.empty(*kept.out_shape, dtype=tensor.dtype))
     return run(kept.template, pointer_at(tensor.data_ptr()), pointer_at(output.data_ptr()),
                (tensor, output), None, name, output)
 
@@ -77,4 +78,5 @@ def keep(kind, name, tensor, args, reduce_op=_enqueue.Average, prescale=1.0, pos
     psid = process_sets.process_set_id(args[-1])
     template = _enqueue.template(kind, name, tensor_code(tensor, name), tuple(tensor.shape),
                                  reduce_op, prescale, postscale, root_rank, psid, -1)
-    _enqueue.remember(_kept[kind], name, _Kept(tensor, args, psid, template, out_shape, finisher))
+    _enqueue.remember(_kept[kind], name, _Kept(tensor, args, psid, template,
+                                               out_shape and tuple(out_shape), finisher))
