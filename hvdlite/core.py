@@ -67,10 +67,16 @@ def start(comm=None):
     peer_faults.start_listening()
     if not _atexit_registered:
         atexit.register(_shutdown_at_exit)
-        peer_faults.when_lost(lib.hvdlite_note_lost_peers)
+        peer_faults.when_lost(_tell_core_peers_lost)
         _atexit_registered = True
     for hook in _init_hooks:
         hook()
+
+
+def _tell_core_peers_lost():
+    """``peer_faults.when_lost``'s callback for the core, with the notice's words (the
+    ops that it then fails name the lost ranks)."""
+    lib.hvdlite_note_lost_peers(str(peer_faults.failure()).encode("utf-8", "replace"))
 
 
 def shutdown():

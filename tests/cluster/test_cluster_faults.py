@@ -127,6 +127,24 @@ def test_a_fault_inside_mpi_in_a_blocking_calls_own_cycle(cluster2):
     test_mpi_fault_guard.check_fault_report(result, 2, "in a blocking call's cycle")
 
 
+def test_a_fault_in_a_blocking_calls_own_cycle_during_shutdown(cluster2):
+    # shutdown() from one thread passes its checks while another thread's own cycle is
+    # inside MPI; that cycle then faults and keeps the cycle token for good. The
+    # background thread, waiting for the token, must see the escape and end the loop,
+    # or shutdown's join of it never returns (it did not: the job timed out).
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("2 ranks on 1 core: blocking calls hand their cycles to the background thread")
+    result = run_cluster_job(cluster2, "h1:1,h2:1", test_mpi_fault_guard.SCRIPT, timeout=120,
+                             args=["caller-shutdown"])
+    report = result.result(1)
+    assert report["shutdown"].startswith("TransportError"), report
+    assert "faulted inside MPI" in report["shutdown"], report
+    assert report["shutdown_s"] < 10, report
+    assert report["after"].startswith("TransportError"), report
+    assert "in a blocking call's cycle" in "\n".join(result.rank_stderr.get(1, [])), describe(result)
+    assert result.result(0)["after"] == "timed out", result.result(0)
+
+
 def test_a_host_whose_link_is_cut_mid_job(cluster2):
     with _shared_dir() as out_dir:
         cut = {}

@@ -35,12 +35,13 @@ PREFIXES = tuple(f"{SHM_DIR}/{p}" for p in MPI_SEGMENT_PREFIXES)
 
 # "background": the fault hits the background thread's next MPI call; "caller": the
 # next MPI call of a thread that runs its own blocking call's cycle (across hosts,
-# tests/cluster/test_cluster_faults.py). There rank 0 hands its ops to its background
-# thread, so that its wait can time out: a thread in its own cycle waits there for the
-# peers' round, which the faulted rank never joins (its process lives on, so no
-# lost-peer notice ends that wait).
+# tests/cluster/test_cluster_faults.py); "caller-shutdown": the same a second after
+# that call began, while another thread shuts down. There rank 0 hands its ops to its
+# background thread, so that its wait can time out: a thread in its own cycle waits
+# there for the peers' round, which the faulted rank never joins (its process lives on,
+# so no lost-peer notice ends that wait).
 where = sys.argv[1] if len(sys.argv) > 1 else "background"
-if where == "caller" and os.environ["HVDLITE_RANK"] == "0":
+if where != "background" and os.environ["HVDLITE_RANK"] == "0":
     os.environ["HVDLITE_CALLER_CYCLE"] = "0"
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
@@ -49,8 +50,41 @@ x = np.full(1024, rank + 1, np.float32)
 report = {"before": float(hvd.allreduce(x, op=hvd.Sum, name="before")[0]),
           "segments": sorted({line.split()[-1] for line in open("/proc/self/maps")
                               if line.split()[-1].startswith(PREFIXES)})}
+if faulting and where == "caller-shutdown":
+    # shutdown() passes its checks while another thread's cycle is inside MPI, before
+    # its fault; then it must not wait for good on the background thread, which waits
+    # for the cycle token that the faulted cycle keeps.
+    import threading
+    outcome = {}
+    def calls():  # blocking calls until one fails: the first whose cycle is its own
+        for _ in range(200):
+            try:
+                hvd.allreduce(x, op=hvd.Sum, name="after")
+            except HvdliteError as e:
+                outcome["after"] = f"{type(e).__name__}: {e}"
+                return
+    before = hvd.stats()["caller_cycles"]
+    lib.hvdlite_test_fault_in_caller_cycle(1.0)
+    caller = threading.Thread(target=calls, daemon=True)
+    caller.start()
+    deadline = time.monotonic() + 30
+    while hvd.stats()["caller_cycles"] == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # inside its first cycle, which faults 1 s after it began
+    started = time.monotonic()
+    try:
+        hvd.shutdown()
+        report["shutdown"] = "ok"
+    except HvdliteError as e:
+        report["shutdown"] = f"{type(e).__name__}: {e}"
+    report["shutdown_s"] = time.monotonic() - started
+    caller.join(timeout=30)
+    report["after"] = outcome.get("after", "no failure")
+    print("HVDLITE_RESULT", json.dumps(report), flush=True)
+    sys.exit(0)
 if faulting:
-    (lib.hvdlite_test_fault_in_mpi if where == "background" else lib.hvdlite_test_fault_in_caller_cycle)()
+    (lib.hvdlite_test_fault_in_mpi() if where == "background"
+     else lib.hvdlite_test_fault_in_caller_cycle(0.0))
 # Calls until one does not end: the first whose cycle the chosen thread runs (an op the
 # other thread takes first completes, and the hook waits on).
 report["after"] = "completed"
@@ -60,6 +94,9 @@ for calls in range(1, 201):
         handle.wait(timeout=4)
     except WaitTimeoutError:
         report["after"] = "timed out"
+        break
+    except HvdliteError as e:  # no cycle runs after a caller's escape: the ops fail
+        report["after"] = f"{type(e).__name__}: {e}"
         break
 report["calls"] = calls
 if faulting:
@@ -79,12 +116,18 @@ if not faulting:
 
 def check_fault_report(result, np_, thread):
     """What every rank of SCRIPT's job reported, and the faulting rank's stderr naming
-    the thread (``in the background thread``, ``in a blocking call's cycle``)."""
+    the thread (``in the background thread``, ``in a blocking call's cycle``). Its op
+    waits for good where the background thread is parked; after a caller's escape no
+    cycle runs, and the op fails with the fault's error. The others' ops time out."""
     faulting = np_ - 1
     for rank in range(np_):
         report = result.result(rank)
         assert report["before"] == np_ * (np_ + 1) / 2, (rank, report)
-        assert report["after"] == "timed out", (rank, report)
+        if rank == faulting and "blocking call" in thread:
+            after = report["after"]
+            assert after.startswith("TransportError") and "faulted inside MPI" in after, after
+        else:
+            assert report["after"] == "timed out", (rank, report)
     stderr = "\n".join(result.rank_stderr.get(faulting, []))
     assert "hvdlite: SIGSEGV inside MPI_" in stderr and thread in stderr, describe(result)
     assert "Segmentation fault" not in result.stderr + result.stdout, describe(result)

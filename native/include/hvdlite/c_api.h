@@ -184,8 +184,9 @@ hvdlite_status_t hvdlite_shutdown(void);
 /* The launcher reported lost peers (hvdlite's notice reader calls this; any thread, at
  * any time, before or after init). A framework thread that runs its own blocking call's
  * cycle across hosts leaves it at its next MPI call instead of waiting for an answer
- * that will not come; no cycle runs after that, and its wait ends with the notice. */
-hvdlite_status_t hvdlite_note_lost_peers(void);
+ * that will not come; no cycle runs after that, and the ops fail with the notice (the
+ * launcher's words, which ranks and hosts were lost; NULL: none; the first one stays). */
+hvdlite_status_t hvdlite_note_lost_peers(const char* notice);
 
 hvdlite_status_t hvdlite_is_initialized(int32_t* out);
 hvdlite_status_t hvdlite_rank(int32_t* out);

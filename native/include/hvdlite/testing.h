@@ -79,9 +79,10 @@ hvdlite_status_t hvdlite_test_queue_remove_pending(int64_t* pending_after);
 hvdlite_status_t hvdlite_test_fault_in_mpi(void);
 
 /* The same for the next MPI call of a framework thread that runs its own blocking
- * call's cycle (Core::RunCallerCycle across hosts): that thread must leave the cycle by
- * its escape with the message on stderr, and its wait must go on as the op's. */
-hvdlite_status_t hvdlite_test_fault_in_caller_cycle(void);
+ * call's cycle (Core::RunCallerCycle across hosts), delay_s after that call began (the
+ * thread holding the cycle token meanwhile): that thread must leave the cycle by its
+ * escape with the message on stderr; no cycle runs after it, and the ops fail. */
+hvdlite_status_t hvdlite_test_fault_in_caller_cycle(double delay_s);
 
 /* Autotune's search alone (KnobSearch: no clocks, no MPI), replayed from the start:
  * starting at the defaults (fusion threshold 128 MiB, cycle time 1 ms, the largest

@@ -60,8 +60,8 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_shutdown(void) {
   return Guard([] { return hvdlite::Core::Get().Shutdown(); });
 }
 
-HVDLITE_EXPORT hvdlite_status_t hvdlite_note_lost_peers(void) {
-  hvdlite::NoteLostPeers();
+HVDLITE_EXPORT hvdlite_status_t hvdlite_note_lost_peers(const char* notice) {
+  hvdlite::NoteLostPeers(notice);
   return HVDLITE_OK;
 }
 

@@ -263,8 +263,8 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_test_fault_in_mpi(void) {
   return HVDLITE_OK;
 }
 
-HVDLITE_EXPORT hvdlite_status_t hvdlite_test_fault_in_caller_cycle(void) {
-  hvdlite::RequestFaultInMpiForTest(true);
+HVDLITE_EXPORT hvdlite_status_t hvdlite_test_fault_in_caller_cycle(double delay_s) {
+  hvdlite::RequestFaultInMpiForTest(true, delay_s);
   return HVDLITE_OK;
 }
 

@@ -92,6 +92,7 @@ Status Core::Init(int64_t comm_f2c) {
   }
   shutdown_requested_ = false;
   loop_ended_ = false;
+  loop_returned_ = false;
   cycles_ended_ = false;  // no thread runs a cycle now (the last loop was joined)
   cycles_end_ = Status::OK();
   loop_cpu_ = -1;  // a new thread, anywhere
@@ -179,8 +180,11 @@ Status Core::Init(int64_t comm_f2c) {
     if (ok) MakeBackgroundRealtime(config_, topo);
     started.set_value(st);
     if (ok) Loop();
-    std::lock_guard<std::mutex> lock(place_mutex_);
-    loop_tid_ = 0;  // gone: nothing to place any more
+    {
+      std::lock_guard<std::mutex> lock(place_mutex_);
+      loop_tid_ = 0;  // gone: nothing to place any more
+    }
+    loop_returned_ = true;
   });
   s = result.get();
   if (!s.ok()) {
@@ -194,22 +198,23 @@ Status Core::Init(int64_t comm_f2c) {
 
 Status Core::Shutdown() {
   std::lock_guard<std::mutex> lock(lifecycle_mutex_);
-  if (!thread_.joinable()) return Status::OK();
-  if (MpiFaulted()) {
-    // The thread is parked in the fault handler for good, or waits for the token that a
-    // caller's faulted cycle keeps: joining would never return.
-    return Status(HVDLITE_ERR_MPI,
-                  "hvdlite cannot shut down: a cycle faulted inside MPI (a lost peer?) and "
-                  "no cycle can run again; end the process");
-  }
-  if (CycleEscaped()) {
-    return Status(HVDLITE_ERR_RANK_FAILED,
-                  "hvdlite cannot shut down: a blocking call's cycle was left inside MPI after "
-                  "peers were lost, and no cycle can run again; end the process");
-  }
+  Status stopped = CyclesStopped("cannot shut down");
+  if (!stopped.ok() || !thread_.joinable()) return stopped;
   shutdown_requested_ = true;
   queue_.Wake();
+  // Its last cycles may fault meanwhile: a caller's escape ends the loop all the same
+  // (TakeCycleToken), but a background thread parked in the fault handler never
+  // returns, and is left to the process's end rather than joined.
+  while (!loop_returned_) {
+    if (MpiThreadParked()) {
+      thread_.detach();
+      return CyclesStopped("cannot shut down");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   thread_.join();
+  stopped = CyclesStopped("cannot shut down");  // a cycle left by its escape meanwhile
+  if (!stopped.ok()) return stopped;
   running_ = false;
   autotune_.Stop();
   std::lock_guard<std::mutex> tl(timeline_mutex_);

@@ -82,9 +82,17 @@ class Core {
   // it runs with an escape armed (CycleEscape, transport/mpi_fault_guard.h). Gives the
   // token up: back, or for good where the cycle was left by its escape (a fault inside
   // MPI, lost peers), so that no cycle runs again on MPI in whatever state the fault left
-  // it; the caller's wait then ends with the launcher's notice. If h is not done (or was
-  // not popped), the background thread is woken to go on with it.
-  void RunCallerCycle(std::unique_lock<std::mutex>* token, hvdlite_handle_t h, bool popped);
+  // it; the background thread then ends the loop (TakeCycleToken), failing the ops. If h
+  // is not done (or was not popped), the background thread is woken to go on with it.
+  void RunCallerCycle(std::unique_lock<std::timed_mutex>* token, hvdlite_handle_t h, bool popped);
+  // The background thread takes the cycle token; false (without it) once a caller's
+  // cycle was left by its escape, which keeps the token for good: the loop then ends,
+  // failing the ops, instead of waiting for it (and Shutdown's join with it).
+  bool TakeCycleToken(std::unique_lock<std::timed_mutex>* token);
+  // Why no cycle can run again (a cycle faulted inside MPI, or one was left by its
+  // escape, with the launcher's notice if one came), after "hvdlite <doing>: " unless
+  // doing is null; OK where cycles can run.
+  Status CyclesStopped(const char* doing) const;
   // The largest blocking op (input bytes of host memory) whose cycle a caller holding
   // cycle_mutex_ may run as things stand (RunCallerCycle): the least of every set's
   // ProcessSetState::CallerCycleBytes; 0 where a refusal waits to be sent or the loop
@@ -125,6 +133,7 @@ class Core {
   std::atomic<bool> running_{false};
   std::atomic<bool> shutdown_requested_{false};
   std::atomic<bool> loop_ended_{false};
+  std::atomic<bool> loop_returned_{false};  // the thread left Loop (and closed its sets)
   // The GPU of the first device tensor enqueued (-1: none yet). One per process: a tensor
   // on another is refused at enqueue, where its peers hear of the refusal.
   mutable std::atomic<int> gpu_ordinal_{-1};
@@ -147,7 +156,7 @@ class Core {
 
   // The cycle token: whoever runs a cycle holds it, the background thread or a caller
   // (RunCallerCycle). The members below, and every set's state, are the holder's.
-  std::mutex cycle_mutex_;
+  std::timed_mutex cycle_mutex_;
   // A cycle decided that the loop ends (RunCycle returned false): no cycle runs after it;
   // cycles_end_ says why (OK: a shutdown). The background thread ends the loop.
   bool cycles_ended_ = false;

@@ -130,10 +130,10 @@ Status Core::EnqueueAndWait(const hvdlite_tensor_t* tensor, double timeout_s, bo
   handles_.Announce();
   // A small host tensor's cycle may be this thread's (RunCallerCycle) if no other cycle
   // runs.
-  std::unique_lock<std::mutex> token;
+  std::unique_lock<std::timed_mutex> token;
   const int64_t bytes = config_.caller_cycle ? HostTensorBytes(tensor) : -1;
   if (bytes >= 0) {
-    token = std::unique_lock<std::mutex>(cycle_mutex_, std::try_to_lock);
+    token = std::unique_lock<std::timed_mutex>(cycle_mutex_, std::try_to_lock);
     if (token.owns_lock()) {
       const int64_t most = CallerCycleBytes();  // 0: none at all, an empty op included
       if (most <= 0 || bytes > most) token.unlock();
@@ -161,7 +161,7 @@ Status Core::EnqueueAndWait(const hvdlite_tensor_t* tensor, double timeout_s, bo
 Status Core::Wait(hvdlite_handle_t h, double timeout_s, bool release) {
   bool announced = false;
   if (config_.caller_cycle && timeout_s != 0) {
-    std::unique_lock<std::mutex> token(cycle_mutex_, std::try_to_lock);
+    std::unique_lock<std::timed_mutex> token(cycle_mutex_, std::try_to_lock);
     const int64_t most = token.owns_lock() ? CallerCycleBytes() : 0;
     if (most > 0 && queue_.PopOnly(h, most, &fresh_)) {
       handles_.Announce();  // a caller blocked on its result from now, as EnqueueAndWait's

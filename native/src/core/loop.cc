@@ -60,6 +60,9 @@ namespace {
 constexpr std::chrono::microseconds kQuiet(200);
 // How often a rank with nothing in flight still joins the coordination.
 constexpr std::chrono::milliseconds kIdleCycle(20);
+// How often the background thread, waiting for the cycle token, checks whether a
+// caller's cycle was left by its escape (and keeps the token for good).
+constexpr std::chrono::milliseconds kTokenCheck(100);
 // How long a rank keeps the cycle time after it last heard of ops in flight in another
 // set (RoundFlags::elsewhere): a loop of ops in a set leaves the queues of its members
 // empty for a moment between two ops, and an outside rank that went idle then would
@@ -109,7 +112,11 @@ void Core::Loop() {
     Clock::time_point last;
     {
       // What the cycles left (a caller's may run meanwhile): read with the token.
-      std::lock_guard<std::mutex> token(cycle_mutex_);
+      std::unique_lock<std::timed_mutex> token(cycle_mutex_, std::defer_lock);
+      if (!TakeCycleToken(&token)) {
+        end = CyclesStopped(nullptr);
+        break;
+      }
       // The cycle time in force (autotune may change it between cycles).
       cycle = std::chrono::duration_cast<Clock::duration>(
           std::chrono::duration<double, std::milli>(autotune_.knobs().cycle_time_ms));
@@ -129,7 +136,11 @@ void Core::Loop() {
       // HVDLITE_CYCLE_TIME=0 asks for no waiting at all.
       queue_.WaitForQuiet(kQuiet, Clock::now() + cycle, handles_.blocked());
     }
-    std::unique_lock<std::mutex> token(cycle_mutex_);
+    std::unique_lock<std::timed_mutex> token(cycle_mutex_, std::defer_lock);
+    if (!TakeCycleToken(&token)) {
+      end = CyclesStopped(nullptr);
+      break;
+    }
     // A caller's cycle ran meanwhile and left nothing for this one (it ran its own op,
     // perhaps the one that woke this wait): the idle time counts from that cycle.
     if (!woken && !cycles_ended_ && last_cycle_.load() != last && queue_.Size() == 0) continue;
@@ -156,7 +167,9 @@ void Core::Loop() {
   }
   // Closing may wait in MPI for peers that are still training.
   LeaveRealtime();
-  sets_.Clear(transport_ok);  // NCCL communicators first, then the GPU they ran on
+  // After an escape the sets stay as that cycle left them (MPI requests pending on their
+  // buffers, perhaps): the process is to end, and nothing runs on them again.
+  if (!CycleEscaped()) sets_.Clear(transport_ok);  // NCCL communicators first, then the GPU
   gpu_.Release();
 }
 
@@ -215,7 +228,33 @@ int64_t Core::CallerCycleBytes() {
   return most;
 }
 
-void Core::RunCallerCycle(std::unique_lock<std::mutex>* token, hvdlite_handle_t h, bool popped) {
+bool Core::TakeCycleToken(std::unique_lock<std::timed_mutex>* token) {
+  // A caller holds it for the microseconds of its cycle; the check is for the escape.
+  while (!token->try_lock_for(kTokenCheck)) {
+    if (CycleEscaped()) return false;
+  }
+  return true;
+}
+
+Status Core::CyclesStopped(const char* doing) const {
+  const std::string cannot = doing ? std::string("hvdlite ") + doing + ": " : "";
+  if (MpiFaulted()) {
+    // The thread is parked in the fault handler for good, or a caller's faulted cycle
+    // keeps the token: no cycle runs again on MPI in the state the fault left it.
+    return Status(HVDLITE_ERR_MPI, cannot + "a cycle faulted inside MPI (a lost peer?) and "
+                                            "no cycle can run again; end the process");
+  }
+  if (CycleEscaped()) {
+    const std::string notice = LostPeersNotice();
+    return Status(HVDLITE_ERR_RANK_FAILED,
+                  cannot + (notice.empty() ? "" : notice + "; ") +
+                      "a blocking call's cycle was left inside MPI after peers were lost, and no "
+                      "cycle can run again; end the process");
+  }
+  return Status::OK();
+}
+
+void Core::RunCallerCycle(std::unique_lock<std::timed_mutex>* token, hvdlite_handle_t h, bool popped) {
   bool done = false;
   if (popped) {
     counters_.caller_cycles++;

@@ -17,9 +17,13 @@ namespace {
 thread_local const char* t_mpi_call = nullptr;
 thread_local sigjmp_buf* t_escape = nullptr;
 std::atomic<bool> g_faulted{false};
+std::atomic<bool> g_parked{false};
 std::atomic<bool> g_lost_peers{false};
+std::mutex g_notice_mutex;
+std::string g_notice;  // guarded by g_notice_mutex
 std::atomic<bool> g_escaped{false};
 std::atomic<bool> g_test_fault{false}, g_test_fault_armed{false};
+std::atomic<int64_t> g_test_fault_delay_us{0};
 // Read through a volatile so that the compiler cannot see the null: a real SIGSEGV.
 volatile std::uintptr_t g_null_address = 0;
 struct sigaction g_previous_segv, g_previous_bus;
@@ -62,6 +66,7 @@ void OnFault(int sig, siginfo_t* info, void*) {
            "The thread's cycles are stopped; pending collectives will not complete, and the job "
            "must end (hvdliterun tells the other ranks which peer was lost)\n");
   if (t_escape) Escape();
+  g_parked.store(true);
   while (true) pause();
 }
 
@@ -87,6 +92,8 @@ InMpiCall::InMpiCall(const char* what) : outer_(t_mpi_call) {
   t_mpi_call = what;
   std::atomic<bool>& test_fault = t_escape ? g_test_fault_armed : g_test_fault;
   if (test_fault.load(std::memory_order_relaxed) && test_fault.exchange(false)) {
+    const int64_t delay_us = g_test_fault_delay_us.exchange(0);
+    if (delay_us > 0) usleep(static_cast<useconds_t>(delay_us));
     *reinterpret_cast<volatile int*>(g_null_address) = 0;
   }
 }
@@ -94,6 +101,8 @@ InMpiCall::InMpiCall(const char* what) : outer_(t_mpi_call) {
 InMpiCall::~InMpiCall() { t_mpi_call = outer_; }
 
 bool MpiFaulted() { return g_faulted.load(); }
+
+bool MpiThreadParked() { return g_parked.load(); }
 
 CycleEscape::CycleEscape(sigjmp_buf* to) { t_escape = to; }
 
@@ -107,7 +116,18 @@ void LeftByEscape() {
   pthread_sigmask(SIG_UNBLOCK, &faults, nullptr);
 }
 
-void NoteLostPeers() { g_lost_peers.store(true); }
+void NoteLostPeers(const char* notice) {
+  {
+    std::lock_guard<std::mutex> lock(g_notice_mutex);
+    if (g_notice.empty() && notice) g_notice = notice;
+  }
+  g_lost_peers.store(true);
+}
+
+std::string LostPeersNotice() {
+  std::lock_guard<std::mutex> lock(g_notice_mutex);
+  return g_notice;
+}
 
 void EscapeIfPeersLost() {
   if (t_escape && g_lost_peers.load(std::memory_order_relaxed)) Escape();
@@ -115,7 +135,8 @@ void EscapeIfPeersLost() {
 
 bool CycleEscaped() { return g_escaped.load(); }
 
-void RequestFaultInMpiForTest(bool in_caller_cycle) {
+void RequestFaultInMpiForTest(bool in_caller_cycle, double delay_s) {
+  g_test_fault_delay_us.store(static_cast<int64_t>(delay_s * 1e6));
   (in_caller_cycle ? g_test_fault_armed : g_test_fault).store(true);
 }
 

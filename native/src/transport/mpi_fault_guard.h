@@ -17,11 +17,14 @@
 // there after the launcher reported lost peers (NoteLostPeers; a dead peer's messages
 // never come), returns it to the escape's sigsetjmp, abandoning the cycle's frames as
 // they are. The caller then keeps the cycle token for good (no cycle runs again in this
-// process, as when the background thread is parked), and its wait for the op raises the
-// launcher's notice like every other.
+// process, as when the background thread is parked); the background thread sees that
+// and ends the loop, failing the ops with the launcher's notice (LostPeersNotice) or
+// the fault (Core::TakeCycleToken).
 #pragma once
 
 #include <setjmp.h>
+
+#include <string>
 
 namespace hvdlite {
 
@@ -43,6 +46,9 @@ class InMpiCall {
 // Whether a fault inside MPI parked the background thread (it never ends: not joinable)
 // or ended a framework thread's cycle (whose token is then never given back).
 bool MpiFaulted();
+// Whether a fault inside MPI parked the thread it hit (one with no escape armed: the
+// background thread), which then never returns.
+bool MpiThreadParked();
 
 // While alive, the calling thread escapes to `to` (siglongjmp, value 1) from a fault
 // inside MPI or from an MPI call made after NoteLostPeers. `to` must be the caller's
@@ -64,8 +70,11 @@ void LeftByEscape();
 // The launcher reported lost peers (hvdlite_note_lost_peers, from the notice's reader):
 // every armed thread leaves its cycle at its next MPI call, or at the next wake of a
 // wait in shared memory (EscapeIfPeersLost: a peer on this host may itself wait for
-// good on a lost one, alive all the while).
-void NoteLostPeers();
+// good on a lost one, alive all the while). notice: the launcher's words (which ranks
+// and hosts were lost), kept for the errors that end the ops; the first one stays.
+void NoteLostPeers(const char* notice);
+// The notice NoteLostPeers kept ("" if none).
+std::string LostPeersNotice();
 // Leaves the calling thread's cycle by its escape if it has one armed and lost peers
 // were noted; returns otherwise.
 void EscapeIfPeersLost();
@@ -74,7 +83,7 @@ bool CycleEscaped();
 
 // For tests (hvdlite_test_fault_in_mpi, hvdlite_test_fault_in_caller_cycle): the next
 // InMpiCall (in_caller_cycle: the next of a thread with an escape armed) faults as
-// MPICH does.
-void RequestFaultInMpiForTest(bool in_caller_cycle);
+// MPICH does, delay_s after it began.
+void RequestFaultInMpiForTest(bool in_caller_cycle, double delay_s = 0);
 
 }  // namespace hvdlite
