@@ -70,10 +70,11 @@ def keep(kind, name, tensor, args, reduce_op=_enqueue.Average, prescale=1.0, pos
     rest as the core's struct has them: the op resolved, the root a global rank; then
     the result's shape where it is not the tensor's, or the finisher of a result the
     core allocates), where its name was given and its tensor was a plain CPU tensor.
-    Zero factors are not kept: 0.0 == -0.0, yet the sign shows in the results (see
+    Not kept: Adasum (its ops run in ``hvdlite.adasum``, not as one core allreduce), and
+    zero factors (0.0 == -0.0, yet the sign shows in the results: see
     ``_enqueue.template``)."""
     if (type(name) is not str or type(tensor) is not torch.Tensor or not tensor.is_cpu
-            or not prescale or not postscale):
+            or reduce_op == _enqueue.Adasum or not prescale or not postscale):
         return
     psid = process_sets.process_set_id(args[-1])
     template = _enqueue.template(kind, name, tensor_code(tensor, name), tuple(tensor.shape),

@@ -180,6 +180,13 @@ def test_a_repeated_call_is_checked_like_a_first_one(thvd):
             calls[label](good.clone(), root=False)
     # Another dtype or shape under the name: checked and run as such.
     assert torch.equal(thvd.allreduce(good.double(), name="again"), good.double())
+    # Adasum runs as hvdlite.adasum's ops, not one core allreduce: never kept.
+    for _ in range(2):
+        assert torch.equal(thvd.allreduce(good.clone(), name="again.ad", op=thvd.Adasum), good)
+        assert torch.equal(thvd.allreduce_(good.clone(), name="again.ad_", op=thvd.Adasum), good)
+    # 0.0 == -0.0, yet the sign shows: zero factors are never kept either.
+    assert not torch.signbit(thvd.reducescatter(good, name="again.rs0", postscale_factor=0.0)).any()
+    assert torch.signbit(thvd.reducescatter(good, name="again.rs0", postscale_factor=-0.0)).all()
     assert torch.equal(thvd.allgather(good.reshape(3, 4), name="again.ag"), good.reshape(3, 4))
 
 
