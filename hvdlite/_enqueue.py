@@ -363,7 +363,7 @@ def run(kept, input_ptr, output_ptr, keepalive, finisher, name, result, wait=Tru
     try:
         return handle.wait()
     except errors.InvalidArgumentError as error:
-        # The op failed on every rank: not this rank's refusal to send (a blocking call
+        # The op failed on every rank: not this rank's refusal to send (a first call
         # waits inside its refusing wrapper, hvdlite._refusals).
         error.refusal_sent = True
         raise

@@ -93,11 +93,12 @@ _kept_calls = {ALLGATHER: {}, BROADCAST: {}, ALLTOALL: {}, REDUCESCATTER: {}}
 
 
 class _Kept:
-    __slots__ = ("dtype", "shape", "args", "psid", "world", "template", "finisher",
+    __slots__ = ("dtype", "shape", "args", "types", "psid", "world", "template", "finisher",
                  "out_shape")
 
     def __init__(self, arr, args, psid, template, finisher=None, out_shape=None):
         self.dtype, self.shape, self.args, self.psid = arr.dtype, arr.shape, args, psid
+        self.types = tuple(map(type, args))
         self.world = core._world
         self.template, self.finisher = template, finisher
         self.out_shape = arr.shape if out_shape is None else out_shape
@@ -107,17 +108,16 @@ def _repeat_kept(submit, kind, name, array, out, args):
     """Submits a call that repeats the kept call of kind ``kind`` under ``name`` with
     ``array``'s (and ``out``'s) buffers, and returns what ``submit`` (``_enqueue.submit``
     or ``run``) returns; None where it does not repeat one (``args``: the call's other
-    arguments, the process set last (a reducescatter's ``(op, prescale, postscale,
-    process set)``), compared with ``==``; a bool in the place of a root rank, op or
-    factor is refused there, and so repeats no 1 or 0). A call with an
+    arguments, the process set last, equal and of the same types: a bool, a float or a
+    numpy scalar where the first call had an int is what the first call's path refuses
+    or converts, and an array would not compare). A call with an
     ``out`` not fit for the kept result is not a repeat either: the first call's path
     refuses it, on every rank. Undecorated (see ``refusing``): nothing here raises a
     refusal, and a small blocking call's time is mostly Python frames like that one."""
     kept = _kept_calls[kind].get(name) if type(name) is str else None
     if (kept is None or type(array) is not np.ndarray or array.dtype is not kept.dtype
-            or array.shape != kept.shape or not array.flags.c_contiguous or args != kept.args
-            or type(args[0]) is bool
-            or (len(args) == 4 and (type(args[1]) is bool or type(args[2]) is bool))
+            or array.shape != kept.shape or not array.flags.c_contiguous
+            or tuple(map(type, args)) != kept.types or args != kept.args
             or kept.world is not core._world
             or args[-1].process_set_id != kept.psid):
         return None
@@ -207,7 +207,7 @@ def _allreduce(submit, array, name, op, prescale_factor, postscale_factor, out, 
     except InvalidArgumentError as error:
         _refusals.refused(ALLREDUCE, error)
         raise
-    if named and arr is array:
+    if named and arr is array and process_set is not None:
         _enqueue.remember(_repeats, name, _Repeat(arr, out, op, prescale_factor, postscale_factor,
                                                   process_set, template))
     return submitted

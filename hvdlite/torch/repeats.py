@@ -15,6 +15,7 @@ import torch
 from hvdlite import _enqueue, core, process_sets
 from hvdlite._enqueue import pointer_at, run
 from hvdlite._native import ffi
+from hvdlite.errors import InvalidArgumentError
 from hvdlite.torch.tensors import tensor_code
 
 # kind -> {name -> _Kept}, each bounded like _enqueue's caches.
@@ -23,11 +24,12 @@ _kept = {_enqueue.ALLREDUCE: {}, _enqueue.BROADCAST: {}, _enqueue.ALLGATHER: {},
 
 
 class _Kept:
-    __slots__ = ("dtype", "shape", "args", "psid", "world", "template", "out_shape",
+    __slots__ = ("dtype", "shape", "args", "types", "psid", "world", "template", "out_shape",
                  "finisher")
 
     def __init__(self, tensor, args, psid, template, out_shape, finisher):
         self.dtype, self.shape, self.args, self.psid = tensor.dtype, tensor.shape, args, psid
+        self.types = tuple(map(type, args))
         self.world = core._world
         self.template, self.out_shape, self.finisher = template, out_shape, finisher
 
@@ -36,11 +38,11 @@ def repeat(kind, name, tensor, output, args):
     """The result of a blocking call of ``kind`` that repeats the kept one under
     ``name`` (into ``output``, or a new tensor), or None where it does not.
 
-    ``args``: the call's other arguments as given, the process set last (a reduction's
-    ``(op, prescale, postscale, process set)``), compared with ``==``; a bool in the
-    place of a root rank, op or factor is refused by the checks, and so repeats no 1 or
-    0. Not a repeat: another dtype or shape, a tensor that is not a plain contiguous CPU
-    tensor, or one autograd would record.
+    ``args``: the call's other arguments as given, the process set last, equal and of
+    the same types (a bool, a float, a numpy scalar or a tensor where the first call
+    had an int is what the first call's checks refuse or convert). Not a repeat:
+    another dtype or shape, a tensor that is not a plain contiguous CPU tensor, or one
+    autograd would record.
     """
     kept = _kept[kind].get(name) if type(name) is str else None
     if (kept is None or type(tensor) is not torch.Tensor or tensor.dtype is not kept.dtype
@@ -48,8 +50,7 @@ def repeat(kind, name, tensor, output, args):
             or tensor.layout is not torch.strided or not tensor.is_contiguous()
             or tensor.is_neg() or tensor.is_conj()
             or (tensor.requires_grad and torch.is_grad_enabled())
-            or args != kept.args or type(args[0]) is bool
-            or (len(args) == 4 and (type(args[1]) is bool or type(args[2]) is bool))
+            or tuple(map(type, args)) != kept.types or args != kept.args
             or kept.world is not core._world
             or args[-1].process_set_id != kept.psid):
         return None
@@ -74,9 +75,13 @@ def keep(kind, name, tensor, args, reduce_op=_enqueue.Average, prescale=1.0, pos
     zero factors (0.0 == -0.0, yet the sign shows in the results: see
     ``_enqueue.template``)."""
     if (type(name) is not str or type(tensor) is not torch.Tensor or not tensor.is_cpu
-            or reduce_op == _enqueue.Adasum or not prescale or not postscale):
+            or reduce_op == _enqueue.Adasum or not prescale or not postscale
+            or args[-1] is None):  # (None: the global set, not an object to compare)
         return
-    psid = process_sets.process_set_id(args[-1])
+    try:  # no error after the op ended well (this runs inside the refusal wrapper)
+        psid = process_sets.process_set_id(args[-1])
+    except InvalidArgumentError:  # removed meanwhile by another thread: not kept
+        return
     template = _enqueue.template(kind, name, tensor_code(tensor, name), tuple(tensor.shape),
                                  reduce_op, prescale, postscale, root_rank, psid, -1)
     _enqueue.remember(_kept[kind], name, _Kept(tensor, args, psid, template,

@@ -374,6 +374,19 @@ def test_the_other_collectives_repeated_recheck_what_changed(hvd):
         hvd.reducescatter(x, name="again.rs", op=True)
     with pytest.raises(hvd.errors.InvalidArgumentError, match="again.rs.*prescale_factor"):
         hvd.reducescatter(x, name="again.rs", op=hvd.Sum, prescale_factor=True)
+    # Equal is not enough: of other types, what the first call's path refuses, converts
+    # or cannot compare with ==.
+    assert np.array_equal(hvd.broadcast(x, 0, name="again.bc"), x)
+    with pytest.raises(hvd.errors.InvalidArgumentError, match="again.bc.*root_rank"):
+        hvd.broadcast(x, 0.0, name="again.bc")
+    assert np.array_equal(hvd.broadcast(x, np.int64(0), name="again.bc"), x)
+    with pytest.raises(hvd.errors.InvalidArgumentError, match="again.rs.*op"):
+        hvd.reducescatter(x, name="again.rs", op=1.0)
+    assert np.array_equal(hvd.alltoall(x, name="again.a2a")[0], x)
+    assert np.array_equal(hvd.alltoall(x, splits=np.array([3]), name="again.a2a")[0], x)
+    for _ in range(2):  # None: the global set
+        assert np.array_equal(hvd.allreduce(x, name="again.none", process_set=None), x)
+        assert np.array_equal(hvd.broadcast(x, 0, name="again.none", process_set=None), x)
     frozen = np.empty_like(x)
     frozen.setflags(write=False)
     with pytest.raises(hvd.errors.InvalidArgumentError, match="again.bc.*writable"):

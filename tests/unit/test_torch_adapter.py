@@ -176,8 +176,14 @@ def test_a_repeated_call_is_checked_like_a_first_one(thvd):
         with pytest.raises(thvd.InvalidArgumentError, match="prescale_factor"):
             calls[label](good.clone(), prescale_factor=True)
     for label in ("broadcast", "broadcast_"):
-        with pytest.raises(thvd.InvalidArgumentError, match="root_rank"):
-            calls[label](good.clone(), root=False)
+        for root in (False, 0.0, torch.tensor(0)):  # equal to 0, refused as ranks
+            with pytest.raises(thvd.InvalidArgumentError, match="root_rank"):
+                calls[label](good.clone(), root=root)
+    with pytest.raises(thvd.InvalidArgumentError, match="op 1.0"):
+        calls["allreduce"](good.clone(), op=1.0)
+    for _ in range(2):  # None: the global set
+        assert torch.equal(thvd.allreduce(good, name="again.none", process_set=None), good)
+        assert torch.equal(thvd.broadcast(good, 0, name="again.none", process_set=None), good)
     # Another dtype or shape under the name: checked and run as such.
     assert torch.equal(thvd.allreduce(good.double(), name="again"), good.double())
     # Adasum runs as hvdlite.adasum's ops, not one core allreduce: never kept.

@@ -1,6 +1,7 @@
 // The core's lifecycle: Init starts the background thread, which brings MPI up, checks
 // that the settings that must agree do, makes the global process set and runs the loop
-// (loop.cc); Shutdown asks the loop to end and joins it. Framework threads, under
+// (loop.cc); Shutdown asks the loop to end and joins it (or leaves it to the process's
+// end where it cannot return: parked by the fault guard, or lost peers). Framework threads, under
 // lifecycle_mutex_.
 #include "core/core.h"
 
@@ -204,11 +205,18 @@ Status Core::Shutdown() {
   queue_.Wake();
   // Its last cycles may fault meanwhile: a caller's escape ends the loop all the same
   // (TakeCycleToken), but a background thread parked in the fault handler never
-  // returns, and is left to the process's end rather than joined.
+  // returns, nor may one that waits inside MPI for peers the launcher reported lost
+  // (it has no escape): either is left to the process's end rather than joined.
   while (!loop_returned_) {
-    if (MpiThreadParked()) {
+    if (MpiThreadParked() || PeersLost()) {
       thread_.detach();
-      return CyclesStopped("cannot shut down");
+      Status stopped = CyclesStopped("cannot shut down");
+      if (!stopped.ok()) return stopped;
+      const std::string notice = LostPeersNotice();
+      return Status(HVDLITE_ERR_RANK_FAILED,
+                    "hvdlite cannot shut down: " + (notice.empty() ? "peers were lost" : notice) +
+                        "; the background thread may wait inside MPI for them, and is left to "
+                        "the process's end");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }

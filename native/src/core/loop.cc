@@ -167,9 +167,11 @@ void Core::Loop() {
   }
   // Closing may wait in MPI for peers that are still training.
   LeaveRealtime();
-  // After an escape the sets stay as that cycle left them (MPI requests pending on their
-  // buffers, perhaps): the process is to end, and nothing runs on them again.
-  if (!CycleEscaped()) sets_.Clear(transport_ok);  // NCCL communicators first, then the GPU
+  // After an escape the sets and the GPU stay as that cycle left them (MPI requests
+  // pending on their buffers, perhaps): the process is to end, and nothing runs on them
+  // again. (The ops' own buffers are the application's: it must not call MPI again.)
+  if (CycleEscaped()) return;
+  sets_.Clear(transport_ok);  // NCCL communicators first, then the GPU they ran on
   gpu_.Release();
 }
 
@@ -238,16 +240,17 @@ bool Core::TakeCycleToken(std::unique_lock<std::timed_mutex>* token) {
 
 Status Core::CyclesStopped(const char* doing) const {
   const std::string cannot = doing ? std::string("hvdlite ") + doing + ": " : "";
+  const std::string notice = LostPeersNotice();
+  const std::string lost = notice.empty() ? "" : notice + "; ";
   if (MpiFaulted()) {
     // The thread is parked in the fault handler for good, or a caller's faulted cycle
     // keeps the token: no cycle runs again on MPI in the state the fault left it.
-    return Status(HVDLITE_ERR_MPI, cannot + "a cycle faulted inside MPI (a lost peer?) and "
-                                            "no cycle can run again; end the process");
+    return Status(HVDLITE_ERR_MPI, cannot + lost + "a cycle faulted inside MPI (a lost peer?) "
+                                                   "and no cycle can run again; end the process");
   }
   if (CycleEscaped()) {
-    const std::string notice = LostPeersNotice();
     return Status(HVDLITE_ERR_RANK_FAILED,
-                  cannot + (notice.empty() ? "" : notice + "; ") +
+                  cannot + lost +
                       "a blocking call's cycle was left inside MPI after peers were lost, and no "
                       "cycle can run again; end the process");
   }

@@ -124,6 +124,8 @@ void NoteLostPeers(const char* notice) {
   g_lost_peers.store(true);
 }
 
+bool PeersLost() { return g_lost_peers.load(); }
+
 std::string LostPeersNotice() {
   std::lock_guard<std::mutex> lock(g_notice_mutex);
   return g_notice;

@@ -73,8 +73,9 @@ void LeftByEscape();
 // good on a lost one, alive all the while). notice: the launcher's words (which ranks
 // and hosts were lost), kept for the errors that end the ops; the first one stays.
 void NoteLostPeers(const char* notice);
-// The notice NoteLostPeers kept ("" if none).
+// The notice NoteLostPeers kept ("" if none), and whether it came.
 std::string LostPeersNotice();
+bool PeersLost();
 // Leaves the calling thread's cycle by its escape if it has one armed and lost peers
 // were noted; returns otherwise.
 void EscapeIfPeersLost();
