@@ -271,14 +271,25 @@ class CoreResult:
         left as it was) when the result is larger than expected."""
         if self.shape is None:
             return None
+        rows, splits, splits_ptr, sizes = self.room()
+        check(_take_output(handle_id, from_buffer(rows), rows.nbytes, sizes, sizes + 1,
+                           splits_ptr))
+        return self.taken(rows, splits, sizes)
+
+    def room(self):
+        """Where a small result is copied (``shape`` not None): ``(rows, splits or None,
+        splits' pointer or NULL, sizes)``, sizes receiving the bytes and rows taken."""
         rows = np.empty(self.shape, self.dtype)
         splits = None if self.ranks is None else np.empty(self.ranks, np.int64)
         try:
             sizes = _cells.sizes
         except AttributeError:
             sizes = _cells.sizes = ffi.new("int64_t[2]")
-        check(_take_output(handle_id, from_buffer(rows), rows.nbytes, sizes, sizes + 1,
-                           ffi.NULL if splits is None else from_buffer("int64_t[]", splits)))
+        return (rows, splits, ffi.NULL if splits is None else from_buffer("int64_t[]", splits),
+                sizes)
+
+    def taken(self, rows, splits, sizes):
+        """The result copied into ``room()``'s arrays, or None where it did not fit."""
         nbytes, first_dim = sizes[0], sizes[1]
         if nbytes > rows.nbytes:
             return None
@@ -294,6 +305,7 @@ class CoreResult:
 # Results of at most this many bytes are copied out of the core (CoreResult.take).
 TAKE_MAX_BYTES = 64 * 1024
 _take_output = lib.hvdlite_handle_take_output
+_enqueue_wait_take = lib.hvdlite_enqueue_wait_take
 
 
 def submit(kept, input_ptr, output_ptr, keepalive, finisher, name, result):
@@ -337,16 +349,27 @@ def run(kept, input_ptr, output_ptr, keepalive, finisher, name, result, wait=Tru
     cell[0] = 0
     ended = taken = False
     try:
-        status = _enqueue_buffers_wait(kept[0], input_ptr, output_ptr, _WAIT_SLICE_S,
-                                       finisher is None, cell, op_status)
-        if wait and status == _OK and op_status[0] == _OK:
-            # Ended and released by the core, or a small core result copied out.
-            if finisher is None:
-                ended = True
-            elif type(finisher) is CoreResult:
+        if wait and type(finisher) is CoreResult and finisher.shape is not None:
+            # A small core result, copied out in the same native call.
+            rows, splits, splits_ptr, sizes = finisher.room()
+            status = _enqueue_wait_take(kept[0], input_ptr, _WAIT_SLICE_S, from_buffer(rows),
+                                        rows.nbytes, sizes, sizes + 1, splits_ptr, cell,
+                                        op_status)
+            if status == _OK and op_status[0] == _OK:
                 taken = True
-                result = finisher.take(cell[0])
+                result = finisher.taken(rows, splits, sizes)
                 ended = result is not None
+        else:
+            status = _enqueue_buffers_wait(kept[0], input_ptr, output_ptr, _WAIT_SLICE_S,
+                                           finisher is None, cell, op_status)
+            if wait and status == _OK and op_status[0] == _OK:
+                # Ended and released by the core, or a small core result copied out.
+                if finisher is None:
+                    ended = True
+                elif type(finisher) is CoreResult:
+                    taken = True
+                    result = finisher.take(cell[0])
+                    ended = result is not None
     finally:
         # Wrapped even when an exception (Ctrl-C during the wait) arrives as the call
         # returns: dropped, the handle of an op still running keeps its buffers until it

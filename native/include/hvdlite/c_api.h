@@ -219,6 +219,19 @@ hvdlite_status_t hvdlite_enqueue_buffers_wait(const hvdlite_tensor_t* tensor, co
                                               void* output, double timeout_s, int32_t release,
                                               hvdlite_handle_t* out, hvdlite_status_t* op_status);
 
+/* hvdlite_enqueue_buffers_wait for an ALLGATHER or ALLTOALL (whose result the core
+ * allocates) of a caller that takes a small result at once: once the op ended well
+ * within timeout_s, its result is taken in the same call as hvdlite_handle_take_output
+ * takes it (into dst, capacity bytes; *nbytes, *first_dim, recv_splits), the handle
+ * then released. Where *nbytes > capacity nothing was taken and *out stays for
+ * hvdlite_handle_output; *nbytes is -1 where the op did not end well (*op_status says
+ * how; *out as hvdlite_enqueue_buffers_wait leaves it without release). */
+hvdlite_status_t hvdlite_enqueue_wait_take(const hvdlite_tensor_t* tensor, const void* input,
+                                           double timeout_s, void* dst, int64_t capacity,
+                                           int64_t* nbytes, int64_t* first_dim,
+                                           int64_t* recv_splits, hvdlite_handle_t* out,
+                                           hvdlite_status_t* op_status);
+
 /* Enqueues n tensors that are negotiated and executed together, never split across
  * cycles. handles receives n entries. All or nothing: on error none is enqueued. */
 hvdlite_status_t hvdlite_enqueue_group(const hvdlite_tensor_t* tensors, int32_t n,

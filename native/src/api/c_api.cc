@@ -132,6 +132,33 @@ HVDLITE_EXPORT hvdlite_status_t hvdlite_enqueue_buffers_wait(const hvdlite_tenso
   });
 }
 
+HVDLITE_EXPORT hvdlite_status_t hvdlite_enqueue_wait_take(const hvdlite_tensor_t* tensor,
+                                                          const void* input, double timeout_s,
+                                                          void* dst, int64_t capacity,
+                                                          int64_t* nbytes, int64_t* first_dim,
+                                                          int64_t* recv_splits,
+                                                          hvdlite_handle_t* out,
+                                                          hvdlite_status_t* op_status) {
+  return Guard([&] {
+    if (!tensor) return hvdlite::InvalidArgument("tensor is NULL");
+    if (!op_status || !nbytes || !first_dim || !out || (!dst && capacity > 0)) return NullOut();
+    hvdlite_tensor_t t = *tensor;
+    t.input = input;
+    t.output = nullptr;
+    *nbytes = -1;
+    hvdlite::Status op;
+    hvdlite::Status s = hvdlite::Core::Get().EnqueueAndWait(&t, timeout_s, false, out, &op);
+    if (!s.ok()) return s;
+    *op_status = op.code();
+    if (!op.ok()) {
+      Record(op);  // the op's message, for hvdlite_last_error
+      return hvdlite::Status::OK();
+    }
+    return hvdlite::Core::Get().handles().TakeOutput(*out, dst, capacity, nbytes, first_dim,
+                                                     recv_splits);
+  });
+}
+
 HVDLITE_EXPORT hvdlite_status_t hvdlite_enqueue_group(const hvdlite_tensor_t* tensors, int32_t n,
                                                       hvdlite_handle_t* handles) {
   return Guard([&] { return hvdlite::Core::Get().Enqueue(tensors, n, true, handles); });
