@@ -1,6 +1,7 @@
 """The fixed cost of one collective: hvdlite against mpi4py on the same MPI, every
 collective at 4 KiB, 64 KiB and 1 MiB (``--sizes``: others), the two systems alternating
-call by call.
+call by call; also ``broadcast_object`` and ``allgather_object`` of a bytes object of
+that size (``comm.bcast``, ``comm.allgather``) and the barrier.
 
     .venv/bin/python -m hvdlite.runner -np 2 .venv/bin/python benchmarks/latency.py
     .venv/bin/python -m hvdlite.runner -np 2 .venv/bin/python benchmarks/latency.py --torch
@@ -66,6 +67,7 @@ def collectives(comm, rank, size, nbytes, framework="numpy"):
     moved = np.empty_like(x)
     rows = x.reshape(size, -1) if n % size == 0 else x.reshape(-1, 1)
     split = [n // size] * size  # n is a multiple of size: the same rows for each
+    blob = bytes(nbytes)
     mine, my_rows = x, rows  # hvdlite's inputs
     if framework == "torch":
         import torch
@@ -84,6 +86,11 @@ def collectives(comm, rank, size, nbytes, framework="numpy"):
                      lambda: comm.Alltoall(x, moved)),
         "reducescatter": (lambda: hvd.reducescatter(my_rows, name="lat.rs", op=hvd.Sum),
                           lambda: comm.Reduce_scatter(x, scattered, split, op=MPI.SUM)),
+        # Python objects (a bytes object of that size, pickled by both) and the barrier.
+        "broadcast_object": (lambda: hvd.broadcast_object(blob, 0),
+                             lambda: comm.bcast(blob, root=0)),
+        "allgather_object": (lambda: hvd.allgather_object(blob), lambda: comm.allgather(blob)),
+        "barrier": (hvd.barrier, comm.Barrier),
     }
 
 
@@ -212,7 +219,7 @@ def main():
                 figures.setdefault((name, nbytes), []).append((ours, theirs))
     if rank != 0:
         return
-    print(f"\n{'collective':<14}{'size':>8}{'hvdlite us':>12}{'mpi4py us':>11}  ratio "
+    print(f"\n{'collective':<18}{'size':>8}{'hvdlite us':>12}{'mpi4py us':>11}  ratio "
           "(median, range, rounds)")
     for (name, nbytes), values in figures.items():
         ours = statistics.median(v[0] for v in values)
@@ -223,7 +230,7 @@ def main():
             goal = TARGET_ONE_HOST if hosts == 1 else TARGET_ACROSS_HOSTS
             met = statistics.median(ratios[(name, nbytes)]) <= goal
             target = f"  target <= {goal:g}x: {'met' if met else 'NOT met'}"
-        print(f"{name:<14}{label:>8}{ours:>12.1f}{theirs:>11.1f}  "
+        print(f"{name:<18}{label:>8}{ours:>12.1f}{theirs:>11.1f}  "
               f"{spread(ratios[(name, nbytes)], '{:.2f}')}{target}")
     if args.json:
         with open(args.json, "w") as f:
