@@ -121,8 +121,8 @@ def allgather_object(obj, name=None, process_set=global_process_set):
     room = HEAD_BYTES - _LENGTH
     rests = None
     if max(lengths) > room:
-        rests = ops.allgather(payload[room:] if payload.size > room else payload[:0],
-                              f"{base}.t", process_set=process_set).tobytes()
+        rests = ops.allgather(payload[room:], f"{base}.t",  # empty where all fit the head
+                              process_set=process_set).tobytes()
     out, offset = [], 0
     for head, length in zip(heads, lengths):
         data = head[_LENGTH:_LENGTH + min(length, room)].tobytes()
