@@ -23,6 +23,7 @@ Names must be unique among the ops in flight on a rank, whatever their process s
 Every collective takes ``process_set=`` (default: the global set, every rank); see
 ``hvdlite.process_sets``.
 """
+import threading
 import weakref
 
 import numpy as np
@@ -623,12 +624,33 @@ def grouped_reducescatter(arrays, name=None, op=Average, prescale_factor=1.0,
 
 
 def _no_tensor_op(op, kind, finisher=None, process_set=global_process_set):
-    # BARRIER and JOIN carry no data; a one-byte scalar gives the core a valid pointer.
+    # JOIN carries no data; a one-byte scalar gives the core a valid pointer.
     psid = process_sets.process_set_id(process_set)
     dummy = np.zeros((), dtype=np.uint8)
     return enqueue(op, _names.auto_name(kind, psid), dtypes.native_code("uint8"), (),
                    from_buffer(dummy), None, process_set_id=psid, keepalive=(dummy,),
                    finisher=finisher)
+
+
+class _Barrier:
+    """A process set's barrier: one name (so that every barrier after the first is a
+    response-cache hit, not a negotiation through the set's rank 0), its kept struct,
+    and a lock that makes a rank's barriers of the set one at a time (two threads'
+    barriers at once would be one name twice in flight; one after the other, they pair
+    with the other ranks' in the order they run, as automatic names did)."""
+
+    __slots__ = ("name", "template", "byte", "pointer", "lock")
+
+    def __init__(self, psid):
+        self.name = "barrier.noname" if psid == 0 else f"barrier.ps{psid}.noname"
+        self.template = _enqueue.template(BARRIER, self.name, dtypes.native_code("uint8"), (),
+                                          Average, 1.0, 1.0, 0, psid, -1)
+        self.byte = np.zeros((), dtype=np.uint8)  # no data; a valid pointer for the core
+        self.pointer = from_buffer(self.byte)
+        self.lock = threading.Lock()
+
+
+_barriers = {}  # process set id -> _Barrier
 
 
 def barrier(process_set=global_process_set):
@@ -638,7 +660,12 @@ def barrier(process_set=global_process_set):
         NotInitializedError: before init() or after shutdown().
         HorovodInternalError: the barrier failed (e.g. a rank is gone).
     """
-    synchronize(_enqueue.at_once(_no_tensor_op, BARRIER, "barrier", process_set=process_set))
+    psid = process_sets.process_set_id(process_set)
+    kept = _barriers.get(psid)
+    if kept is None:
+        kept = _barriers.setdefault(psid, _Barrier(psid))
+    with kept.lock:
+        _run(kept.template, kept.pointer, ffi.NULL, (kept.byte,), None, kept.name, None)
 
 
 def join():

@@ -306,7 +306,7 @@ Response Controller::Validate(const std::string& name, const PendingTensor& p) c
       std::copy(s.begin(), s.end(), out.splits.begin() + static_cast<size_t>(r) * size_);
     }
   }
-  out.cacheable = joined_count_ == 0 && base.group.empty() && op != HVDLITE_OP_BARRIER;
+  out.cacheable = joined_count_ == 0 && base.group.empty();
   return out;
 }
 

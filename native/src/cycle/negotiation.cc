@@ -99,7 +99,7 @@ void ProcessSetState::SortFresh(Clock::time_point now) {
     int64_t slot = -1;
     auto lookup = ResponseCache::Lookup::kMiss;
     if (cache_ && !join_active_ && q.group.empty() && q.op != HVDLITE_OP_JOIN &&
-        q.op != HVDLITE_OP_BARRIER && q.op < HVDLITE_OP_ADD_PROCESS_SET) {
+        q.op < HVDLITE_OP_ADD_PROCESS_SET) {
       lookup = cache_->Find(q, &slot);
     }
     if (lookup == ResponseCache::Lookup::kHit) {
