@@ -348,35 +348,40 @@ def run(kept, input_ptr, output_ptr, keepalive, finisher, name, result, wait=Tru
     # wait then finds it ended).
     cell[0] = 0
     ended = taken = False
+    handle = None
     try:
-        if wait and type(finisher) is CoreResult and finisher.shape is not None:
-            # A small core result, copied out in the same native call.
-            rows, splits, splits_ptr, sizes = finisher.room()
-            status = _enqueue_wait_take(kept[0], input_ptr, _WAIT_SLICE_S, from_buffer(rows),
-                                        rows.nbytes, sizes, sizes + 1, splits_ptr, cell,
-                                        op_status)
-            if status == _OK and op_status[0] == _OK:
-                taken = True
-                result = finisher.taken(rows, splits, sizes)
-                ended = result is not None
-        else:
-            status = _enqueue_buffers_wait(kept[0], input_ptr, output_ptr, _WAIT_SLICE_S,
-                                           finisher is None, cell, op_status)
-            if wait and status == _OK and op_status[0] == _OK:
-                # Ended and released by the core, or a small core result copied out.
-                if finisher is None:
-                    ended = True
-                elif type(finisher) is CoreResult:
+        try:
+            if wait and type(finisher) is CoreResult and finisher.shape is not None:
+                # A small core result, copied out in the same native call.
+                rows, splits, splits_ptr, sizes = finisher.room()
+                status = _enqueue_wait_take(kept[0], input_ptr, _WAIT_SLICE_S, from_buffer(rows),
+                                            rows.nbytes, sizes, sizes + 1, splits_ptr, cell,
+                                            op_status)
+                if status == _OK and op_status[0] == _OK:
                     taken = True
-                    result = finisher.take(cell[0])
+                    result = finisher.taken(rows, splits, sizes)
                     ended = result is not None
-    finally:
-        # Wrapped even when an exception (Ctrl-C during the wait) arrives as the call
-        # returns: dropped, the handle of an op still running keeps its buffers until it
-        # ends (the orphans of handle.py). A result take tried (it outgrew the guess, or
-        # failed) is not tried again: the Handle's finisher reads it.
-        handle = None if ended or not cell[0] else _waited(
-            cell[0], op_status[0], keepalive, finisher, name, result, take=not taken)
+            else:
+                status = _enqueue_buffers_wait(kept[0], input_ptr, output_ptr, _WAIT_SLICE_S,
+                                               finisher is None, cell, op_status)
+                if wait and status == _OK and op_status[0] == _OK:
+                    # Ended and released by the core, or a small core result copied out.
+                    if finisher is None:
+                        ended = True
+                    elif type(finisher) is CoreResult:
+                        taken = True
+                        result = finisher.take(cell[0])
+                        ended = result is not None
+        finally:
+            # Wrapped even when an exception (Ctrl-C during the wait) arrives as the call
+            # returns: dropped, the handle of an op still running keeps its buffers until
+            # it ends (the orphans of handle.py). A result take tried (it outgrew the
+            # guess, or failed) is not tried again: the Handle's finisher reads it.
+            handle = None if ended or not cell[0] else _waited(
+                cell[0], op_status[0], keepalive, finisher, name, result, take=not taken)
+    except BaseException as error:
+        _hand_over(error, handle)
+        raise
     if ended:
         return result
     if status != _OK:
@@ -390,6 +395,17 @@ def run(kept, input_ptr, output_ptr, keepalive, finisher, name, result, wait=Tru
         # waits inside its refusing wrapper, hvdlite._refusals).
         error.refusal_sent = True
         raise
+    except BaseException as error:
+        _hand_over(error, handle)
+        raise
+
+
+def _hand_over(error, handle):
+    """Gives an exception that cut a blocking call's wait short (Ctrl-C: not the op's own
+    error) the op's Handle as ``error.in_flight``: a caller that repeats one name (the
+    barrier) waits for it before it submits the name again."""
+    if handle is not None and not isinstance(error, errors.HvdliteError):
+        error.in_flight = handle
 
 
 def _waited(handle_id, status, keepalive, finisher, name, result, take=True):

@@ -639,7 +639,7 @@ class _Barrier:
     barriers at once would be one name twice in flight; one after the other, they pair
     with the other ranks' in the order they run, as automatic names did)."""
 
-    __slots__ = ("name", "template", "byte", "pointer", "lock")
+    __slots__ = ("name", "template", "byte", "pointer", "lock", "interrupted")
 
     def __init__(self, psid):
         self.name = "barrier.noname" if psid == 0 else f"barrier.ps{psid}.noname"
@@ -648,6 +648,9 @@ class _Barrier:
         self.byte = np.zeros((), dtype=np.uint8)  # no data; a valid pointer for the core
         self.pointer = from_buffer(self.byte)
         self.lock = threading.Lock()
+        # The Handle of a barrier whose wait an exception cut short (Ctrl-C), still in
+        # flight: the next call waits for it (it pairs with the peers' barrier) first.
+        self.interrupted = None
 
 
 _barriers = {}  # process set id -> _Barrier
@@ -665,7 +668,14 @@ def barrier(process_set=global_process_set):
     if kept is None:
         kept = _barriers.setdefault(psid, _Barrier(psid))
     with kept.lock:
-        _run(kept.template, kept.pointer, ffi.NULL, (kept.byte,), None, kept.name, None)
+        if kept.interrupted is not None:
+            interrupted, kept.interrupted = kept.interrupted, None
+            interrupted.wait()
+        try:
+            _run(kept.template, kept.pointer, ffi.NULL, (kept.byte,), None, kept.name, None)
+        except BaseException as error:
+            kept.interrupted = getattr(error, "in_flight", None)
+            raise
 
 
 def join():

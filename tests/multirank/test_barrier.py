@@ -96,3 +96,91 @@ def test_barriers_wait_for_everyone_and_repeat_from_the_cache(np_):
         assert out["hits"] >= 23 and out["gathers"] <= 8, (
             f"rank {r}: {out['hits']} cache hits, {out['gathers']} coordinator gathers in 24 "
             "barriers\n" + describe(result))
+
+
+EVICTED = r'''
+import json
+import threading
+import time
+import numpy as np
+import hvdlite as hvd
+
+hvd.init()
+rank = hvd.rank()
+# A cache of two slots: the barrier's, then "a"'s; the barrier is the least recently used.
+hvd.barrier()
+hvd.allreduce(np.ones(4, np.float32), name="a")
+if rank == 0:
+    # Rank 0's barrier waits as a cache hit while "b" is negotiated: b's response takes
+    # the barrier's slot (evicted on every rank), and rank 1's barrier, later, misses.
+    waiter = threading.Thread(target=hvd.barrier)
+    waiter.start()
+    time.sleep(0.2)
+    hvd.allreduce(np.ones(4, np.float32), name="b")
+    waiter.join()
+else:
+    hvd.allreduce(np.ones(4, np.float32), name="b")
+    time.sleep(0.5)
+    hvd.barrier()
+got = hvd.allreduce(np.full(4, rank, np.float32), name="after", op=hvd.Sum)
+print("HVDLITE_RESULT " + json.dumps({"after": got.tolist()}), flush=True)
+hvd.shutdown()
+'''
+
+
+def test_a_barrier_waiting_as_a_hit_whose_slot_is_evicted_still_completes():
+    # The slot a rank waits on as a hit may be given to another tensor by the response
+    # cache (least recently used, the same on every rank) while its peers have not
+    # submitted yet: they then miss, and the waiting rank must send its request to the
+    # coordinator too, not wait on a bit no one else sets (a hang, before).
+    result = assert_ok(run_job(2, EVICTED, timeout=60,
+                               env={"HVDLITE_CACHE_CAPACITY": "2",
+                                    "HVDLITE_STALL_CHECK_TIME": "600"}))
+    for r in range(2):
+        assert result.result(r)["after"] == [1.0] * 4, describe(result)
+
+
+INTERRUPTED = r'''
+import json
+import os
+import signal
+import threading
+import time
+import numpy as np
+import hvdlite as hvd
+
+hvd.init()
+rank = hvd.rank()
+hvd.barrier()
+out = {}
+if rank == 0:
+    # Ctrl-C 0.3 s into a barrier that rank 1 reaches at 1.5 s; the barrier called again
+    # waits for the one cut short (it pairs with rank 1's first), then for rank 1's second.
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        hvd.barrier()
+        out["interrupted"] = False
+    except KeyboardInterrupt:
+        out["interrupted"] = True
+    hvd.barrier()
+    second = (0.0, time.time())
+else:
+    time.sleep(1.5)
+    hvd.barrier()
+    time.sleep(0.5)
+    second = (time.time(), 0.0)
+    hvd.barrier()
+stamps = hvd.allgather(np.array([second]), name="stamps")
+out["left_after_arrival"] = bool(stamps[0, 1] >= stamps[1, 0])
+out["after"] = hvd.allreduce(np.full(2, rank, np.float32), name="after", op=hvd.Sum).tolist()
+print("HVDLITE_RESULT " + json.dumps(out), flush=True)
+hvd.shutdown()
+'''
+
+
+def test_a_barrier_cut_short_by_ctrl_c_is_waited_for_by_the_next_call():
+    result = assert_ok(run_job(2, INTERRUPTED, timeout=60))
+    assert result.result(0)["interrupted"], describe(result)
+    for r in range(2):
+        out = result.result(r)
+        assert out["left_after_arrival"] and out["after"] == [1.0, 1.0], (r, out)

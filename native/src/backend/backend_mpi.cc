@@ -378,6 +378,7 @@ Status MpiBackend::Collective(const char* what, int64_t bytes, const std::functi
 }
 
 int64_t MpiBackend::CallerCycleBytes(int64_t words) const {
+  if (alone_) return threads_multiple_ ? kCallerCycleMaxBytes : 0;
   if (ShmRound(words) && !hierarchical_allgather_ && !hierarchical_broadcast_) return kCallerCycleMaxBytes;
   const Round round = RoundFor(words);
   const bool exchange = round == Round::kDirect || round == Round::kLayered;
@@ -874,16 +875,6 @@ Status MpiBackend::ReduceScatter(const void* in, void* out, const std::vector<in
     return r ? MPI_Ireduce_scatter(in, out, c.data(), MpiType(dtype), op, Comm(comm_), static_cast<MPI_Request*>(r))
              : MPI_Reduce_scatter(in, out, c.data(), MpiType(dtype), op, Comm(comm_));
   });
-}
-
-Status MpiBackend::Barrier() {
-  if (alone_) return Status::OK();
-  if (ShmGathers()) return host_->shm().Barrier();
-  InMpiCall in_mpi("MPI_Ibarrier");
-  MPI_Request req;
-  Status s = Check(MPI_Ibarrier(Comm(comm_), &req), "MPI_Ibarrier");
-  if (!s.ok()) return s;
-  return WaitBackoff(&req, "MPI_Ibarrier");
 }
 
 std::string MpiBackend::LibraryVersion() {

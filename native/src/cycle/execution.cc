@@ -381,10 +381,9 @@ Status ProcessSetState::RunOp(const Response& r, TensorEntry* e, OpOutput* out, 
     case HVDLITE_OP_REDUCESCATTER: return ExecuteReducescatter(r, e, tally);
     case HVDLITE_OP_BARRIER:
       // Ready means every member submitted it (every bit of the round, or every request
-      // at the coordinator), so the round that made it ready was the barrier. While a
-      // rank is joined (join_active_: the round's flag, the same on every rank) it was
-      // counted without submitting, and the barrier runs here, on every member.
-      return join_active_ ? mpi_->Barrier() : Status::OK();
+      // at the coordinator), so the round that made it ready was the barrier. (While a
+      // rank is joined, a barrier fails at the coordinator: Controller::Validate.)
+      return Status::OK();
     case HVDLITE_OP_JOIN:
       local_joined_ = false;
       out->first_dim = r.last_joined_rank;

@@ -106,7 +106,7 @@ void ProcessSetState::SortFresh(Clock::time_point now) {
       // Cached: the other ranks' readiness reaches rank 0 only as one "all ranks
       // ready" bit, marked when the bit vector comes back.
       if (tl) cached_names.push_back(&q.name);
-      cached_pending_[slot] = now;
+      cached_pending_[slot] = PendingHit{now, q.name};
       continue;
     }
     if (lookup == ResponseCache::Lookup::kChanged) invalid_slots_.insert(slot);
@@ -122,7 +122,7 @@ void ProcessSetState::SortFresh(Clock::time_point now) {
   }
   if (stall_s > 0) {
     for (auto& kv : cached_pending_) {
-      if (std::chrono::duration<double>(now - kv.second).count() > stall_s / 2) {
+      if (std::chrono::duration<double>(now - kv.second.since).count() > stall_s / 2) {
         invalid_slots_.insert(kv.first);
       }
     }
@@ -181,12 +181,7 @@ bool ProcessSetState::Coordinate(Clock::time_point now, const RoundFlags& mine, 
   if (flags & 2) heard->shutdown = true;
   if (flags & 8) heard->elsewhere = true;
 
-  auto to_uncached = [&](int64_t slot) {
-    const Response& r = cache_->Get(slot);
-    TensorEntry* e = queue_.Find(r.name);
-    if (e) uncached_.push_back(e->request);
-    cached_pending_.erase(slot);
-  };
+  auto to_uncached = [&](int64_t slot) { PendingToCoordinator(cached_pending_.find(slot)); };
   for (size_t w = 0; w < words; ++w) {
     uint64_t invalid = ~bits[1 + words + w];
     while (invalid) {
@@ -356,11 +351,22 @@ bool ProcessSetState::Negotiate(Clock::time_point now, std::vector<Response>* re
       TensorEntry* e = queue_.Find(r.name);
       Request local = e ? e->request : Request();
       if (!e) local.name = r.name;
-      cache_->Put(local, r);
+      // A slot this rank waits on as a hit, given to another name (evicted): its
+      // request goes to the coordinator next round, as its peers' will (they miss).
+      auto pending = cached_pending_.find(cache_->Put(local, r));
+      if (pending != cached_pending_.end() && pending->second.name != r.name) {
+        PendingToCoordinator(pending);
+      }
     }
     ready->push_back(std::move(r));
   }
   return true;
+}
+
+void ProcessSetState::PendingToCoordinator(std::map<int64_t, PendingHit>::iterator pending) {
+  TensorEntry* e = queue_.Find(pending->second.name);
+  if (e) uncached_.push_back(e->request);
+  cached_pending_.erase(pending);
 }
 
 }  // namespace hvdlite

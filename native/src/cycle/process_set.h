@@ -248,7 +248,16 @@ class ProcessSetState {
   FusionBuffer fusion_;
   std::vector<TensorEntry*> fresh_;  // this cycle's new entries of this set
   std::vector<Request> uncached_;
-  std::map<int64_t, Clock::time_point> cached_pending_;  // slot -> when it was enqueued
+  // This rank's requests that were cache hits, waiting for every member's bit: slot ->
+  // when it was enqueued and its name (the slot may be given to another name meanwhile,
+  // by a Put that evicts it: Negotiate then sends the request to the coordinator).
+  struct PendingHit {
+    Clock::time_point since;
+    std::string name;
+  };
+  std::map<int64_t, PendingHit> cached_pending_;
+  // A pending hit's request back to uncached_ (for the coordinator), out of cached_pending_.
+  void PendingToCoordinator(std::map<int64_t, PendingHit>::iterator pending);
   std::set<int64_t> invalid_slots_;
   bool join_active_ = false;
   bool local_joined_ = false;

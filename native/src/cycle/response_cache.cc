@@ -9,8 +9,8 @@ ResponseCache::Lookup ResponseCache::Find(const Request& request, int64_t* slot)
   return slots_[it->second].request.SameParams(request) ? Lookup::kHit : Lookup::kChanged;
 }
 
-void ResponseCache::Put(const Request& local, const Response& response) {
-  if (slots_.empty()) return;
+int64_t ResponseCache::Put(const Request& local, const Response& response) {
+  if (slots_.empty()) return -1;
   auto existing = by_name_.find(response.name);
   if (existing != by_name_.end()) Erase(existing->second);
   int64_t target = -1;
@@ -33,6 +33,7 @@ void ResponseCache::Put(const Request& local, const Response& response) {
   s.response = response;
   s.last_use = ++clock_;
   by_name_[response.name] = target;
+  return target;
 }
 
 void ResponseCache::Erase(int64_t slot) {

@@ -26,8 +26,8 @@ class ResponseCache {
   const Response& Get(int64_t slot) const { return slots_[slot].response; }
   bool Has(int64_t slot) const { return slots_[slot].used; }
   // Stores this rank's request with the shared response; evicts the least recently
-  // used slot when full.
-  void Put(const Request& local, const Response& response);
+  // used slot when full. Returns the slot.
+  int64_t Put(const Request& local, const Response& response);
   void Touch(int64_t slot) { slots_[slot].last_use = ++clock_; }
   void Erase(int64_t slot);
 

@@ -130,7 +130,7 @@ void ShmCollectives::Publish(int field, int64_t chunks) {
   std::atomic<int64_t>* f = field == 0 ? &p->copied_in : field == 1 ? &p->reduced : &p->copied_out;
   f->store(chunks, std::memory_order_seq_cst);
   p->seq.fetch_add(1, std::memory_order_seq_cst);
-  // Sequentially consistent with the waiters' increment, as in Barrier.
+  // Sequentially consistent with the waiters' increment, as in Meet.
   if (p->sleepers.load(std::memory_order_seq_cst) > 0) FutexWakeAll(&p->seq);
 }
 
@@ -151,11 +151,6 @@ Status ShmCollectives::WaitFor(int field, int64_t chunks) {
     }
   }
   return Status::OK();
-}
-
-Status ShmCollectives::Barrier() {
-  poll_ = may_poll_;
-  return Meet();
 }
 
 Status ShmCollectives::Meet() {

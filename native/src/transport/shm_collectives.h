@@ -1,6 +1,6 @@
 // Collectives among ranks that share one machine, through memory they all map: the
 // allreduce described below, the reduce-scatter and allgather halves of the
-// hierarchical allreduce, the bit-AND of the coordination round, and their barrier.
+// hierarchical allreduce, the bit-AND of the coordination round (over a barrier of its own).
 //
 // The allreduce:
 //
@@ -177,8 +177,6 @@ class ShmCollectives {
   // Rank k's companion in the last AndBits: its tag (-1: none), *data and *bytes. Valid
   // until this rank's next AndBits.
   int64_t PeerCompanion(int k, const uint8_t** data, int64_t* bytes) const;
-  // Every rank arrives before any leaves (the barrier op); a rank that waits sleeps.
-  Status Barrier();
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -198,8 +196,8 @@ class ShmCollectives {
   // that set); drain(r, set) reads the peers' areas once every peer has filled round r.
   Status Rounds(int64_t rounds, const std::function<void(int64_t, int)>& fill,
                 const std::function<void(int64_t, int)>& drain);
-  // Barrier's meeting: every rank arrives before any leaves; a rank that waits sleeps
-  // (after polling, where poll_ says).
+  // The barrier AndBits passes: every rank arrives before any leaves; a rank that
+  // waits sleeps (after polling, where poll_ says).
   Status Meet();
   // Allreduce's progress: field 0 copied in, 1 reduced, 2 copied out (Rounds: 0 filled,
   // 1 and 2 drained). Publish sets this
