@@ -69,6 +69,16 @@ def hvdlite_op(reduce_op):
     return _REDUCTIONS[name]
 
 
+# The name of reduce's allreduce, one per op: a metric logged with sync_dist every step
+# repeats it, a response-cache hit each time after the first, where a fresh automatic name
+# made every one a negotiation through rank 0. (Blocking calls of Lightning's loop, one at
+# a time; metrics of other dtypes or shapes under one name are negotiated again, as
+# before, and a rank whose tensor differs still fails with MismatchError.)
+_REDUCE_NAMES = {}
+for _word, _op in _REDUCTIONS.items():
+    _REDUCE_NAMES.setdefault(_op, f"lightning.reduce.{_word}")
+
+
 def _process_set(group):
     """The ProcessSet for Lightning's ``group`` argument: None is every rank."""
     if group is None:
@@ -241,9 +251,10 @@ class HvdliteStrategy(ParallelStrategy):
         op = hvdlite_op(reduce_op)
         process_set = _process_set(group)
         if op is hvd.Average and not tensor.is_floating_point():
-            total = hvd.allreduce(tensor, op=hvd.Sum, process_set=process_set)
+            total = hvd.allreduce(tensor, op=hvd.Sum, name=_REDUCE_NAMES[hvd.Sum],
+                                  process_set=process_set)
             return (total / process_set.size()).to(tensor.dtype)
-        return hvd.allreduce(tensor, op=op, process_set=process_set)
+        return hvd.allreduce(tensor, op=op, name=_REDUCE_NAMES[op], process_set=process_set)
 
     def all_gather(self, tensor, group=None, sync_grads=False):
         """Every rank's ``tensor`` stacked: shape ``(ranks, *tensor.shape)``. With

@@ -93,6 +93,9 @@ def run_and_check(np, common, tmp_path):
         assert body["any"] is True and body["all"] is False
         assert body["sum"] == np * (np + 1) // 2
         assert body["int_mean"] == (np * (np + 1) // 2) // np
+        mean_rank = sum(range(np)) / np
+        assert body["repeated_means"] == pytest.approx([mean_rank * s for s in range(10)])
+        assert body["repeated_hits"] >= 9, body["repeated_hits"]  # a negotiation each before
 
         # Rank 0 writes every checkpoint, the others none.
         expected = [os.path.join(ckpt_dir, f"epoch={e}.ckpt") for e in range(common.EPOCHS)]

@@ -135,6 +135,11 @@ def main(ckpt_dir):
     out["all"] = strategy.reduce_boolean_decision(rank == size - 1, all=True)
     out["sum"] = strategy.reduce(torch.tensor(rank + 1), reduce_op="sum").item()
     out["int_mean"] = strategy.reduce(torch.tensor(rank + 1)).item()
+    # A metric reduced every step (self.log(..., sync_dist=True)): cache hits after the first.
+    before = hvd.stats()
+    out["repeated_means"] = [strategy.reduce(torch.tensor(float(rank * step))).item()
+                             for step in range(10)]
+    out["repeated_hits"] = hvd.stats()["cache_hits"] - before["cache_hits"]
 
     # Gradient accumulation: 2 batches of BATCH per step, after a first fit in this process.
     accumulated = Regression(seed=0 if rank == 0 else 100 + rank)
