@@ -106,7 +106,7 @@ void ProcessSetState::SortFresh(Clock::time_point now) {
       // Cached: the other ranks' readiness reaches rank 0 only as one "all ranks
       // ready" bit, marked when the bit vector comes back.
       if (tl) cached_names.push_back(&q.name);
-      cached_pending_[slot] = PendingHit{now, q.name};
+      cached_pending_[slot] = now;
       continue;
     }
     if (lookup == ResponseCache::Lookup::kChanged) invalid_slots_.insert(slot);
@@ -122,7 +122,7 @@ void ProcessSetState::SortFresh(Clock::time_point now) {
   }
   if (stall_s > 0) {
     for (auto& kv : cached_pending_) {
-      if (std::chrono::duration<double>(now - kv.second.since).count() > stall_s / 2) {
+      if (std::chrono::duration<double>(now - kv.second).count() > stall_s / 2) {
         invalid_slots_.insert(kv.first);
       }
     }
@@ -351,20 +351,22 @@ bool ProcessSetState::Negotiate(Clock::time_point now, std::vector<Response>* re
       TensorEntry* e = queue_.Find(r.name);
       Request local = e ? e->request : Request();
       if (!e) local.name = r.name;
-      // A slot this rank waits on as a hit, given to another name (evicted): its
-      // request goes to the coordinator next round, as its peers' will (they miss).
-      auto pending = cached_pending_.find(cache_->Put(local, r));
-      if (pending != cached_pending_.end() && pending->second.name != r.name) {
+      // A slot this rank waits on as a hit, about to be given to another name (the
+      // least recently used of a full cache): its request goes to the coordinator next
+      // round, as its peers' will (they miss), instead of waiting on a bit no one sets.
+      auto pending = cached_pending_.find(cache_->SlotFor(r.name));
+      if (pending != cached_pending_.end() && cache_->Get(pending->first).name != r.name) {
         PendingToCoordinator(pending);
       }
+      cache_->Put(local, r);
     }
     ready->push_back(std::move(r));
   }
   return true;
 }
 
-void ProcessSetState::PendingToCoordinator(std::map<int64_t, PendingHit>::iterator pending) {
-  TensorEntry* e = queue_.Find(pending->second.name);
+void ProcessSetState::PendingToCoordinator(std::map<int64_t, Clock::time_point>::iterator pending) {
+  TensorEntry* e = queue_.Find(cache_->Get(pending->first).name);
   if (e) uncached_.push_back(e->request);
   cached_pending_.erase(pending);
 }

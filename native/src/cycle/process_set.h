@@ -249,15 +249,12 @@ class ProcessSetState {
   std::vector<TensorEntry*> fresh_;  // this cycle's new entries of this set
   std::vector<Request> uncached_;
   // This rank's requests that were cache hits, waiting for every member's bit: slot ->
-  // when it was enqueued and its name (the slot may be given to another name meanwhile,
-  // by a Put that evicts it: Negotiate then sends the request to the coordinator).
-  struct PendingHit {
-    Clock::time_point since;
-    std::string name;
-  };
-  std::map<int64_t, PendingHit> cached_pending_;
-  // A pending hit's request back to uncached_ (for the coordinator), out of cached_pending_.
-  void PendingToCoordinator(std::map<int64_t, PendingHit>::iterator pending);
+  // when it was enqueued. (A Put that gives such a slot to another name first sends the
+  // request to the coordinator: Negotiate.)
+  std::map<int64_t, Clock::time_point> cached_pending_;
+  // A pending hit's request (the name its slot holds) back to uncached_ for the
+  // coordinator, out of cached_pending_.
+  void PendingToCoordinator(std::map<int64_t, Clock::time_point>::iterator pending);
   std::set<int64_t> invalid_slots_;
   bool join_active_ = false;
   bool local_joined_ = false;

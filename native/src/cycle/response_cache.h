@@ -25,9 +25,11 @@ class ResponseCache {
   Lookup Find(const Request& request, int64_t* slot) const;
   const Response& Get(int64_t slot) const { return slots_[slot].response; }
   bool Has(int64_t slot) const { return slots_[slot].used; }
-  // Stores this rank's request with the shared response; evicts the least recently
-  // used slot when full. Returns the slot.
-  int64_t Put(const Request& local, const Response& response);
+  // Stores this rank's request with the shared response, in SlotFor(its name).
+  void Put(const Request& local, const Response& response);
+  // The slot Put would store `name` in: the first free one (the name's own counts as
+  // free), else the least recently used, evicted; -1 without slots.
+  int64_t SlotFor(const std::string& name) const;
   void Touch(int64_t slot) { slots_[slot].last_use = ++clock_; }
   void Erase(int64_t slot);
 
