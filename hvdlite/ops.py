@@ -28,7 +28,7 @@ import weakref
 
 import numpy as np
 
-from hvdlite import _checks, _enqueue, _names, _refusals, adasum, core, dtypes, process_sets
+from hvdlite import _checks, _enqueue, _names, _refusals, adasum, core, dtypes, errors, process_sets
 # The layers' public names, where scripts and Horovod-style code reach them.
 from hvdlite._checks import predivide_scaling, reducescatter_rows, resolve_op  # noqa: F401
 from hvdlite._enqueue import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST,  # noqa: F401
@@ -670,7 +670,10 @@ def barrier(process_set=global_process_set):
     with kept.lock:
         if kept.interrupted is not None:
             interrupted, kept.interrupted = kept.interrupted, None
-            interrupted.wait()
+            try:
+                interrupted.wait()
+            except errors.HvdliteError:
+                pass  # its outcome was the interrupted call's (a shutdown since, say)
         try:
             _run(kept.template, kept.pointer, ffi.NULL, (kept.byte,), None, kept.name, None)
         except BaseException as error:
