@@ -339,6 +339,8 @@ def run(kept, input_ptr, output_ptr, keepalive, finisher, name, result, wait=Tru
     for one Python frame here.)"""
     if _orphans:  # as a Handle's making does: a call that makes none releases them too
         reap_orphans()
+    if _interrupted:
+        _wait_interrupted(name)
     try:
         cell, op_status = _cells.wait_cells
     except AttributeError:
@@ -380,7 +382,7 @@ def run(kept, input_ptr, output_ptr, keepalive, finisher, name, result, wait=Tru
             handle = None if ended or not cell[0] else _waited(
                 cell[0], op_status[0], keepalive, finisher, name, result, take=not taken)
     except BaseException as error:
-        _hand_over(error, handle)
+        _keep_interrupted(error, name, handle)
         raise
     if ended:
         return result
@@ -396,16 +398,29 @@ def run(kept, input_ptr, output_ptr, keepalive, finisher, name, result, wait=Tru
         error.refusal_sent = True
         raise
     except BaseException as error:
-        _hand_over(error, handle)
+        _keep_interrupted(error, name, handle)
         raise
 
 
-def _hand_over(error, handle):
-    """Gives an exception that cut a blocking call's wait short (Ctrl-C: not the op's own
-    error) the op's Handle as ``error.in_flight``: a caller that repeats one name (the
-    barrier) waits for it before it submits the name again."""
+# Blocking calls whose wait an exception other than the op's own cut short (Ctrl-C),
+# still in flight: name -> Handle. A later blocking call of that name (a name repeated
+# on purpose: the barrier's, the objects', a named metric) waits for it first, since it
+# pairs with the peers' op of that name, instead of being refused as a duplicate.
+_interrupted = {}
+
+
+def _keep_interrupted(error, name, handle):
     if handle is not None and not isinstance(error, errors.HvdliteError):
-        error.in_flight = handle
+        _interrupted[name] = handle
+
+
+def _wait_interrupted(name):
+    handle = _interrupted.pop(name, None)
+    if handle is not None:
+        try:
+            handle.wait()
+        except errors.HvdliteError:
+            pass  # its outcome was the interrupted call's (a shutdown since, say)
 
 
 def _waited(handle_id, status, keepalive, finisher, name, result, take=True):

@@ -4,6 +4,8 @@ Unnamed tensors are named ``"<op>.noname.<n>"`` with one counter per op kind and
 process set (``"<op>.ps<id>.noname.<n>"`` in set ``id`` other than the global one),
 reset when the core starts (and a set's by adding or removing it), so names agree across
 the ranks of a set as long as they make the same unnamed calls in it in the same order.
+Calls a rank makes one at a time (the barrier, the object collectives) have one fixed
+name per kind and set instead (``fixed_name``), so that they repeat a cached one.
 """
 import threading
 
@@ -23,9 +25,7 @@ class _AutoNames:
         with self._lock:
             n = self._counters.get(key, 0)
             self._counters[key] = n + 1
-        if process_set_id:
-            return f"{kind}.ps{process_set_id}.noname.{n}"
-        return f"{kind}.noname.{n}"
+        return f"{fixed_name(kind, process_set_id)}.{n}"
 
     def reset(self, process_set_id=None):
         with self._lock:
@@ -48,3 +48,13 @@ def auto_name(kind, process_set_id=0):
     Adapters use it so their unnamed tensors follow the same rule as numpy ones.
     """
     return _auto_names.next(kind, process_set_id)
+
+
+def fixed_name(kind, process_set_id=0):
+    """The one name of an op kind's unnamed calls in a process set that a rank makes one
+    at a time (blocking, under a lock), e.g. ``"barrier.noname"``, ``"barrier.ps2.noname"``:
+    a repeated call is then a response-cache hit, where an automatic name is new each
+    time (and negotiated through the set's rank 0)."""
+    if process_set_id:
+        return f"{kind}.ps{process_set_id}.noname"
+    return f"{kind}.noname"

@@ -4,7 +4,7 @@ Eager only (they return Python objects). The adapters re-export them.
 """
 import numpy as np
 
-from hvdlite import core, ops, process_sets
+from hvdlite import _names, core, ops, process_sets
 from hvdlite.process_sets import global_process_set
 
 try:  # Horovod pickles with cloudpickle (lambdas, local classes); plain pickle otherwise.
@@ -25,8 +25,7 @@ def _default_name(kind, process_set):
     """The base name of an unnamed object call: one per kind and process set (as
     Horovod's, one per type of object), so that a repeated call is a cache hit; the
     calls are blocking, so one of a thread never meets its own earlier one in flight."""
-    psid = process_sets.process_set_id(process_set)
-    return kind if psid == 0 else f"{kind}.ps{psid}"
+    return _names.fixed_name(kind, process_sets.process_set_id(process_set))
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):

@@ -28,7 +28,7 @@ import weakref
 
 import numpy as np
 
-from hvdlite import _checks, _enqueue, _names, _refusals, adasum, core, dtypes, errors, process_sets
+from hvdlite import _checks, _enqueue, _names, _refusals, adasum, core, dtypes, process_sets
 # The layers' public names, where scripts and Horovod-style code reach them.
 from hvdlite._checks import predivide_scaling, reducescatter_rows, resolve_op  # noqa: F401
 from hvdlite._enqueue import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST,  # noqa: F401
@@ -623,15 +623,6 @@ def grouped_reducescatter(arrays, name=None, op=Average, prescale_factor=1.0,
                                                    postscale_factor, outs, process_set))
 
 
-def _no_tensor_op(op, kind, finisher=None, process_set=global_process_set):
-    # JOIN carries no data; a one-byte scalar gives the core a valid pointer.
-    psid = process_sets.process_set_id(process_set)
-    dummy = np.zeros((), dtype=np.uint8)
-    return enqueue(op, _names.auto_name(kind, psid), dtypes.native_code("uint8"), (),
-                   from_buffer(dummy), None, process_set_id=psid, keepalive=(dummy,),
-                   finisher=finisher)
-
-
 class _Barrier:
     """A process set's barrier: one name (so that every barrier after the first is a
     response-cache hit, not a negotiation through the set's rank 0), its kept struct,
@@ -639,18 +630,15 @@ class _Barrier:
     barriers at once would be one name twice in flight; one after the other, they pair
     with the other ranks' in the order they run, as automatic names did)."""
 
-    __slots__ = ("name", "template", "byte", "pointer", "lock", "interrupted")
+    __slots__ = ("name", "template", "byte", "pointer", "lock")
 
     def __init__(self, psid):
-        self.name = "barrier.noname" if psid == 0 else f"barrier.ps{psid}.noname"
+        self.name = _names.fixed_name("barrier", psid)
         self.template = _enqueue.template(BARRIER, self.name, dtypes.native_code("uint8"), (),
                                           Average, 1.0, 1.0, 0, psid, -1)
         self.byte = np.zeros((), dtype=np.uint8)  # no data; a valid pointer for the core
         self.pointer = from_buffer(self.byte)
         self.lock = threading.Lock()
-        # The Handle of a barrier whose wait an exception cut short (Ctrl-C), still in
-        # flight: the next call waits for it (it pairs with the peers' barrier) first.
-        self.interrupted = None
 
 
 _barriers = {}  # process set id -> _Barrier
@@ -667,18 +655,8 @@ def barrier(process_set=global_process_set):
     kept = _barriers.get(psid)
     if kept is None:
         kept = _barriers.setdefault(psid, _Barrier(psid))
-    with kept.lock:
-        if kept.interrupted is not None:
-            interrupted, kept.interrupted = kept.interrupted, None
-            try:
-                interrupted.wait()
-            except errors.HvdliteError:
-                pass  # its outcome was the interrupted call's (a shutdown since, say)
-        try:
-            _run(kept.template, kept.pointer, ffi.NULL, (kept.byte,), None, kept.name, None)
-        except BaseException as error:
-            kept.interrupted = getattr(error, "in_flight", None)
-            raise
+    with kept.lock:  # (one cut short by Ctrl-C is waited for first: _enqueue.run)
+        _run(kept.template, kept.pointer, ffi.NULL, (kept.byte,), None, kept.name, None)
 
 
 def join():
@@ -701,7 +679,9 @@ def join():
         NotInitializedError: before init() or after shutdown().
         HorovodInternalError: the join failed.
     """
-    handle = _no_tensor_op(JOIN, "join", finisher=lambda h: h.output(0)[2])
+    byte = np.zeros((), dtype=np.uint8)  # no data; a valid pointer for the core
+    handle = enqueue(JOIN, _names.auto_name("join"), dtypes.native_code("uint8"), (),
+                     from_buffer(byte), keepalive=(byte,), finisher=lambda h: h.output(0)[2])
     try:
         return synchronize(handle)
     except BaseException:

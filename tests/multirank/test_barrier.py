@@ -172,15 +172,32 @@ else:
     hvd.barrier()
 stamps = hvd.allgather(np.array([second]), name="stamps")
 out["left_after_arrival"] = bool(stamps[0, 1] >= stamps[1, 0])
+# The same for any named blocking call: rank 0's second allreduce of "metric" waits for
+# the first (which pairs with rank 1's first), then pairs with rank 1's second.
+if rank == 0:
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        hvd.allreduce(np.full(2, 1.0, np.float32), name="metric", op=hvd.Sum)
+    except KeyboardInterrupt:
+        out["metric_interrupted"] = True
+    out["metric"] = hvd.allreduce(np.full(2, 2.0, np.float32), name="metric", op=hvd.Sum).tolist()
+else:
+    time.sleep(1.5)
+    out["metric_first"] = hvd.allreduce(np.full(2, 10.0, np.float32), name="metric",
+                                        op=hvd.Sum).tolist()
+    out["metric"] = hvd.allreduce(np.full(2, 20.0, np.float32), name="metric", op=hvd.Sum).tolist()
 out["after"] = hvd.allreduce(np.full(2, rank, np.float32), name="after", op=hvd.Sum).tolist()
 print("HVDLITE_RESULT " + json.dumps(out), flush=True)
 hvd.shutdown()
 '''
 
 
-def test_a_barrier_cut_short_by_ctrl_c_is_waited_for_by_the_next_call():
+def test_a_blocking_call_cut_short_by_ctrl_c_is_waited_for_by_the_next_of_its_name():
     result = assert_ok(run_job(2, INTERRUPTED, timeout=60))
     assert result.result(0)["interrupted"], describe(result)
+    assert result.result(0)["metric_interrupted"], describe(result)
+    assert result.result(1)["metric_first"] == [11.0, 11.0], describe(result)
     for r in range(2):
         out = result.result(r)
         assert out["left_after_arrival"] and out["after"] == [1.0, 1.0], (r, out)
+        assert out["metric"] == [22.0, 22.0], (r, out)

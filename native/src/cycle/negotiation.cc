@@ -354,11 +354,12 @@ bool ProcessSetState::Negotiate(Clock::time_point now, std::vector<Response>* re
       // A slot this rank waits on as a hit, about to be given to another name (the
       // least recently used of a full cache): its request goes to the coordinator next
       // round, as its peers' will (they miss), instead of waiting on a bit no one sets.
-      auto pending = cached_pending_.find(cache_->SlotFor(r.name));
-      if (pending != cached_pending_.end() && cache_->Get(pending->first).name != r.name) {
+      const int64_t slot = cache_->SlotFor(r.name);
+      auto pending = cached_pending_.find(slot);
+      if (pending != cached_pending_.end() && cache_->Get(slot).name != r.name) {
         PendingToCoordinator(pending);
       }
-      cache_->Put(local, r);
+      cache_->Put(slot, local, r);
     }
     ready->push_back(std::move(r));
   }

@@ -23,8 +23,7 @@ int64_t ResponseCache::SlotFor(const std::string& name) const {
   return target;
 }
 
-void ResponseCache::Put(const Request& local, const Response& response) {
-  const int64_t target = SlotFor(response.name);
+void ResponseCache::Put(int64_t target, const Request& local, const Response& response) {
   if (target < 0) return;
   auto existing = by_name_.find(response.name);
   if (existing != by_name_.end()) Erase(existing->second);

@@ -25,8 +25,9 @@ class ResponseCache {
   Lookup Find(const Request& request, int64_t* slot) const;
   const Response& Get(int64_t slot) const { return slots_[slot].response; }
   bool Has(int64_t slot) const { return slots_[slot].used; }
-  // Stores this rank's request with the shared response, in SlotFor(its name).
-  void Put(const Request& local, const Response& response);
+  // Stores this rank's request with the shared response in `slot`, which must be
+  // SlotFor(the response's name) (the caller looks at the slot first: Negotiate).
+  void Put(int64_t slot, const Request& local, const Response& response);
   // The slot Put would store `name` in: the first free one (the name's own counts as
   // free), else the least recently used, evicted; -1 without slots.
   int64_t SlotFor(const std::string& name) const;
