@@ -337,10 +337,10 @@ def run(kept, input_ptr, output_ptr, keepalive, finisher, name, result, wait=Tru
     within the wait's first slice, the usual case, makes no Handle. (``wait=False``:
     ``submit_wait``; one function, so that a blocking call, the latency-bound one, pays
     for one Python frame here.)"""
+    if _interrupted:  # first: what it lets go of, the orphans' reaping below releases
+        _settle_interrupted(name)
     if _orphans:  # as a Handle's making does: a call that makes none releases them too
         reap_orphans()
-    if _interrupted:
-        _wait_interrupted(name)
     try:
         cell, op_status = _cells.wait_cells
     except AttributeError:
@@ -414,9 +414,17 @@ def _keep_interrupted(error, name, handle):
         _interrupted[name] = handle
 
 
-def _wait_interrupted(name):
-    handle = _interrupted.pop(name, None)
-    if handle is not None:
+def _settle_interrupted(name):
+    """Waits for the interrupted call of ``name``, if any, and lets go of those that
+    ended (their buffers are then released, as an orphan's would be)."""
+    for key, handle in list(_interrupted.items()):
+        if key != name:
+            try:
+                if not handle.poll():
+                    continue
+            except errors.HvdliteError:
+                pass  # ended badly: let go of it too
+        del _interrupted[key]
         try:
             handle.wait()
         except errors.HvdliteError:
