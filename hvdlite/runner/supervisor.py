@@ -346,19 +346,30 @@ class JobSupervisor:
 
     def _keep_alive(self, now):
         """Heartbeats to every wrapper; ranks silent past the peer timeout are lost."""
-        silent = []
+        missed = min(2 * wire.HEARTBEAT_INTERVAL_S, self.peer_timeout)
+        quiet = {}  # rank -> seconds since its last word, for those that missed beats
         for conn in self.connections:
             if conn.exited or conn.rank is None:
                 continue
             self._send(conn, wire.MSG_HEARTBEAT)
-            if now - conn.last_heard > self.peer_timeout:
-                silent.append(conn.rank)
-        if silent and self.result is None:
-            silent.sort()
+            if now - conn.last_heard > missed:
+                quiet[conn.rank] = now - conn.last_heard
+        # A host or link that goes down silences all its ranks at once, but their last
+        # beats were up to an interval apart: once one is past the timeout, its host's
+        # others that missed beats too go with it (one report names them all).
+        gone = [r for r, s in quiet.items() if s > self.peer_timeout]
+        if gone and self.result is None:
+            hosts = {self._host_of(r) for r in gone}
+            silent = sorted(r for r in quiet if r in gone or self._host_of(r) in hosts)
             reason = (f"no word from them for {self.peer_timeout:g} s "
                       f"({wire.ENV_PEER_TIMEOUT}): their host or its link is down")
             self._fail(1, f"lost ranks {_short_list(silent)}{self._hosts_of(silent, True)}: "
                           f"{reason}; ending the job", lost=silent, reason=reason)
+
+    def _host_of(self, rank):
+        """The host a rank said it runs on (None before its hello)."""
+        info = self.ranks.get(rank)
+        return None if info is None else info.host
 
     def _missing_ranks(self) -> str:
         """``missing ranks: 2, 3 on host h2`` for the ranks that have not said hello."""

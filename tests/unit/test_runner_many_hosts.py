@@ -109,3 +109,38 @@ def test_interface_address_of_loopback_and_a_missing_interface():
     assert launch.interface_address("lo") == "127.0.0.1"
     with pytest.raises(launch.UsageError, match="nosuchnic0"):
         launch.interface_address("nosuchnic0")
+
+
+def test_a_silent_host_is_reported_with_all_its_ranks_that_missed_beats():
+    # A cut link silences a host's ranks at once, but their last beats were up to an
+    # interval apart: when the first passes the peer timeout, its host's others that
+    # missed beats go in the same report; a rank of another host a beat late does not.
+    from hvdlite.runner import supervisor, wire
+
+    sup = object.__new__(supervisor.JobSupervisor)
+    sup.peer_timeout, sup.result = 6.0, None
+    now = 1000.0
+    last_heard = {0: now - 0.3, 1: now - 2.5, 2: now - 5.6, 3: now - 6.4}
+    sup.ranks = {r: supervisor.RankState(r, host="h1" if r < 2 else "h2") for r in last_heard}
+    sup.connections = []
+    for r, heard in last_heard.items():
+        conn = object.__new__(supervisor._Connection)
+        conn.rank, conn.exited, conn.last_heard = r, False, heard
+        sup.connections.append(conn)
+    sent, failed = [], []
+    sup._send = lambda conn, kind: sent.append((conn.rank, kind))
+    sup._fail = lambda code, message, lost=(), reason="": failed.append((message, list(lost)))
+    sup._keep_alive(now)
+    assert sorted(r for r, _ in sent) == [0, 1, 2, 3]
+    assert all(kind == wire.MSG_HEARTBEAT for _, kind in sent)
+    assert len(failed) == 1, failed
+    message, lost = failed[0]
+    assert lost == [2, 3], failed
+    assert message.startswith("lost ranks 2, 3 on host h2: no word from them for 6 s"), message
+
+    # Nothing is reported while no rank is past the timeout.
+    failed.clear()
+    for conn in sup.connections:
+        conn.last_heard = max(conn.last_heard, now - 5.9)
+    sup._keep_alive(now)
+    assert failed == []
