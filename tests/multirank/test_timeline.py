@@ -138,11 +138,13 @@ def summary_of(path, *extra):
 
 
 # The activities inside an ALLREDUCE span, by the path the allreduce took.
-ALLREDUCE_ACTIVITIES = {
-    # every rank on this machine: through shared memory, packing and scaling on the way
-    "shm": ["QUEUE", "SHM_ALLREDUCE"],
+ALLREDUCE_ACTIVITIES = {  # the phases an allreduce may show, by path
+    # every rank on this machine: through shared memory, packing and scaling on the way;
+    # or, a small cached tensor that was its rank's only request in its cycle (which
+    # depends on timing), carried by the coordination round (HVDLITE_CARRY_DATA)
+    "shm": [["QUEUE", "SHM_ALLREDUCE"], ["QUEUE", "CARRIED_ALLREDUCE"]],
     # HVDLITE_SHM_ALLREDUCE=0: MPI on the fusion buffer (or on the tensor itself)
-    "mpi": ["QUEUE", "MEMCPY_IN_FUSION_BUFFER", "MPI_ALLREDUCE", "MEMCPY_OUT_FUSION_BUFFER"],
+    "mpi": [["QUEUE", "MEMCPY_IN_FUSION_BUFFER", "MPI_ALLREDUCE", "MEMCPY_OUT_FUSION_BUFFER"]],
 }
 
 
@@ -194,7 +196,7 @@ def test_phases_in_order_nested_and_timed(training_trace):
             for m in negotiate["marks"]:
                 assert negotiate["start"] <= m["ts"] <= negotiate["end"]
             children = [c["name"] for c in op["children"]]
-            assert children == ALLREDUCE_ACTIVITIES[transport], children
+            assert children in ALLREDUCE_ACTIVITIES[transport], children
             t = op["start"]
             for c in op["children"]:
                 assert t <= c["start"] <= c["end"] <= op["end"], (name, c)
