@@ -196,8 +196,7 @@ class JobSupervisor:
         if not lost:
             self._kill_all()
             return
-        hosts = sorted({self.ranks[r].host for r in lost if r in self.ranks and
-                        self.ranks[r].host})
+        hosts = sorted({h for h in map(self._host_of, lost) if h})
         notice = json.dumps({"ranks": sorted(lost), "hosts": hosts, "reason": reason}).encode()
         for conn in self.connections:
             if not conn.exited and conn.rank is not None and conn.rank not in lost:
@@ -380,7 +379,7 @@ class JobSupervisor:
         """`` on host h2`` / `` on hosts h2, h3`` for ranks placed there (``started``:
         where they said they run), or ``""``."""
         if started:
-            hosts = sorted({self.ranks[r].host for r in ranks if r in self.ranks})
+            hosts = sorted({h for h in map(self._host_of, ranks) if h is not None})
         else:
             hosts = sorted({self.rank_hosts[r] for r in ranks if r < len(self.rank_hosts)})
         if not hosts:
