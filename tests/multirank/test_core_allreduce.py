@@ -384,13 +384,27 @@ def test_threads_waiting_on_one_op_all_get_its_result():
 # took it from the pending list. Every call must end, with rank 0's value alone or with
 # both ranks' sum. (Whether the removed entry leaves the pending list depends on that
 # timing, which this job does not force: tests/faults/test_protocol.py checks it on the
-# queue alone, deterministically.)
+# queue alone, deterministically.) Rank 0 submits a tensor only once rank 1 has (a file
+# beside the script counts rank 1's submissions): a request of rank 1 that came after
+# rank 0 ran its tensor, joined and shut down would find no job to end in (CI met that
+# when rank 1 slipped 3 ms on its last tensor).
 JOIN_RACE_SCRIPT = r"""
-import json, threading, time
+import json, os, threading, time
 import numpy as np
 import hvdlite as hvd
 hvd.init()
 rank, n = hvd.rank(), 40
+progress = os.path.join(os.path.dirname(os.path.abspath(__file__)), "submitted")
+
+
+def submitted():
+    try:
+        with open(progress) as f:
+            return int(f.read() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
 hvd.barrier()
 base = time.monotonic() + 0.3
 if rank == 1:
@@ -402,12 +416,17 @@ if rank == 1:
             time.sleep(0.0002)
         handles.append(hvd.allreduce_async(np.full(4, i, np.float32), name=f"late.{i}",
                                            op=hvd.Sum))
+        with open(progress + ".new", "w") as f:
+            f.write(str(i + 1))
+        os.replace(progress + ".new", progress)
     sums = [hvd.synchronize(h, timeout=30).tolist() for h in handles]
     joiner.join(60)
 else:
     sums = []
     for i in range(n):
-        while time.monotonic() < base + 0.05 * i + 0.003:
+        deadline = time.monotonic() + 30
+        while (time.monotonic() < base + 0.05 * i + 0.003 or submitted() <= i) \
+                and time.monotonic() < deadline:
             time.sleep(0.0002)
         sums.append(hvd.allreduce(np.full(4, i, np.float32), name=f"late.{i}",
                                   op=hvd.Sum).tolist())
