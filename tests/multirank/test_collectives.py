@@ -414,14 +414,17 @@ for i in range(3):
               np.concatenate([data(r, group_shapes(r)[i], "float32", 6 + i)
                               for r in range(size)]))
 
-# Broadcast: an allgather of the root's rows alone, through shared memory. Sizes around a
-# round (AREA), from every root, into a new array and in place, and a small one.
+# Broadcast: an allgather of the root's rows alone, through shared memory (the root's
+# own result filled round by round beside the others' copies). Sizes around a round
+# (AREA), from every root, into a new array and in place, and a small one.
 for root in range(size):
     for nbytes in (4096, AREA - 1, AREA, AREA + 3, 2 * AREA + AREA // 2):
         name = f"big.bc.{root}.{nbytes}"
-        got = counted(name, lambda: hvd.broadcast(data(rank, (nbytes,), "uint8", 7), root,
-                                                  name=name))
+        mine = data(rank, (nbytes,), "uint8", 7)
+        got = counted(name, lambda: hvd.broadcast(mine, root, name=name))
         check_big(name, got, data(root, (nbytes,), "uint8", 7))
+        # The root fills its result from its input as the rounds go: the input stays.
+        check_big(f"{name} input", mine, data(rank, (nbytes,), "uint8", 7))
     x = data(rank, (3, 100_001), "float64", 8)
     counted(f"in-place broadcast {root}", lambda: hvd.broadcast(x, root, name="big.bc.inplace",
                                                                 out=x))

@@ -671,10 +671,10 @@ Status MpiBackend::BroadcastBlob(std::vector<uint8_t>* blob) {
   if (alone_) return Status::OK();
   if (ShmGathers()) {
     int64_t len = static_cast<int64_t>(blob->size());
-    Status s = host_->shm().Broadcast(&len, sizeof(len), 0);
+    Status s = host_->shm().Broadcast(&len, &len, sizeof(len), 0);
     if (!s.ok()) return s;
     blob->resize(len);
-    return len == 0 ? Status::OK() : host_->shm().Broadcast(blob->data(), len, 0);
+    return len == 0 ? Status::OK() : host_->shm().Broadcast(blob->data(), blob->data(), len, 0);
   }
   InMpiCall in_mpi("MPI_Ibcast (responses)");
   broadcast_len_ = static_cast<int64_t>(blob->size());
@@ -824,10 +824,16 @@ Status MpiBackend::ShmAllgatherv(const void* in, const std::vector<ShmCollective
   return host_->shm().Allgather(in, outs, 0, Bounds(bytes_per_rank), HVDLITE_UINT8, 1.0, 1);
 }
 
-Status MpiBackend::Bcast(void* buf, int64_t nbytes, int root) {
-  if (hierarchical_broadcast_) return hierarchical_broadcast_->Bcast(buf, nbytes, root);
-  if (ShmGathers()) return host_->shm().Broadcast(buf, nbytes, root);
-  char* p = static_cast<char*>(buf);
+Status MpiBackend::Bcast(const void* in, void* buf, int64_t nbytes, int root) {
+  const bool copy = rank_ == root && in != buf && nbytes > 0;  // the root's own result
+  if (hierarchical_broadcast_) {
+    if (copy) std::memcpy(buf, in, nbytes);
+    return hierarchical_broadcast_->Bcast(buf, nbytes, root);
+  }
+  if (ShmGathers()) return host_->shm().Broadcast(in, buf, nbytes, root);
+  // MPI only reads a root's buffer: the root sends from its input and fills its output
+  // after, so that the others do not wait for that copy.
+  char* p = static_cast<char*>(rank_ == root ? const_cast<void*>(in) : buf);
   for (int64_t done = 0; done < nbytes;) {
     int64_t n = std::min(kMaxChunk, nbytes - done);
     Status s = Collective("MPI_Bcast", n, [&](void* r) {
@@ -837,6 +843,7 @@ Status MpiBackend::Bcast(void* buf, int64_t nbytes, int root) {
     if (!s.ok()) return s;
     done += n;
   }
+  if (copy) std::memcpy(buf, in, nbytes);
   return Status::OK();
 }
 

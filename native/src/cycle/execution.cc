@@ -430,17 +430,17 @@ Status ProcessSetState::ExecuteAllgather(const Response& r, TensorEntry* e, OpOu
 Status ProcessSetState::ExecuteBroadcast(const Response& r, TensorEntry* e, OpTally* tally) {
   int64_t nbytes = NumElements(r.shape) * ElementSize(r.dtype);
   void* target = e ? e->output : fusion_.Get(nbytes);  // a joined rank receives and drops
-  if (rank_ == r.root_rank && e && e->output != e->input && nbytes > 0) {
-    std::memcpy(e->output, e->input, nbytes);
-  }
   if (e && r.name == carried_) {  // the root's data came with the round
-    if (rank_ != r.root_rank) std::memcpy(target, carried_parts_[0], nbytes);
+    const void* from = rank_ == r.root_rank ? e->input : carried_parts_[0];
+    if (from != target) std::memcpy(target, from, nbytes);
     tally->moved = nbytes;
     tally->activity = "CARRIED_BROADCAST";
     CountCarried();
     return Status::OK();
   }
-  Status s = mpi_->Bcast(target, nbytes, r.root_rank);
+  // The root's output is filled by the broadcast itself (beside the others' copies on
+  // one host), not before it.
+  Status s = mpi_->Bcast(e ? e->input : target, target, nbytes, r.root_rank);
   tally->moved = nbytes;
   if (mpi_->hierarchical_broadcast()) counters_.hierarchical_collectives++;
   if (mpi_->ShmGathers()) {

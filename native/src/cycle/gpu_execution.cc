@@ -88,7 +88,7 @@ Status ProcessSetState::DecideGpuPath(int device) {
     gpu_path_ = GpuPath::kStaged;
     how = "staged through host memory (HVDLITE_GPU_OPERATIONS=MPI)";
   } else if (shared.empty()) {
-    s = nccl_.Init(nccl, &gpu_, rank_, size_, [this](void* id, int64_t bytes) { return mpi_->Bcast(id, bytes, 0); });
+    s = nccl_.Init(nccl, &gpu_, rank_, size_, [this](void* id, int64_t bytes) { return mpi_->Bcast(id, id, bytes, 0); });
     if (!s.ok()) {
       gpu_path_ = GpuPath::kFailed;
       gpu_path_error_ = where + " cannot run: " + s.message();

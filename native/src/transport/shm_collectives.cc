@@ -510,11 +510,13 @@ Status ShmCollectives::Allgather(const void* shard, const std::vector<Piece>& pi
   return Rounds(walk.rounds, publish, copy_out);
 }
 
-Status ShmCollectives::Broadcast(void* buf, int64_t nbytes, int root) {
+Status ShmCollectives::Broadcast(const void* in, void* out, int64_t nbytes, int root) {
   std::vector<int64_t> bounds(size_ + 1, 0);
   for (int k = root + 1; k <= size_; ++k) bounds[k] = nbytes;
-  // The root's rows are already in its buf: no output there.
-  return Allgather(buf, {{nullptr, rank_ == root ? nullptr : buf, nbytes}}, 0, bounds, HVDLITE_UINT8, 1.0, 1);
+  // The root's shard is its input; its output (none where in place) is filled from it
+  // as each round is drained, while the others copy the same round out of its area.
+  void* to = rank_ == root && in == out ? nullptr : out;
+  return Allgather(in, {{nullptr, to, nbytes}}, 0, bounds, HVDLITE_UINT8, 1.0, 1);
 }
 
 Status ShmCollectives::Alltoall(const void* in, const std::vector<int64_t>& bytes, void* out) {
@@ -536,9 +538,16 @@ Status ShmCollectives::Alltoall(const void* in, const std::vector<int64_t>& byte
   poll_ = may_poll_ && most <= kPollMaxBytes;
   const int64_t step = kAreaBytes;
   const auto* mine = static_cast<const uint8_t*>(in);
+  // Round r of this rank's row into its area, less its own block (take reads that
+  // from in).
+  const int64_t own_lo = from[rank_], own_hi = from[rank_] + len[rank_];
   auto publish = [&](int64_t r, int set) {
-    const int64_t lo = r * step, n = std::min(total[rank_], lo + step) - lo;
-    if (n > 0) std::memcpy(Area(rank_, set), mine + lo, n);
+    const int64_t lo = r * step, hi = std::min(total[rank_], lo + step);
+    const auto copy = [&](int64_t a, int64_t b) {
+      if (a < b) std::memcpy(Area(rank_, set) + (a - lo), mine + a, b - a);
+    };
+    copy(lo, std::min(hi, own_lo));
+    copy(std::max(lo, own_hi), hi);
   };
   auto take = [&](int64_t r, int set) {
     const int64_t lo = r * step, hi = lo + step;

@@ -144,9 +144,10 @@ class ShmCollectives {
   // The block of the pieces' outs = every rank's shard * postscale / divisor.
   Status Allgather(const void* shard, const std::vector<Piece>& pieces, int64_t first,
                    const std::vector<int64_t>& bounds, int32_t dtype, double postscale, int64_t divisor);
-  // buf (nbytes) of rank root into every other rank's buf: an Allgather in which only
-  // root's shard has bytes.
-  Status Broadcast(void* buf, int64_t nbytes, int root);
+  // Rank root's in (nbytes) into every rank's out: an Allgather in which only root's
+  // shard has bytes. Where the root's out is not its in, the root fills it round by
+  // round beside the others' copies (in == out: in place; the other ranks' in is unused).
+  Status Broadcast(const void* in, void* out, int64_t nbytes, int root);
   // Every rank's bytes for every other: bytes[j * size + k] is what rank j sends rank k
   // (the same matrix on every rank); in holds this rank's row, blocks in rank order, and
   // out receives one block from each rank, in rank order. Each round, every rank
