@@ -825,15 +825,12 @@ Status MpiBackend::ShmAllgatherv(const void* in, const std::vector<ShmCollective
 }
 
 Status MpiBackend::Bcast(const void* in, void* buf, int64_t nbytes, int root) {
-  const bool copy = rank_ == root && in != buf && nbytes > 0;  // the root's own result
-  if (hierarchical_broadcast_) {
-    if (copy) std::memcpy(buf, in, nbytes);
-    return hierarchical_broadcast_->Bcast(buf, nbytes, root);
-  }
-  if (ShmGathers()) return host_->shm().Broadcast(in, buf, nbytes, root);
-  // MPI only reads a root's buffer: the root sends from its input and fills its output
-  // after, so that the others do not wait for that copy.
-  char* p = static_cast<char*>(rank_ == root ? const_cast<void*>(in) : buf);
+  // On one host the root's result is filled round by round beside the others' copies;
+  // elsewhere the root's input is copied into it first, and the broadcast is in place.
+  if (!hierarchical_broadcast_ && ShmGathers()) return host_->shm().Broadcast(in, buf, nbytes, root);
+  if (rank_ == root && in != buf && nbytes > 0) std::memcpy(buf, in, nbytes);
+  if (hierarchical_broadcast_) return hierarchical_broadcast_->Bcast(buf, nbytes, root);
+  char* p = static_cast<char*>(buf);
   for (int64_t done = 0; done < nbytes;) {
     int64_t n = std::min(kMaxChunk, nbytes - done);
     Status s = Collective("MPI_Bcast", n, [&](void* r) {
@@ -843,7 +840,6 @@ Status MpiBackend::Bcast(const void* in, void* buf, int64_t nbytes, int root) {
     if (!s.ok()) return s;
     done += n;
   }
-  if (copy) std::memcpy(buf, in, nbytes);
   return Status::OK();
 }
 

@@ -142,8 +142,8 @@ class MpiBackend {
   // bytes in rank order) written into the outs pieces, in order: no unpacking after.
   Status ShmAllgatherv(const void* in, const std::vector<ShmCollectives::Piece>& outs,
                        const std::vector<int64_t>& bytes_per_rank);
-  // Root's in into every rank's buf (the root's too, where in is not buf; the others'
-  // in is unused).
+  // Root's in into every rank's buf (the root's too, where in is not buf: on one host
+  // filled beside the others' copies, elsewhere copied first; the others' in is unused).
   Status Bcast(const void* in, void* buf, int64_t nbytes, int root);
   // matrix: every rank's send_bytes, row by row (what rank j sends rank k at j * size +
   // k): with it, and where ShmGathers(), the alltoall goes through shared memory.

@@ -513,10 +513,10 @@ Status ShmCollectives::Allgather(const void* shard, const std::vector<Piece>& pi
 Status ShmCollectives::Broadcast(const void* in, void* out, int64_t nbytes, int root) {
   std::vector<int64_t> bounds(size_ + 1, 0);
   for (int k = root + 1; k <= size_; ++k) bounds[k] = nbytes;
-  // The root's shard is its input; its output (none where in place) is filled from it
-  // as each round is drained, while the others copy the same round out of its area.
-  void* to = rank_ == root && in == out ? nullptr : out;
-  return Allgather(in, {{nullptr, to, nbytes}}, 0, bounds, HVDLITE_UINT8, 1.0, 1);
+  // The root's shard is its input; its output is filled from it (no copy where in
+  // place) as each round is drained, while the others copy the same round out of its
+  // area.
+  return Allgather(in, {{nullptr, out, nbytes}}, 0, bounds, HVDLITE_UINT8, 1.0, 1);
 }
 
 Status ShmCollectives::Alltoall(const void* in, const std::vector<int64_t>& bytes, void* out) {

@@ -151,7 +151,8 @@ class ShmCollectives {
   // Every rank's bytes for every other: bytes[j * size + k] is what rank j sends rank k
   // (the same matrix on every rank); in holds this rank's row, blocks in rank order, and
   // out receives one block from each rank, in rank order. Each round, every rank
-  // publishes the next kAreaBytes of its in; each takes its blocks' parts from there.
+  // publishes the next kAreaBytes of its in (less its own block, which it reads from
+  // in); each takes its blocks' parts from there.
   Status Alltoall(const void* in, const std::vector<int64_t>& bytes, void* out);
   // Called between the rounds of ReduceScatter and Allgather, and every kIdleWakeUs
   // while a wait sleeps (instead of every 100 ms), while set: the hierarchical
