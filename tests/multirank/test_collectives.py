@@ -431,8 +431,9 @@ for root in range(size):
     check_big(f"in-place broadcast {root}", x, data(root, (3, 100_001), "float64", 8))
 
 # Alltoall: each rank's send buffer published a round (AREA) at a time, less its own
-# block, every rank taking its blocks from there (its own from its input). Uneven splits, zeros among them, blocks across round
-# boundaries; and two small ones (one round each).
+# block, every rank taking its blocks from there (its own from its input). Uneven
+# splits, zeros among them, blocks across round boundaries; and two small ones (one
+# round each).
 def a2a_splits(j, rows):  # rows rank j sends each rank
     return [0 if (j + k) % 3 == 2 else rows + 13 * j + 7 * k for k in range(size)]
 for rows in (AREA // 8 + 5, 3, 0):

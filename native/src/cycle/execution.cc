@@ -438,8 +438,8 @@ Status ProcessSetState::ExecuteBroadcast(const Response& r, TensorEntry* e, OpTa
     CountCarried();
     return Status::OK();
   }
-  // The root's output is filled by the broadcast itself (beside the others' copies on
-  // one host), not before it.
+  // MpiBackend::Bcast fills the root's output from its input (on one host beside the
+  // others' copies).
   Status s = mpi_->Bcast(e ? e->input : target, target, nbytes, r.root_rank);
   tally->moved = nbytes;
   if (mpi_->hierarchical_broadcast()) counters_.hierarchical_collectives++;
