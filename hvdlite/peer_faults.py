@@ -31,15 +31,36 @@ from hvdlite import errors
 ENV_FAULT_FD = "HVDLITE_FAULT_FD"
 # The exit status of a process that ends after lost peers.
 EXIT_LOST_PEERS = 1
+# How long await_notice waits by default: a peer on this host that the core saw end is
+# reported by its wrapper within milliseconds, unless that wrapper is starved of CPU.
+NOTICE_WAIT_S = 10.0
 
 _failure: Optional[errors.RankFailedError] = None
 _started = False
 _lock = threading.Lock()
+_noticed = threading.Event()  # set with _failure
 _on_lost = []  # called once each, at the first notice (when_lost)
 
 
 def failure() -> Optional[errors.RankFailedError]:
     """The error every wait raises once the launcher reported lost peers, else None."""
+    return _failure
+
+
+def await_notice(timeout: float = NOTICE_WAIT_S) -> Optional[errors.RankFailedError]:
+    """Waits up to ``timeout`` seconds for the launcher's lost-peer notice.
+
+    The core can see a peer's process end (a shared-memory wait checks its peers' pids)
+    before the launcher has that peer's exit status: a rank that then ended at once would
+    make mpiexec end the peer's wrapper before it reported, and the launcher would never
+    learn which rank died. Waiting for the notice keeps that order; the launcher ends
+    this rank itself if the notice never comes (another rank's end ended the job first).
+
+    Returns:
+        :func:`failure` (at once None outside hvdliterun: no notice will come).
+    """
+    if _started:
+        _noticed.wait(timeout)
     return _failure
 
 
@@ -66,6 +87,7 @@ def record(notice: dict) -> None:
         if _failure is not None:
             return
         _failure = errors.RankFailedError(describe(notice))
+        _noticed.set()
         told = list(_on_lost)
     for callback in told:
         _tell(callback)

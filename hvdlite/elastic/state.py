@@ -18,10 +18,11 @@ import sys
 
 import numpy as np
 
-from hvdlite import core, objects, ops
+from hvdlite import core, objects, ops, peer_faults
 from hvdlite.elastic import protocol
 from hvdlite.elastic.store import CommitStore
-from hvdlite.errors import HorovodInternalError, HostsUpdatedInterrupt, MismatchError
+from hvdlite.errors import (HorovodInternalError, HostsUpdatedInterrupt, MismatchError,
+                            RankFailedError)
 
 # A serialized state: the commit id, then the subclass's bytes (a commit file too).
 COMMIT_HEADER = struct.Struct("<q")
@@ -243,6 +244,10 @@ def run(func):
             if state._store is None:
                 state.restore()
                 raise
+            if isinstance(exc, RankFailedError):
+                # Leaving before the launcher knows which peer died would let the driver
+                # count the dead one a survivor and start the next world on its slot.
+                peer_faults.await_notice()
             _leave_for_reset(f"a collective failed: {exc}")
         except HostsUpdatedInterrupt as exc:
             if state._store is None:

@@ -63,6 +63,18 @@ def test_a_rank_killed_mid_step_costs_one_rollback_3_to_2(tmp_path, where):
         _assert_process_sets_made_for_each_world(log_dir)
 
 
+def test_a_death_the_launcher_hears_of_late_still_costs_its_slot_3_to_2(tmp_path):
+    # The survivors' shared-memory waits see the victim's process end while its wrapper
+    # (stopped for 3 s, as one starved of CPU) has not reported it yet. Had they left for
+    # the reset at once, mpiexec would have ended the wrapper before it reported, and the
+    # next world would have had 3 ranks "after hosts were added".
+    result, log_dir = _train(tmp_path, 3, ["--min-np", "2", "--max-np", "3"],
+                             kills=["0:2:5:allreduce"], extra=["--wrapper-stall", "3"])
+    _assert_finished(result, log_dir, [3, 2])
+    assert "world 1: 2 rank(s) on localhost:2 after rank 2 on localhost was killed by " \
+           "signal 9" in result.stderr, describe(result)
+
+
 def _assert_process_sets_made_for_each_world(log_dir):
     """Elastic with process sets: the script's set of the world's even ranks is made again
     in the new world ([0, 2] at 3 ranks, [0] at 2), and its sums are right in both."""

@@ -205,7 +205,9 @@ def train_loop_per_worker(config):
         if hvd.rank() == 1:  # the first attempt's rank 1 dies; Ray Train restarts the group
             open(marker, "w").close()
             os._exit(1)
-        hvd.allreduce(np.ones(2), name="waits_for_the_lost_rank")  # raises RankFailedError
+        import torch
+
+        hvd.allreduce(torch.ones(2), name="waits_for_the_lost_rank")  # raises RankFailedError
     weights = train_distributed(report=None if config.get("quiet") else report)
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None

@@ -77,3 +77,51 @@ def rank_processes():
             if e.isdigit() and marker in command_line(int(e)) and alive(int(e))]
 
 
+
+
+def train_logs_tail(lines=40):
+    """The last ``lines`` of each of Ray Train's logs (controller and workers) of this
+    Ray session, newest file last: what a hung ``fit`` was doing."""
+    import glob
+
+    import ray
+
+    try:
+        logs = ray._private.worker.global_worker.node.get_logs_dir_path()
+    except AttributeError:
+        logs = "/tmp/ray/session_latest/logs"
+    parts = []
+    for path in sorted(glob.glob(os.path.join(logs, "train", "*.log")), key=os.path.getmtime):
+        try:
+            with open(path, errors="replace") as f:
+                tail = f.readlines()[-lines:]
+        except OSError:
+            continue
+        parts.append(f"== {os.path.basename(path)}\n" + "".join(tail))
+    return "\n".join(parts) or f"(no Ray Train log under {logs}/train)"
+
+
+def fit_within(trainer, within_s):
+    """``trainer.fit()``, failing the test with Ray Train's logs if it has not returned
+    within ``within_s`` seconds (a hang named, rather than the test's timeout)."""
+    import threading
+
+    import pytest
+
+    outcome = {}
+
+    def fit():
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as exc:  # re-raised in the test's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+    thread.start()
+    thread.join(within_s)
+    if thread.is_alive():
+        pytest.fail(f"Ray Train's fit has not returned within {within_s:g} s; its logs end:\n"
+                    + train_logs_tail())
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]

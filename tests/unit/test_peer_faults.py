@@ -1,6 +1,9 @@
 """The lost-peer notice reaches the core: ``peer_faults.when_lost`` callbacks (the core's
 ``hvdlite_note_lost_peers``, which ends a blocking call's own cycle waiting inside MPI
 for a peer that is gone; tests/cluster/test_cluster_faults.py shows that end to end)."""
+import threading
+import time
+
 import pytest
 
 from hvdlite import errors, peer_faults
@@ -11,6 +14,7 @@ def fresh(monkeypatch):
     """A process that has heard no notice yet."""
     monkeypatch.setattr(peer_faults, "_failure", None)
     monkeypatch.setattr(peer_faults, "_on_lost", [])
+    monkeypatch.setattr(peer_faults, "_noticed", threading.Event())
 
 
 def test_callbacks_hear_the_first_notice_once(fresh):
@@ -31,3 +35,18 @@ def test_a_callback_registered_after_the_notice_is_called_at_once(fresh):
     heard = []
     peer_faults.when_lost(lambda: heard.append(True))
     assert heard == [True]
+
+
+def test_await_notice_returns_once_the_notice_comes(fresh, monkeypatch):
+    # Outside hvdliterun (no fault pipe read) nothing will come: no wait at all.
+    start = time.monotonic()
+    assert peer_faults.await_notice(5.0) is None
+    assert time.monotonic() - start < 1.0
+    monkeypatch.setattr(peer_faults, "_started", True)
+    assert peer_faults.await_notice(0.2) is None  # a notice that never comes: the bound
+    later = threading.Timer(0.3, peer_faults.record, [{"ranks": [2], "reason": "was killed"}])
+    later.start()
+    start = time.monotonic()
+    failure = peer_faults.await_notice(30.0)
+    assert time.monotonic() - start < 10.0
+    assert isinstance(failure, errors.RankFailedError) and "rank 2" in str(failure)

@@ -19,6 +19,7 @@ import io
 import json
 import os
 import signal
+import subprocess
 import time
 
 from hvdlite import objects as objects_module
@@ -35,13 +36,18 @@ class Probe:
         kills: the kill orders (``WORLD:RANK:STEP:WHERE`` strings).
         rank: this rank in the current world.
         death_note: a file a victim creates before it dies (or None).
+        wrapper_stall: seconds a victim stops its rank wrapper for (SIGSTOP, then SIGCONT
+            from a process of its own) before it dies: the wrapper reports the death
+            late, as one starved of CPU does, after the survivors' shared-memory waits
+            saw the victim's process end (or None).
     """
 
-    def __init__(self, log_dir, kills, rank, death_note=None):
+    def __init__(self, log_dir, kills, rank, death_note=None, wrapper_stall=None):
         self.gen = protocol.generation()
         self.rank = rank
         self.kills = [k.split(":") for k in kills]
         self.death_note = death_note
+        self.wrapper_stall = wrapper_stall
         self.step_now = -1  # the step the script is in (for deaths inside a commit)
         self.log_file = open(os.path.join(log_dir, f"g{self.gen}-r{rank}.jsonl"), "a",
                              buffering=1)
@@ -61,6 +67,11 @@ class Probe:
         self.log("kill", where=where, step=step, time=time.time())
         if self.death_note:
             open(self.death_note, "w").close()
+        if self.wrapper_stall:
+            wrapper = os.getppid()
+            subprocess.Popen(["sh", "-c", f"sleep {self.wrapper_stall}; kill -CONT {wrapper}"],
+                             start_new_session=True)
+            os.kill(wrapper, signal.SIGSTOP)
         if where == "host":  # the rank's wrapper too, as when its host goes down
             os.kill(os.getppid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -33,6 +33,8 @@ parser.add_argument("--grow-file", help="write this file (the discovery script's
 parser.add_argument("--grow-at", type=int, default=-1, help="... at this step on rank 0")
 parser.add_argument("--grow-hosts", default="localhost:3")
 parser.add_argument("--death-note", help="a victim creates this file before it dies")
+parser.add_argument("--wrapper-stall", type=float,
+                    help="a victim stops its rank wrapper for this many seconds first")
 parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step")
 parser.add_argument("--process-set", choices=["evens", "fixed"])
 parser.add_argument("--shard", type=int, default=0)
@@ -43,7 +45,7 @@ args = parser.parse_args()
 hvd.init()
 torch.set_num_threads(1)
 RANK = hvd.rank()
-probe = Probe(args.log_dir, args.kill, RANK, args.death_note)
+probe = Probe(args.log_dir, args.kill, RANK, args.death_note, args.wrapper_stall)
 GEN = probe.gen
 pset = None
 if args.process_set:  # made anew in every world, as every line of the script
