@@ -53,8 +53,9 @@ def await_notice(timeout: float = NOTICE_WAIT_S) -> Optional[errors.RankFailedEr
     The core can see a peer's process end (a shared-memory wait checks its peers' pids)
     before the launcher has that peer's exit status: a rank that then ended at once would
     make mpiexec end the peer's wrapper before it reported, and the launcher would never
-    learn which rank died. Waiting for the notice keeps that order; the launcher ends
-    this rank itself if the notice never comes (another rank's end ended the job first).
+    learn which rank died. Waiting for the notice keeps that order. No notice comes when
+    another rank's end ended the job first (the launcher then ends this rank) or when the
+    peer exited with status 0 (then the wait runs to ``timeout``).
 
     Returns:
         :func:`failure` (at once None outside hvdliterun: no notice will come).

@@ -22,7 +22,7 @@ from hvdlite import core, objects, ops, peer_faults
 from hvdlite.elastic import protocol
 from hvdlite.elastic.store import CommitStore
 from hvdlite.errors import (HorovodInternalError, HostsUpdatedInterrupt, MismatchError,
-                            RankFailedError)
+                            RankFailedError, TransportError)
 
 # A serialized state: the commit id, then the subclass's bytes (a commit file too).
 COMMIT_HEADER = struct.Struct("<q")
@@ -244,7 +244,7 @@ def run(func):
             if state._store is None:
                 state.restore()
                 raise
-            if isinstance(exc, RankFailedError):
+            if isinstance(exc, (RankFailedError, TransportError)):  # a peer may be lost
                 # Leaving before the launcher knows which peer died would let the driver
                 # count the dead one a survivor and start the next world on its slot.
                 peer_faults.await_notice()

@@ -71,6 +71,8 @@ def test_a_death_the_launcher_hears_of_late_still_costs_its_slot_3_to_2(tmp_path
     result, log_dir = _train(tmp_path, 3, ["--min-np", "2", "--max-np", "3"],
                              kills=["0:2:5:allreduce"], extra=["--wrapper-stall", "3"])
     _assert_finished(result, log_dir, [3, 2])
+    # The race itself: the survivors saw the death before the launcher told them.
+    assert "ended during a shared-memory collective" in result.stderr, describe(result)
     assert "world 1: 2 rank(s) on localhost:2 after rank 2 on localhost was killed by " \
            "signal 9" in result.stderr, describe(result)
 

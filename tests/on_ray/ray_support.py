@@ -77,8 +77,6 @@ def rank_processes():
             if e.isdigit() and marker in command_line(int(e)) and alive(int(e))]
 
 
-
-
 def train_logs_tail(lines=40):
     """The last ``lines`` of each of Ray Train's logs (controller and workers) of this
     Ray session, newest file last: what a hung ``fit`` was doing."""

@@ -15,6 +15,7 @@ def fresh(monkeypatch):
     monkeypatch.setattr(peer_faults, "_failure", None)
     monkeypatch.setattr(peer_faults, "_on_lost", [])
     monkeypatch.setattr(peer_faults, "_noticed", threading.Event())
+    monkeypatch.setattr(peer_faults, "_started", False)
 
 
 def test_callbacks_hear_the_first_notice_once(fresh):
@@ -46,7 +47,11 @@ def test_await_notice_returns_once_the_notice_comes(fresh, monkeypatch):
     assert peer_faults.await_notice(0.2) is None  # a notice that never comes: the bound
     later = threading.Timer(0.3, peer_faults.record, [{"ranks": [2], "reason": "was killed"}])
     later.start()
-    start = time.monotonic()
-    failure = peer_faults.await_notice(30.0)
-    assert time.monotonic() - start < 10.0
+    try:
+        start = time.monotonic()
+        failure = peer_faults.await_notice(30.0)
+        assert time.monotonic() - start < 10.0
+    finally:
+        later.cancel()
+        later.join()
     assert isinstance(failure, errors.RankFailedError) and "rank 2" in str(failure)

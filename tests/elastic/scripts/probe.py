@@ -70,7 +70,8 @@ class Probe:
         if self.wrapper_stall:
             wrapper = os.getppid()
             subprocess.Popen(["sh", "-c", f"sleep {self.wrapper_stall}; kill -CONT {wrapper}"],
-                             start_new_session=True)
+                             start_new_session=True, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             os.kill(wrapper, signal.SIGSTOP)
         if where == "host":  # the rank's wrapper too, as when its host goes down
             os.kill(os.getppid(), signal.SIGKILL)
