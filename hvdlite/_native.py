@@ -32,7 +32,7 @@ import os
 import re
 import sys
 
-from hvdlite import build_record, errors
+from hvdlite import build_record, errors, peer_faults
 
 _log = logging.getLogger("hvdlite")
 
@@ -282,7 +282,10 @@ def error_for(status, message=None):
     if message is None:
         message = last_error()
     name = status_name(status)
-    return errors.class_for(name)(status, name, message)
+    cls = errors.class_for(name)
+    if issubclass(cls, errors.RankFailedError):
+        peer_faults.note_core_saw_loss()
+    return cls(status, name, message)
 
 
 def error_class(status):

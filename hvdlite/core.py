@@ -84,11 +84,15 @@ def shutdown():
 
     Idempotent: calling it when not initialized does nothing. After the launcher
     reported lost peers it does nothing either: the core's thread may be blocked on a
-    peer that will never answer, and the launcher ends the job.
+    peer that will never answer, and the launcher ends the job. When the core saw a peer
+    end before the launcher's notice came, it first waits for the notice (10 s at most):
+    a rank that ended first would be the failure the launcher reports, not the dead peer.
 
     Raises:
         HvdliteError: the core reported an error while stopping.
     """
+    if peer_faults.core_saw_loss():
+        peer_faults.await_notice()
     if peer_faults.failure() is not None:
         _log.warning("hvdlite: not shutting down the core after lost peers (%s)",
                      peer_faults.failure())

@@ -39,6 +39,7 @@ _failure: Optional[errors.RankFailedError] = None
 _started = False
 _lock = threading.Lock()
 _noticed = threading.Event()  # set with _failure
+_core_saw_loss = False  # the core failed an op on a peer it saw end (see note_core_saw_loss)
 _on_lost = []  # called once each, at the first notice (when_lost)
 
 
@@ -63,6 +64,20 @@ def await_notice(timeout: float = NOTICE_WAIT_S) -> Optional[errors.RankFailedEr
     if _started:
         _noticed.wait(timeout)
     return _failure
+
+
+def note_core_saw_loss() -> None:
+    """Records that the core failed an op because a peer ended (``RANK_FAILED``), which
+    it may see before the launcher's notice: see :func:`core_saw_loss`."""
+    global _core_saw_loss
+    _core_saw_loss = True
+
+
+def core_saw_loss() -> bool:
+    """Whether the core failed an op because a peer ended: the process should then
+    :func:`await_notice` before it ends, so that the launcher names the dead peer, not
+    this rank, as the job's failure."""
+    return _core_saw_loss
 
 
 def describe(notice: dict) -> str:

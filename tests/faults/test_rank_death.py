@@ -71,3 +71,36 @@ def test_killed_rank_ends_the_job_quickly_and_cleanly():
         assert segments, f"{mpi}'s ranks mapped no shared-memory segment in /dev/shm"
     left = [s for s in segments if os.path.exists(s)]
     assert not left, f"MPI shared memory left in /dev/shm: {left}\n" + describe(result)
+
+
+STALLED_WRAPPER_SCRIPT = r'''
+import os, signal, subprocess, sys
+import numpy as np
+import hvdlite as hvd
+
+hvd.init()
+for step in range(1_000_000):
+    if step == 20 and hvd.rank() == int(sys.argv[1]):
+        # This rank's wrapper stops for 3 s (as one starved of CPU), then it dies: its
+        # peers' shared-memory wait sees the process end before the launcher hears of it.
+        wrapper = os.getppid()
+        subprocess.Popen(["sh", "-c", f"sleep 3; kill -CONT {wrapper}"],
+                         start_new_session=True, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.kill(wrapper, signal.SIGSTOP)
+        os.kill(os.getpid(), signal.SIGKILL)
+    hvd.allreduce(np.ones(1024, np.float32), name=f"step{step}")
+'''
+
+
+def test_a_death_the_launcher_hears_of_late_is_still_the_failure_it_names():
+    # The survivors' uncaught RankFailedError ends them; had they ended before the dead
+    # rank's wrapper reported, the launcher would have named a survivor's exit status 1
+    # ("rank 0 exited with code 1") as the job's failure and never the dead rank.
+    result = run_job(NP, STALLED_WRAPPER_SCRIPT, timeout=120, args=(VICTIM,))
+    launcher = "\n".join(result.untagged)
+    assert "ended during a shared-memory collective" in result.stderr, describe(result)
+    assert f"rank {VICTIM} (pid" in launcher and "killed by signal 9" in launcher, \
+        describe(result)
+    assert "exited with code 1" not in launcher, describe(result)
+    assert result.returncode == 128 + 9, describe(result)

@@ -55,3 +55,15 @@ def test_await_notice_returns_once_the_notice_comes(fresh, monkeypatch):
         later.cancel()
         later.join()
     assert isinstance(failure, errors.RankFailedError) and "rank 2" in str(failure)
+
+
+def test_an_op_failed_on_a_peer_the_core_saw_end_is_recorded(fresh, monkeypatch, native):
+    # core.shutdown() then awaits the launcher's notice (test_rank_death.py shows why).
+    from hvdlite import _native
+
+    monkeypatch.setattr(peer_faults, "_core_saw_loss", False)
+    codes = {_native.status_name(code): code for code in range(1, 64)}
+    _native.error_for(codes["HVDLITE_ERR_MISMATCH"], "shapes differ")
+    assert not peer_faults.core_saw_loss()
+    error = _native.error_for(codes["HVDLITE_ERR_RANK_FAILED"], "rank 2 ended")
+    assert isinstance(error, errors.RankFailedError) and peer_faults.core_saw_loss()
