@@ -165,3 +165,14 @@ def pid_alive(pid: int) -> bool:
         return state not in ("Z", "X")
     except (OSError, IndexError):
         return True
+
+
+def stall_wrapper(seconds: float) -> None:
+    """For a rank's fault tests: stops this process's parent (its rank wrapper) for
+    ``seconds`` (SIGSTOP now, SIGCONT from a detached process), as a wrapper starved of
+    CPU: a death right after it reaches the launcher that much later."""
+    wrapper = os.getppid()
+    subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {wrapper}"],
+                     start_new_session=True, stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.kill(wrapper, signal.SIGSTOP)

@@ -74,20 +74,17 @@ def test_killed_rank_ends_the_job_quickly_and_cleanly():
 
 
 STALLED_WRAPPER_SCRIPT = r'''
-import os, signal, subprocess, sys
+import os, signal, sys
 import numpy as np
 import hvdlite as hvd
+from hvdlite.runner.testing import stall_wrapper
 
 hvd.init()
 for step in range(1_000_000):
     if step == 20 and hvd.rank() == int(sys.argv[1]):
-        # This rank's wrapper stops for 3 s (as one starved of CPU), then it dies: its
-        # peers' shared-memory wait sees the process end before the launcher hears of it.
-        wrapper = os.getppid()
-        subprocess.Popen(["sh", "-c", f"sleep 3; kill -CONT {wrapper}"],
-                         start_new_session=True, stdin=subprocess.DEVNULL,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        os.kill(wrapper, signal.SIGSTOP)
+        # This rank's wrapper stops for 3 s, then it dies: its peers' shared-memory wait
+        # sees the process end before the launcher hears of it.
+        stall_wrapper(3)
         os.kill(os.getpid(), signal.SIGKILL)
     hvd.allreduce(np.ones(1024, np.float32), name=f"step{step}")
 '''

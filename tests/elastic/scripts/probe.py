@@ -19,13 +19,13 @@ import io
 import json
 import os
 import signal
-import subprocess
 import time
 
 from hvdlite import objects as objects_module
 from hvdlite.elastic import protocol
 from hvdlite.elastic import state as state_module
 from hvdlite.elastic import store as store_module
+from hvdlite.runner.testing import stall_wrapper
 
 
 class Probe:
@@ -36,10 +36,9 @@ class Probe:
         kills: the kill orders (``WORLD:RANK:STEP:WHERE`` strings).
         rank: this rank in the current world.
         death_note: a file a victim creates before it dies (or None).
-        wrapper_stall: seconds a victim stops its rank wrapper for (SIGSTOP, then SIGCONT
-            from a process of its own) before it dies: the wrapper reports the death
-            late, as one starved of CPU does, after the survivors' shared-memory waits
-            saw the victim's process end (or None).
+        wrapper_stall: seconds a victim stops its rank wrapper for before it dies
+            (``stall_wrapper``): the death reaches the launcher after the survivors'
+            shared-memory waits saw the victim's process end (or None).
     """
 
     def __init__(self, log_dir, kills, rank, death_note=None, wrapper_stall=None):
@@ -68,11 +67,7 @@ class Probe:
         if self.death_note:
             open(self.death_note, "w").close()
         if self.wrapper_stall:
-            wrapper = os.getppid()
-            subprocess.Popen(["sh", "-c", f"sleep {self.wrapper_stall}; kill -CONT {wrapper}"],
-                             start_new_session=True, stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            os.kill(wrapper, signal.SIGSTOP)
+            stall_wrapper(self.wrapper_stall)
         if where == "host":  # the rank's wrapper too, as when its host goes down
             os.kill(os.getppid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
