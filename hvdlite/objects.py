@@ -2,9 +2,13 @@
 
 Eager only (they return Python objects). The adapters re-export them.
 """
+import pickle as _plain_pickle
+import struct
+
 import numpy as np
 
-from hvdlite import _names, core, ops, process_sets
+from hvdlite import _enqueue, _names, core, ops, process_sets
+from hvdlite._native import lib
 from hvdlite.process_sets import global_process_set
 
 try:  # Horovod pickles with cloudpickle (lambdas, local classes); plain pickle otherwise.
@@ -13,12 +17,76 @@ except ImportError:  # pragma: no cover - cloudpickle is optional
     import pickle
 
 
-# An object's first bytes travel with its length in one fixed-size array: a small
-# object (the usual: an epoch, a metric dict, a config) takes one collective, and a
-# repeated call of the same name is then a response-cache hit carried by the
+# An object's first bytes travel with its length in one fixed-size array, the head: a
+# small object (the usual: an epoch, a metric dict, a config) takes one collective, and
+# a repeated call of the same name is then a response-cache hit carried by the
 # coordination round (docs/performance.md). A larger one sends the rest in a second.
+# A name's first call has a head of HEAD_BYTES; every later one a head that would have
+# held the name's last object (a power of two, at most what the round carries): every
+# member received that object's length, so every member picks the same size, and a
+# name that repeats objects of about one size takes one collective for each up to
+# HEAD_MAX_BYTES.
 HEAD_BYTES = 1024
+HEAD_MAX_BYTES = lib.HVDLITE_CARRIED_MAX_BYTES
 _LENGTH = 8  # the head's first bytes: the payload's length (int64)
+_LENGTH_FORMAT = struct.Struct("<q")
+_put_length, _get_length = _LENGTH_FORMAT.pack_into, _LENGTH_FORMAT.unpack_from
+
+# Process set id -> {name -> the head of the name's next call, where not HEAD_BYTES};
+# forgotten when the core starts and when the set is added or removed, as the names of
+# unnamed calls are. Bounded per set (``_enqueue.remember``): the members of a set learn
+# the same names in the same order, so each forgets them at the same call.
+_heads = {}
+
+
+def _forget_heads(process_set_id=None):
+    if process_set_id is None:
+        _heads.clear()
+    else:
+        _heads.pop(process_set_id, None)
+
+
+core.add_init_hook(_forget_heads)
+process_sets.add_change_hook(_forget_heads)
+
+
+def _head_bytes(process_set_id, name):
+    return _heads.get(process_set_id, {}).get(name, HEAD_BYTES)
+
+
+def _learn(process_set_id, name, length):
+    """Sizes the next head of ``name`` for an object of ``length`` bytes (the one every
+    member just received)."""
+    need = min(length + _LENGTH, HEAD_MAX_BYTES)
+    size = HEAD_BYTES
+    while size < need:
+        size *= 2
+    names = _heads.get(process_set_id)
+    if names is None:
+        if size == HEAD_BYTES:
+            return
+        names = _heads[process_set_id] = {}
+    if size == HEAD_BYTES:
+        names.pop(name, None)
+    elif names.get(name) != size:
+        _enqueue.remember(names, name, size)
+
+
+# Objects that plain pickle and cloudpickle write alike (no function or class to write
+# by value), pickled by the first: a tenth of the time (cloudpickle builds its pickler
+# in Python on every call). A list, tuple or dict of at most _PLAIN_ITEMS of them too.
+_PLAIN = frozenset({bytes, str, int, float, bool, type(None)})
+_PLAIN_ITEMS = 64
+
+
+def _dumps(obj):
+    kind = type(obj)
+    if kind in _PLAIN or (
+            kind in (list, tuple, dict) and len(obj) <= _PLAIN_ITEMS
+            and all(type(v) in _PLAIN for v in (obj.values() if kind is dict else obj))
+            and (kind is not dict or all(type(k) in _PLAIN for k in obj))):
+        return _plain_pickle.dumps(obj, pickle.DEFAULT_PROTOCOL)
+    return pickle.dumps(obj)
 
 
 def _default_name(kind, process_set):
@@ -47,29 +115,28 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     """
     base = name or _default_name("broadcast_object", process_set)
     is_root = core.rank() == root_rank
-    payload = broadcast_bytes(pickle.dumps(obj) if is_root else None, root_rank, base,
-                              process_set)
+    payload = broadcast_bytes(_dumps(obj) if is_root else None, root_rank, base, process_set)
     return obj if is_root else pickle.loads(payload)
 
 
-def _head(payload):
-    """The fixed-size head of ``payload`` (a uint8 array): its length, then its first
-    bytes."""
-    head = np.zeros(HEAD_BYTES, dtype=np.uint8)
-    head[:_LENGTH] = np.array([payload.size], dtype=np.int64).view(np.uint8)
-    first = min(payload.size, HEAD_BYTES - _LENGTH)
+def _head(payload, size):
+    """A head of ``size`` bytes for ``payload`` (a uint8 array): its length, then its
+    first bytes."""
+    head = np.zeros(size, dtype=np.uint8)
+    _put_length(head, 0, payload.size)
+    first = min(payload.size, size - _LENGTH)
     head[_LENGTH:_LENGTH + first] = payload[:first]
     return head
 
 
 def _length(head):
-    return int(head[:_LENGTH].view(np.int64)[0])
+    return _get_length(head)[0]
 
 
 def broadcast_bytes(blob, root_rank, name, process_set=global_process_set):
-    """Returns ``root_rank``'s bytes on every rank (a uint8 array): a head of
-    ``HEAD_BYTES`` with their count and first bytes (tensor ``"<name>.sz"``), then the
-    rest if any (``"<name>.t"``).
+    """Returns ``root_rank``'s bytes on every rank (a writable uint8 array): a head with
+    their count and first bytes (tensor ``"<name>.sz"``; sized as the module's comment
+    says), then the rest if any (``"<name>.t"``).
 
     Args:
         blob: on the root, any buffer (bytes, memoryview, array); ignored elsewhere.
@@ -80,20 +147,23 @@ def broadcast_bytes(blob, root_rank, name, process_set=global_process_set):
     Raises:
         InvalidArgumentError, HorovodInternalError: as for ``broadcast``.
     """
+    psid = process_sets.process_set_id(process_set)
+    size = _head_bytes(psid, name)
+    room = size - _LENGTH
     is_root = core.rank() == root_rank
     payload = np.frombuffer(blob, dtype=np.uint8) if is_root else None
-    head = _head(payload) if is_root else np.empty(HEAD_BYTES, dtype=np.uint8)
+    head = _head(payload, size) if is_root else np.empty(size, dtype=np.uint8)
     ops.broadcast(head, root_rank, f"{name}.sz", out=head, process_set=process_set)
+    length = payload.size if is_root else _length(head)
+    _learn(psid, name, length)
+    if length <= room:
+        return head[_LENGTH:_LENGTH + length]
     if is_root:
         payload = np.require(payload, requirements="W")  # writable, as the others' are
-    length = payload.size if is_root else _length(head)
-    first = min(length, HEAD_BYTES - _LENGTH)
-    if first == length:
-        return payload if is_root else head[_LENGTH:_LENGTH + length]
-    if not is_root:
+    else:
         payload = np.empty(length, dtype=np.uint8)
-        payload[:first] = head[_LENGTH:]
-    rest = payload[first:]  # a contiguous view: the broadcast writes in place
+        payload[:room] = head[_LENGTH:]
+    rest = payload[room:]  # a contiguous view: the broadcast writes in place
     ops.broadcast(rest, root_rank, f"{name}.t", out=rest, process_set=process_set)
     return payload
 
@@ -112,21 +182,26 @@ def allgather_object(obj, name=None, process_set=global_process_set):
         InvalidArgumentError, HorovodInternalError: as for ``allgather``.
     """
     base = name or _default_name("allgather_object", process_set)
-    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+    psid = process_sets.process_set_id(process_set)
+    size = _head_bytes(psid, base)
+    room = size - _LENGTH
+    payload = np.frombuffer(_dumps(obj), dtype=np.uint8)
     # Every rank's head in one allgather; the rests, where any rank has one, in another.
-    heads = ops.allgather(_head(payload), f"{base}.sz",
-                          process_set=process_set).reshape(-1, HEAD_BYTES)
+    heads = ops.allgather(_head(payload, size), f"{base}.sz",
+                          process_set=process_set).reshape(-1, size)
     lengths = [_length(head) for head in heads]
-    room = HEAD_BYTES - _LENGTH
+    longest = max(lengths)
+    _learn(psid, base, longest)
     rests = None
-    if max(lengths) > room:
+    if longest > room:
         rests = ops.allgather(payload[room:], f"{base}.t",  # empty where all fit the head
                               process_set=process_set).tobytes()
     out, offset = [], 0
     for head, length in zip(heads, lengths):
-        data = head[_LENGTH:_LENGTH + min(length, room)].tobytes()
-        if length > room:
-            data += rests[offset:offset + length - room]
-            offset += length - room
+        if length <= room:
+            out.append(pickle.loads(head[_LENGTH:_LENGTH + length]))
+            continue
+        data = head[_LENGTH:].tobytes() + rests[offset:offset + length - room]
+        offset += length - room
         out.append(pickle.loads(data))
     return out

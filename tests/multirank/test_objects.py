@@ -1,10 +1,12 @@
 """broadcast_object, allgather_object and broadcast_bytes on 2 and 3 real ranks.
 
-Objects of every size around the one-collective head (``objects.HEAD_BYTES``: a small
-object's length and bytes travel in one fixed-size array, a larger one's rest in a
-second), from every root, rebuilt here from (rank, call) and compared; unnamed calls
-repeated under the one default name are response-cache hits (which they could not be
-under fresh automatic names: every call then negotiated twice).
+Objects of every size around the one-collective heads (``objects.HEAD_BYTES`` first, a
+name's later heads sized by its last object up to ``objects.HEAD_MAX_BYTES``: a small
+object's length and bytes travel in one array, a larger one's rest in a second), from
+every root, rebuilt here from (rank, call) and compared; unnamed calls repeated under
+the one default name are response-cache hits (which they could not be under fresh
+automatic names: every call then negotiated twice), and repeated objects of up to the
+largest head take one collective each.
 """
 import pytest
 
@@ -30,8 +32,12 @@ def check(label, ok, detail=""):
 def blob(r, n):  # n pickled-ish bytes of rank r's
     return bytes((r * 7 + i) % 251 for i in range(n))
 
-# Byte strings of every size around the head's room (pickled a few bytes longer).
-for n in (0, 1, room - 40, room - 20, room, room + 1, 3 * room, 20000):
+# Byte strings of every size around the first head's room (pickled a few bytes longer),
+# around the largest head's, then smaller again: each call's head is sized by the last
+# object of its name, so these also change it up and down.
+top = objects.HEAD_MAX_BYTES - 8
+for n in (0, 1, room - 40, room - 20, room, room + 1, 3 * room, top - 20, top, top + 1,
+          20000, 3 * room, room + 1, 1):
     for root in range(size):
         got = hvd.broadcast_object(blob(root, n) if rank == root else None, root)
         check(f"broadcast_object {n} from {root}", got == blob(root, n), repr(got)[:80])
@@ -53,7 +59,11 @@ if rank >= 1:
     check("in a set", got == {"from": size - 1}, str(got))
     got = hvd.allgather_object(rank, process_set=ps)
     check("allgather in a set", got == list(range(1, size)), str(got))
-# Repeated, unnamed, small: one cached collective each.
+# Repeated, unnamed, small: one cached collective each (after one call of each kind: its
+# head, sized by the 1-byte objects above, is not the one they had, sized by the objects
+# before them; a new shape negotiates once).
+hvd.broadcast_object(None)
+hvd.allgather_object(None)
 before = hvd.stats()
 for step in range(20):
     got = hvd.broadcast_object({"step": step, "lr": 0.1 * step} if rank == 0 else None)
@@ -61,10 +71,26 @@ for step in range(20):
     got = hvd.allgather_object({"rank": rank, "loss": step + rank})
     check(f"repeat allgather {step}", got == [{"rank": r, "loss": step + r} for r in range(size)])
 after = hvd.stats()
+# Repeated objects past the first head (5 KiB, 12 KiB) take one collective each from the
+# second call of their name on (their head then holds them); past the largest head, two.
+def one_each(size_):
+    blobs = [blob(step, size_) for step in range(8)]
+    for step in range(2):
+        hvd.broadcast_object(blobs[step] if rank == 0 else None, name=f"big{size_}")
+        hvd.allgather_object(blobs[step], name=f"gbig{size_}")
+    start = hvd.stats()["cache_hits"]
+    for step in range(2, 8):
+        got = hvd.broadcast_object(blobs[step] if rank == 0 else None, name=f"big{size_}")
+        check(f"repeat {size_} {step}", got == blobs[step], str(len(got)))
+        got = hvd.allgather_object(blobs[step], name=f"gbig{size_}")
+        check(f"repeat allgather {size_} {step}", got == [blobs[step]] * size, str(len(got)))
+    return hvd.stats()["cache_hits"] - start
+collectives = {n: one_each(n) for n in (5000, 12000, 20000)}
 print("HVDLITE_RESULT " + json.dumps({
     "failures": failures,
     "hits": after["cache_hits"] - before["cache_hits"],
-    "gathers": after["coordinator_gathers"] - before["coordinator_gathers"]}), flush=True)
+    "gathers": after["coordinator_gathers"] - before["coordinator_gathers"],
+    "collectives": collectives}), flush=True)
 '''
 
 
@@ -76,3 +102,5 @@ def test_objects_of_every_size_and_repeated_ones_cached(np_):
         assert out["failures"] == [], f"rank {r}: {out['failures']}\n" + describe(result)
         # 40 calls: at most the first of each kind negotiates.
         assert out["hits"] >= 38 and out["gathers"] <= 4, (r, out["hits"], out["gathers"])
+        # 12 calls (6 broadcasts, 6 allgathers) of each size, every one a cache hit.
+        assert out["collectives"] == {"5000": 12, "12000": 12, "20000": 24}, (r, out)

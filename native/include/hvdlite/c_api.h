@@ -90,6 +90,11 @@ enum {
   HVDLITE_ADASUM = 5
 };
 
+/* The most data a small op carries, per rank, with the coordination round that agrees to
+ * run it (a repeated op of at most this many bytes on every rank then takes one exchange,
+ * not two). The object collectives size the array that carries an object by it. */
+enum { HVDLITE_CARRIED_MAX_BYTES = 16384 };
+
 /* An opaque handle to one enqueued op. 0 is never a valid handle. */
 typedef int64_t hvdlite_handle_t;
 

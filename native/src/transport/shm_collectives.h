@@ -95,8 +95,9 @@ class ShmCollectives {
   // Each segment: the barrier's control block (used in rank 0's), two bit-vector
   // areas, two companion areas, then the two sets of in and out slots.
   static constexpr int64_t kControlBytes = 4096;
-  // Data carried with the bit vector (a companion), per rank: at most this many bytes.
-  static constexpr int64_t kCompanionBytes = 16 * 1024;
+  // Data carried with the bit vector (a companion), per rank: at most this many bytes
+  // (the C API's, which the object collectives read).
+  static constexpr int64_t kCompanionBytes = HVDLITE_CARRIED_MAX_BYTES;
   // Each companion area: its tag and length (64 bytes, for alignment), then the data;
   // padded so that the slots after the header start on a page, as they did without.
   static constexpr int64_t kCompanionArea = 20 * 1024;
