@@ -4,10 +4,11 @@ Eager only (they return Python objects). The adapters re-export them.
 """
 import pickle as _plain_pickle
 import struct
+import threading
 
 import numpy as np
 
-from hvdlite import _enqueue, _names, core, ops, process_sets
+from hvdlite import _names, core, ops, process_sets
 from hvdlite._native import lib
 from hvdlite.process_sets import global_process_set
 
@@ -33,17 +34,23 @@ _LENGTH_FORMAT = struct.Struct("<q")
 _put_length, _get_length = _LENGTH_FORMAT.pack_into, _LENGTH_FORMAT.unpack_from
 
 # Process set id -> {name -> the head of the name's next call, where not HEAD_BYTES};
-# forgotten when the core starts and when the set is added or removed, as the names of
-# unnamed calls are. Bounded per set (``_enqueue.remember``): the members of a set learn
-# the same names in the same order, so each forgets them at the same call.
+# forgotten when the core starts and when a set is added or removed, as the names of
+# unnamed calls are. A set learns at most HEADS_PER_SET names (later ones keep
+# HEAD_BYTES: forgetting any would be at a different call on each member when threads
+# interleave their calls differently). Should members still disagree on a head (a
+# call cut short on one rank by Ctrl-C), the call fails on every member with the
+# shapes they had, and each then forgets the name: the next call agrees again.
 _heads = {}
+_heads_lock = threading.Lock()
+HEADS_PER_SET = 4096
 
 
 def _forget_heads(process_set_id=None):
-    if process_set_id is None:
-        _heads.clear()
-    else:
-        _heads.pop(process_set_id, None)
+    with _heads_lock:
+        if process_set_id is None:
+            _heads.clear()
+        elif process_set_id != 0:  # the global set is registered at init, never changed
+            _heads.pop(process_set_id, None)
 
 
 core.add_init_hook(_forget_heads)
@@ -51,7 +58,8 @@ process_sets.add_change_hook(_forget_heads)
 
 
 def _head_bytes(process_set_id, name):
-    return _heads.get(process_set_id, {}).get(name, HEAD_BYTES)
+    names = _heads.get(process_set_id)
+    return HEAD_BYTES if names is None else names.get(name, HEAD_BYTES)
 
 
 def _learn(process_set_id, name, length):
@@ -61,15 +69,18 @@ def _learn(process_set_id, name, length):
     size = HEAD_BYTES
     while size < need:
         size *= 2
-    names = _heads.get(process_set_id)
-    if names is None:
+    with _heads_lock:
+        names = _heads.setdefault(process_set_id, {})
         if size == HEAD_BYTES:
-            return
-        names = _heads[process_set_id] = {}
-    if size == HEAD_BYTES:
-        names.pop(name, None)
-    elif names.get(name) != size:
-        _enqueue.remember(names, name, size)
+            names.pop(name, None)
+        elif name in names or len(names) < HEADS_PER_SET:
+            names[name] = size
+
+
+def _unlearn(process_set_id, name):
+    """Forgets ``name``'s head after its head collective failed."""
+    with _heads_lock:
+        _heads.get(process_set_id, {}).pop(name, None)
 
 
 # Objects that plain pickle and cloudpickle write alike (no function or class to write
@@ -153,7 +164,11 @@ def broadcast_bytes(blob, root_rank, name, process_set=global_process_set):
     is_root = core.rank() == root_rank
     payload = np.frombuffer(blob, dtype=np.uint8) if is_root else None
     head = _head(payload, size) if is_root else np.empty(size, dtype=np.uint8)
-    ops.broadcast(head, root_rank, f"{name}.sz", out=head, process_set=process_set)
+    try:
+        ops.broadcast(head, root_rank, f"{name}.sz", out=head, process_set=process_set)
+    except BaseException:
+        _unlearn(psid, name)
+        raise
     length = payload.size if is_root else _length(head)
     _learn(psid, name, length)
     if length <= room:
@@ -187,8 +202,12 @@ def allgather_object(obj, name=None, process_set=global_process_set):
     room = size - _LENGTH
     payload = np.frombuffer(_dumps(obj), dtype=np.uint8)
     # Every rank's head in one allgather; the rests, where any rank has one, in another.
-    heads = ops.allgather(_head(payload, size), f"{base}.sz",
-                          process_set=process_set).reshape(-1, size)
+    try:
+        heads = ops.allgather(_head(payload, size), f"{base}.sz",
+                              process_set=process_set).reshape(-1, size)
+    except BaseException:
+        _unlearn(psid, base)
+        raise
     lengths = [_length(head) for head in heads]
     longest = max(lengths)
     _learn(psid, base, longest)
