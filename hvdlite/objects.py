@@ -66,9 +66,9 @@ def _learn(process_set_id, name, length):
     """Sizes the next head of ``name`` for an object of ``length`` bytes (the one every
     member just received)."""
     need = min(length + _LENGTH, HEAD_MAX_BYTES)
-    size = HEAD_BYTES
-    while size < need:
-        size *= 2
+    size = HEAD_BYTES if need <= HEAD_BYTES else 1 << (need - 1).bit_length()
+    if _head_bytes(process_set_id, name) == size:
+        return  # the usual: a name that repeats objects of about one size
     with _heads_lock:
         names = _heads.setdefault(process_set_id, {})
         if size == HEAD_BYTES:
