@@ -383,3 +383,14 @@ def ranks_report(value):
 def bump_and_train(counter):
     """An elastic execute's body: the world's executable, then a short elastic job."""
     return counter.bump(), elastic_train(3, step_s=0.0, use_torch=False)
+
+
+def train_loop_that_hangs(config):
+    """Ray Train's loop of a run that never ends: each worker joins hvdlite, then waits
+    for good (a hang for ``fit_within`` to end)."""
+    import time
+
+    import hvdlite.torch as hvd
+
+    hvd.init()
+    time.sleep(3600)

@@ -114,12 +114,56 @@ def fit_within(trainer, within_s):
         except BaseException as exc:  # re-raised in the test's thread
             outcome["error"] = exc
 
+    from ray.util import placement_group_table
+
+    groups_before = set(placement_group_table())
     thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
     thread.start()
     thread.join(within_s)
     if thread.is_alive():
-        pytest.fail(f"Ray Train's fit has not returned within {within_s:g} s; its logs end:\n"
-                    + train_logs_tail())
+        logs = train_logs_tail()
+        ended = end_train_run(groups_before)
+        thread.join(30)  # fit raises once its controller is gone
+        pytest.fail(f"Ray Train's fit has not returned within {within_s:g} s (its run was "
+                    f"ended: {len(ended)} process(es) killed); its logs end:\n" + logs)
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]
+
+
+# The titles Ray gives the processes of a Ray Train run's controller and workers.
+TRAIN_TITLES = ("ray::TrainController", "ray::RayTrainWorker")
+
+
+def train_run_processes():
+    """Live processes of a Ray Train run under this process's Ray cluster."""
+    return [p for p in descendants(os.getpid())
+            if command_line(p).startswith(TRAIN_TITLES) and alive(p)]
+
+
+def end_train_run(groups_before, within_s=30.0):
+    """Ends a Ray Train run that is still going, so that the module's cluster gets its
+    CPUs back for the tests after it: SIGKILLs its controller and workers, waits (up to
+    ``within_s``) for them to go, and removes the placement groups made since
+    ``groups_before`` (ids; a group outlives the controller that made it: it is the
+    driver's). Ray Train's controller takes no order from outside the thread that runs
+    ``fit``. Returns the pids killed."""
+    import signal
+
+    from ray._raylet import PlacementGroupID
+    from ray.util import placement_group_table
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    pids = train_run_processes()
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + within_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    for group, info in placement_group_table().items():
+        if group not in groups_before and info["state"] != "REMOVED":
+            remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(group)))
+    return pids

@@ -216,6 +216,36 @@ def test_ray_train_backend_trains_and_reports(ray_local, tmp_path):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.timeout(180)
+def test_a_hung_ray_train_run_fails_its_test_and_gives_its_cpus_back(ray_local, tmp_path):
+    """fit_within's failure path: a run that hangs fails the test with Ray Train's logs,
+    and its controller and workers are ended (their ranks' processes under mpiexec go
+    with them), so the module's later tests find the cluster's CPUs free."""
+    needs.import_or_skip("torch")
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    from hvdlite.ray import HvdliteConfig
+    from ray_support import assert_all_gone, fit_within, rank_processes, train_run_processes
+
+    cpus = ray_local.cluster_resources()["CPU"]
+    before = set(rank_processes())
+    trainer = DataParallelTrainer(
+        ray_bodies.train_loop_that_hangs,
+        backend_config=HvdliteConfig(timeout_s=60),
+        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(storage_path=str(tmp_path), name="hvdlite-hangs"))
+    with pytest.raises(pytest.fail.Exception,
+                       match=r"(?s)has not returned within 45 s \(its run was ended: [1-9]"):
+        fit_within(trainer, 45)
+    assert train_run_processes() == []
+    assert_all_gone(set(rank_processes()) - before, 30, "rank processes of the ended run")
+    deadline = time.monotonic() + 30
+    while ray_local.available_resources().get("CPU", 0) < cpus and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray_local.available_resources().get("CPU", 0) == cpus, ray_local.available_resources()
+
+
 def test_worker_dying_at_start_is_named_and_nothing_is_left(ray_local):
     from ray.util import placement_group_table
 
