@@ -228,7 +228,7 @@ def test_a_hung_ray_train_run_fails_its_test_and_gives_its_cpus_back(ray_local, 
     from hvdlite.ray import HvdliteConfig
     from ray_support import assert_all_gone, fit_within, rank_processes, train_run_processes
 
-    cpus = ray_local.cluster_resources()["CPU"]
+    free = ray_local.available_resources().get("CPU", 0)  # earlier tests may hold some
     before = set(rank_processes())
     trainer = DataParallelTrainer(
         ray_bodies.train_loop_that_hangs,
@@ -241,9 +241,10 @@ def test_a_hung_ray_train_run_fails_its_test_and_gives_its_cpus_back(ray_local, 
     assert train_run_processes() == []
     assert_all_gone(set(rank_processes()) - before, 30, "rank processes of the ended run")
     deadline = time.monotonic() + 30
-    while ray_local.available_resources().get("CPU", 0) < cpus and time.monotonic() < deadline:
+    while ray_local.available_resources().get("CPU", 0) < free and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert ray_local.available_resources().get("CPU", 0) == cpus, ray_local.available_resources()
+    assert ray_local.available_resources().get("CPU", 0) >= free, \
+        (free, ray_local.available_resources())
 
 
 def test_worker_dying_at_start_is_named_and_nothing_is_left(ray_local):
