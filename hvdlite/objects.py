@@ -49,7 +49,7 @@ def _forget_heads(process_set_id=None):
     with _heads_lock:
         if process_set_id is None:
             _heads.clear()
-        elif process_set_id != 0:  # the global set is registered at init, never changed
+        else:
             _heads.pop(process_set_id, None)
 
 

@@ -218,6 +218,7 @@ def add_process_set(process_set):
             if psid != 0 and ranks == process_set.ranks]
     if same:
         register(process_set, same[0])
+        _changed(same[0])
         return process_set
     ranks = ffi.new("int32_t[]", process_set.ranks or [0])
     out = ffi.new("int32_t *")
@@ -227,6 +228,7 @@ def add_process_set(process_set):
         _explain_for_elastic(exc, process_set.ranks)
         raise
     register(process_set, int(out[0]))
+    _changed(int(out[0]))
     return process_set
 
 
@@ -247,12 +249,11 @@ def _explain_for_elastic(exc, ranks):
 
 
 def register(process_set, psid):
-    """Records ``process_set`` as registered under id ``psid`` (in this process)."""
+    """Records ``process_set`` as registered under id ``psid`` (in this process only: a
+    set of the core's it names, not a change of one, so no change hook runs)."""
     process_set.process_set_id = psid
     with _lock:
         _known.setdefault(psid, []).append(process_set)
-    for hook in _change_hooks:
-        hook(psid)
 
 
 def remove_process_set(process_set):
@@ -279,8 +280,7 @@ def remove_process_set(process_set):
         stale = _known.pop(psid, [])
     for ps in stale + [process_set]:
         ps.invalidate()
-    for hook in _change_hooks:
-        hook(psid)
+    _changed(psid)
     return True
 
 
@@ -292,6 +292,12 @@ _change_hooks = []
 def add_change_hook(fn):
     """Registers ``fn(process_set_id)`` to run after every add or remove."""
     _change_hooks.append(fn)
+
+
+def _changed(psid):
+    """Runs the change hooks for set ``psid``, added or removed on every rank at once."""
+    for hook in _change_hooks:
+        hook(psid)
 
 
 def forget_all():
