@@ -141,10 +141,12 @@ def train_run_processes():
             if command_line(p).startswith(TRAIN_TITLES) and alive(p)]
 
 
-def end_train_run(groups_before, within_s=30.0):
+def end_train_run(groups_before, within_s=30.0, quiet_s=3.0):
     """Ends a Ray Train run that is still going, so that the module's cluster gets its
-    CPUs back for the tests after it: SIGKILLs its controller and workers, waits (up to
-    ``within_s``) for them to go, and removes the placement groups made since
+    CPUs back for the tests after it: SIGKILLs its controller and workers until none has
+    been seen for ``quiet_s`` (a worker still starting when the controller is killed takes
+    its title later: on a loaded machine a run's workers can take longer than the bound to
+    start), for at most ``within_s``; then removes the placement groups made since
     ``groups_before`` (ids; a group outlives the controller that made it: it is the
     driver's). Ray Train's controller takes no order from outside the thread that runs
     ``fit``. Returns the pids killed."""
@@ -154,16 +156,24 @@ def end_train_run(groups_before, within_s=30.0):
     from ray.util import placement_group_table
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-    pids = train_run_processes()
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    killed = []
     deadline = time.monotonic() + within_s
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+    quiet_since = time.monotonic()
+    while time.monotonic() < deadline:
+        found = train_run_processes()
+        if found:
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet_s:
+            break
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if pid not in killed:
+                killed.append(pid)
         time.sleep(0.25)
     for group, info in placement_group_table().items():
         if group not in groups_before and info["state"] != "REMOVED":
             remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(group)))
-    return pids
+    return killed

@@ -183,7 +183,7 @@ def test_node_without_hvdlite_core_is_named(ray_local):
     assert executor.workers == []
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_ray_train_backend_trains_and_reports(ray_local, tmp_path):
     """Rank 1 of the first worker group dies: Ray Train restarts the group (max_failures
     1), whose new world trains from the start and reports."""
@@ -202,9 +202,9 @@ def test_ray_train_backend_trains_and_reports(ray_local, tmp_path):
         scaling_config=ScalingConfig(num_workers=size, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(storage_path=str(tmp_path), name="hvdlite-train",
                              failure_config=FailureConfig(max_failures=1)))
-    # Two worker groups one after another: about 70 s here alone, over 180 s once in CI
+    # Two worker groups one after another: about 60 s here alone, 236 s once in CI
     # beside the other lane (the logs then say where it was).
-    result = fit_within(trainer, 240)
+    result = fit_within(trainer, 420)
     assert result.error is None, result.error
     assert (tmp_path / "died").exists(), "the first group's rank 1 did not die"
     assert result.metrics["step"] == ray_bodies.STEPS and result.metrics["size"] == size
@@ -214,6 +214,9 @@ def test_ray_train_backend_trains_and_reports(ray_local, tmp_path):
     want = ray_bodies.train_reference(size)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+HUNG_RUN_BOUND_S = 45
 
 
 @pytest.mark.timeout(180)
@@ -236,8 +239,12 @@ def test_a_hung_ray_train_run_fails_its_test_and_gives_its_cpus_back(ray_local, 
         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(storage_path=str(tmp_path), name="hvdlite-hangs"))
     with pytest.raises(pytest.fail.Exception,
-                       match=r"(?s)has not returned within 45 s \(its run was ended: [1-9]"):
-        fit_within(trainer, 45)
+                       match=rf"(?s)has not returned within {HUNG_RUN_BOUND_S} s "
+                             r"\(its run was ended: [1-9]"):
+        fit_within(trainer, HUNG_RUN_BOUND_S)
+    deadline = time.monotonic() + 30  # Ray ends a dead controller's workers, not at once
+    while train_run_processes() and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert train_run_processes() == []
     assert_all_gone(set(rank_processes()) - before, 30, "rank processes of the ended run")
     deadline = time.monotonic() + 30
