@@ -285,6 +285,7 @@ def error_for(status, message=None):
     cls = errors.class_for(name)
     if issubclass(cls, errors.RankFailedError):
         peer_faults.note_core_saw_loss()
+        return peer_faults.first_cause(cls(status, name, message))
     return cls(status, name, message)
 
 

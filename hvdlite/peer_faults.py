@@ -35,6 +35,10 @@ EXIT_LOST_PEERS = 1
 # reported by its wrapper within milliseconds, unless that wrapper is starved of CPU.
 NOTICE_WAIT_S = 10.0
 
+# How long an error for a peer the core saw end waits for the launcher's notice (see
+# first_cause): the notice reaches every rank of a host within milliseconds of the others.
+CAUSE_WAIT_S = 3.0
+
 _failure: Optional[errors.RankFailedError] = None
 _started = False
 _lock = threading.Lock()
@@ -64,6 +68,24 @@ def await_notice(timeout: float = NOTICE_WAIT_S) -> Optional[errors.RankFailedEr
     if _started:
         _noticed.wait(timeout)
     return _failure
+
+
+def first_cause(error: errors.RankFailedError,
+                timeout: float = CAUSE_WAIT_S) -> errors.RankFailedError:
+    """``error`` (the core's: an op failed on a peer it saw end), led by the launcher's
+    notice if one comes within ``timeout`` seconds.
+
+    A peer on this host that heard the notice first may end before this rank hears it,
+    and the core then sees that peer end: "rank 1 on host h1 ended" would name a
+    survivor of a loss elsewhere (a host cut off) as the failure. The notice names the
+    loss that started it; the core's words follow it. Outside hvdliterun, or with the
+    notice already in ``error``, ``error`` is returned as it is, at once.
+    """
+    lost = await_notice(timeout)
+    if lost is None or lost.message in error.message:
+        return error
+    return type(error)(error.status, error.status_name,
+                       f"{lost.message} (this rank: {error.message})")
 
 
 def note_core_saw_loss() -> None:

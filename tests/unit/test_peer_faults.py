@@ -67,3 +67,37 @@ def test_an_op_failed_on_a_peer_the_core_saw_end_is_recorded(fresh, monkeypatch,
     assert not peer_faults.core_saw_loss()
     error = _native.error_for(codes["HVDLITE_ERR_RANK_FAILED"], "rank 2 ended")
     assert isinstance(error, errors.RankFailedError) and peer_faults.core_saw_loss()
+
+
+def test_a_peer_seen_ending_is_named_by_the_notice_that_follows(fresh, monkeypatch, native):
+    # A peer on this host that heard of a host cut off first ends; the core then sees it
+    # end. The launcher's notice, a moment later here, names the loss that started it.
+    from hvdlite import _native
+
+    codes = {_native.status_name(code): code for code in range(1, 64)}
+    seen = "rank 1 on host h1 (pid 7) ended during a shared-memory collective"
+    alone = _native.error_for(codes["HVDLITE_ERR_RANK_FAILED"], seen)
+    assert alone.message == seen  # outside hvdliterun: no notice to wait for
+    monkeypatch.setattr(peer_faults, "_started", True)
+    later = threading.Timer(0.3, peer_faults.record,
+                            [{"ranks": [2, 3], "hosts": ["h2"], "reason": "no word from them"}])
+    later.start()
+    try:
+        error = _native.error_for(codes["HVDLITE_ERR_RANK_FAILED"], seen)
+    finally:
+        later.cancel()
+        later.join()
+    assert type(error) is type(alone) and error.status_name == "HVDLITE_ERR_RANK_FAILED"
+    assert error.message.startswith("lost ranks 2, 3 on host h2: no word from them"), error
+    assert error.message.endswith(f"(this rank: {seen})"), error
+    # An error that already carries the notice keeps its words.
+    told = f"{peer_faults.failure().message}; no cycle can run again"
+    assert _native.error_for(codes["HVDLITE_ERR_RANK_FAILED"], told).message == told
+
+
+def test_a_notice_that_never_comes_costs_the_bound_only(fresh, monkeypatch):
+    monkeypatch.setattr(peer_faults, "_started", True)
+    error = errors.RankFailedError("rank 1 ended")
+    start = time.monotonic()
+    assert peer_faults.first_cause(error, timeout=0.2) is error
+    assert 0.15 < time.monotonic() - start < 5.0
