@@ -19,6 +19,8 @@ and none with ``HVDLITE_SHM_ALLREDUCE=0`` (the round an MPI_Iallreduce, which on
 background thread runs). Across hosts, where the caller's cycle calls MPI:
 tests/cluster/test_cluster_collectives.py runs this job there.
 """
+import os
+
 import pytest
 
 from harness import assert_ok, run_job
@@ -102,6 +104,20 @@ for step in range(30):
           np.concatenate(every))
 out["sync"] = {"calls": 60, "caller_cycles": caller_cycles() - before}
 
+# Larger blocking calls: up to 1 MiB the caller runs the cycle where each rank has a
+# core (at most 64 KiB where ranks outnumber the cores); a 2 MiB one goes to the
+# background thread.
+for label, n in (("256K", 65536), ("2M", 524288)):
+    before = caller_cycles()
+    for step in range(6):
+        mine = contribution(rank, n, np.float32, step)
+        check([label, "allreduce", step], hvd.allreduce(mine, name=label + ".ar", op=hvd.Sum),
+              sum(contribution(k, n, np.float32, step) for k in range(size)))
+        root = step % size
+        check([label, "broadcast", step], hvd.broadcast(mine, root, name=label + ".bc"),
+              contribution(root, n, np.float32, step))
+    out[label] = {"calls": 12, "caller_cycles": caller_cycles() - before}
+
 # Beside a thread whose async ops (fused bursts, through the background thread) are in
 # flight: both paths at once, and every result right.
 def burst_thread():
@@ -157,6 +173,11 @@ def test_blocking_calls_run_their_own_cycles_with_right_results(np_):
         # came: that call then goes on in the background thread. Most do not.
         for kind in ("loop", "sync"):
             assert body[kind]["caller_cycles"] >= body[kind]["calls"] // 2, f"rank {r}: {body}"
+        if np_ <= len(os.sched_getaffinity(0)):  # a core for each rank
+            assert body["256K"]["caller_cycles"] >= body["256K"]["calls"] // 2, f"rank {r}: {body}"
+        else:
+            assert body["256K"]["caller_cycles"] == 0, f"rank {r}: {body}"
+        assert body["2M"]["caller_cycles"] == 0, f"rank {r}: {body}"
 
 
 @pytest.mark.parametrize("setting", ["HVDLITE_CALLER_CYCLE", "HVDLITE_SHM_ALLREDUCE"])

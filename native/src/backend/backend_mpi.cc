@@ -379,7 +379,9 @@ Status MpiBackend::Collective(const char* what, int64_t bytes, const std::functi
 
 int64_t MpiBackend::CallerCycleBytes(int64_t words) const {
   if (alone_) return threads_multiple_ ? kCallerCycleMaxBytes : 0;
-  if (ShmRound(words) && !hierarchical_allgather_ && !hierarchical_broadcast_) return kCallerCycleMaxBytes;
+  if (ShmRound(words) && !hierarchical_allgather_ && !hierarchical_broadcast_) {
+    return cores_for_each_ ? kCallerCycleMaxBytes : kCallerCycleCrowdedMaxBytes;
+  }
   const Round round = RoundFor(words);
   const bool exchange = round == Round::kDirect || round == Round::kLayered;
   return exchange && threads_multiple_ && cores_for_each_ ? ShmCollectives::kCompanionBytes : 0;

@@ -231,10 +231,13 @@ class ShmCollectives {
   // waits in synchronize, the other rank's backward may still run: polling for any
   // waiting thread cost the MLP step 6-10% on 2 cores), and a larger collective's peers
   // need the cores for copying and reducing (a 20 us poll per chunk cost each rank
-  // ~0.7 ms of CPU per MLP step).
+  // ~0.7 ms of CPU per MLP step). Up to 1 MiB, where a blocking caller runs the cycle
+  // itself (MpiBackend::CallerCycleBytes), a step's sleep and wake-up were a third of
+  // the call or more; the MLP step, whose large buckets no caller waits on, measured
+  // the same (benchmarks/compare_trees.py, 6 rounds).
   bool may_poll_ = false;
   bool poll_ = false;
-  static constexpr int64_t kPollMaxBytes = 64 * 1024;
+  static constexpr int64_t kPollMaxBytes = 1024 * 1024;
   int sense_ = 0;  // this rank's barrier sense
   int64_t chunk_bytes_ = kChunkBytes;
   std::function<Status()> idle_;
