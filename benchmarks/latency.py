@@ -8,6 +8,7 @@ that size (``comm.bcast``, ``comm.allgather``) and the barrier.
     .venv/bin/python -m hvdlite.runner -np 3 .venv/bin/python benchmarks/latency.py \
         --only allreduce,allgather,reducescatter --sizes 1M,16M,64M --reps 10 --warmup 2
     sudo .venv/bin/python benchmarks/latency.py --cluster 2x2 [--rate 1gbit]   # across hosts
+    sudo .venv/bin/python benchmarks/latency.py --cluster 2x1 --mpi-shapes --sizes 256,4K
 
 ``--cluster HxR`` builds a namespace cluster of H hosts (hvdlite/runner/netns_cluster.py:
 one network namespace per host, links shaped with tc, MPI forced onto TCP) and runs the
@@ -100,6 +101,53 @@ def parse_size(text):
     return int(text[:-1] if scale > 1 else text) * scale
 
 
+def mpi_shapes(comm, sizes, reps, warmup):
+    """MPI's own costs of the message shapes a 2-rank collective can take, mpi4py only
+    (``--mpi-shapes``): a one-way ``Send``/``Recv``, ``Bcast``, ``Sendrecv`` of the size
+    each way, the size one way against 341 bytes back (``Isend``/``Irecv``/``Waitall``:
+    the shape of hvdlite's carried broadcast across hosts, its root's record against
+    the others' bit vectors) and ``Barrier``. Prints the slower rank's medians in us."""
+    from mpi4py import MPI
+
+    rank = comm.Get_rank()
+    if comm.Get_size() != 2:
+        sys.exit("latency.py --mpi-shapes: 2 ranks")
+    peer = 1 - rank
+    back = np.zeros(341, np.uint8)
+    if rank == 0:
+        print(f"\n{'bytes':>8}{'one-way':>9}{'Bcast':>8}{'Sendrecv':>10}{'size+341':>10}"
+              f"{'Barrier':>9}  (us; mpi4py alone)", flush=True)
+    for nbytes in sizes:
+        data, into = np.zeros(max(nbytes, 1), np.uint8)[:nbytes], np.zeros(nbytes + 341, np.uint8)
+
+        def one_way():
+            if rank == 0:
+                comm.Send(data, dest=1, tag=11)
+            else:
+                comm.Recv(into[:nbytes], source=0, tag=11)
+
+        def exchange():
+            comm.Sendrecv(data, dest=peer, sendtag=12, recvbuf=into[:nbytes], source=peer,
+                          recvtag=12)
+
+        def uneven():
+            requests = [comm.Irecv(into, source=peer, tag=13),
+                        comm.Isend(data if rank == 0 else back, dest=peer, tag=13)]
+            MPI.Request.Waitall(requests)
+
+        pairs = [(one_way, lambda: comm.Bcast(data, root=0)), (exchange, uneven),
+                 (comm.Barrier, comm.Barrier)]
+        row = []
+        for pair in pairs:
+            mine = measure(comm, pair, reps, warmup)
+            slowest = np.empty_like(mine)
+            comm.Allreduce(mine, slowest, op=MPI.MAX)
+            row += [statistics.median(slowest[:, k]) * 1e6 for k in (0, 1)]
+        if rank == 0:
+            print(f"{nbytes:>8}" + "".join(f"{v:>{w}.1f}" for v, w in zip(row[:5], (9, 8, 10, 10, 9))),
+                  flush=True)
+
+
 def measure(comm, calls, reps, warmup, barrier=True, burst=1):
     """Per repetition: (hvdlite s, mpi4py s) on this rank, alternating who goes first;
     with ``barrier``, every call starts after the previous one ended on every rank; with
@@ -175,6 +223,9 @@ def main():
     parser.add_argument("--torch", action="store_true",
                         help="hvdlite's calls through hvdlite.torch on CPU tensors (the "
                              "same memory as mpi4py's arrays), as a PyTorch script makes them")
+    parser.add_argument("--mpi-shapes", action="store_true",
+                        help="2 ranks: MPI's own one-way, broadcast, exchange and uneven "
+                             "exchange costs at --sizes (mpi4py alone; no hvdlite call)")
     parser.add_argument("--cluster", default=None,
                         help="HxR: run on a namespace cluster of H hosts with R ranks each")
     parser.add_argument("--rate", default="1gbit", help="--cluster's host links (tc syntax)")
@@ -187,6 +238,11 @@ def main():
     import hvdlite as hvd
 
     comm = MPI.COMM_WORLD
+    if args.mpi_shapes:
+        if comm.Get_rank() == 0:
+            print_commit()
+        return mpi_shapes(comm, [parse_size(v) for v in args.sizes.split(",")], args.reps,
+                          args.warmup)
     hvd.init(comm=comm)
     framework = "torch" if args.torch else "numpy"
     if args.torch:
