@@ -44,6 +44,7 @@ _started = False
 _lock = threading.Lock()
 _noticed = threading.Event()  # set with _failure
 _core_saw_loss = False  # the core failed an op on a peer it saw end (see note_core_saw_loss)
+_cause_wait_spent = False  # first_cause waited once for a notice that did not come
 _on_lost = []  # called once each, at the first notice (when_lost)
 
 
@@ -79,10 +80,16 @@ def first_cause(error: errors.RankFailedError,
     and the core then sees that peer end: "rank 1 on host h1 ended" would name a
     survivor of a loss elsewhere (a host cut off) as the failure. The notice names the
     loss that started it; the core's words follow it. Outside hvdliterun, or with the
-    notice already in ``error``, ``error`` is returned as it is, at once.
+    notice already in ``error``, ``error`` is returned as it is, at once. A process waits
+    once: after a wait in which no notice came, the errors that follow (a group's other
+    ops, the next calls) are returned at once.
     """
-    lost = await_notice(timeout)
-    if lost is None or lost.message in error.message:
+    global _cause_wait_spent
+    lost = _failure if _cause_wait_spent else await_notice(timeout)
+    if lost is None:
+        _cause_wait_spent = _started  # outside hvdliterun nothing was waited for
+        return error
+    if lost.message in error.message:
         return error
     return type(error)(error.status, error.status_name,
                        f"{lost.message} (this rank: {error.message})")
