@@ -248,9 +248,9 @@ def test_a_rank_alone_never_leaves_realtime():
 
 def test_a_rank_with_cores_to_spare_keeps_its_background_thread_by_a_blocked_caller():
     # One rank on this machine's cores (2 or more, two for each rank): a blocking call
-    # handed to the background thread (128 KiB: more than a caller runs in its own
-    # cycle) keeps that thread on the caller's core, an op enqueued without a wait lets
-    # it go anywhere again. Two ranks on 2 cores: never moved.
+    # handed to the background thread (2 MiB: more than the 1 MiB a caller runs in its
+    # own cycle) keeps that thread on the caller's core, an op enqueued without a wait
+    # lets it go anywhere again. Two ranks on 2 cores: never moved.
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("one core: nothing to keep the background thread off")
@@ -264,7 +264,7 @@ def test_a_rank_with_cores_to_spare_keeps_its_background_thread_by_a_blocked_cal
             for t in os.listdir("/proc/self/task"):
                 if open(f"/proc/self/task/{t}/comm").read().strip() == "hvdlite-loop":
                     return sorted(os.sched_getaffinity(int(t)))
-        x = np.ones(32768, np.float32)
+        x = np.ones(524288, np.float32)
         seen = {"start": loop_cores()}
         for i in range(20):
             hvd.allreduce(x, op=hvd.Sum, name="blocking")
